@@ -1,0 +1,219 @@
+"""Model configuration: one frozen dataclass for every supported family.
+
+`ModelConfig` is hashable so it can be a static argument of `jax.jit`. It is
+built from a Hugging Face `config.json` (`from_hf_dict`), from GGUF metadata
+(see `checkpoint.py`), or from a named preset (`presets.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-6
+    # "rope" (llama-like) or "learned" (gpt2)
+    position_embedding: str = "rope"
+    rope_theta: float = 10000.0
+    # Sorted (key, value) pairs of the HF rope_scaling dict; () for plain RoPE.
+    rope_scaling: tuple = ()
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: the sliding-window size, or 0 for full attention.
+    sliding_windows: tuple = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple = ()
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.position_embedding not in ("rope", "learned"):
+            raise ValueError(f"unknown position_embedding {self.position_embedding!r}")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.model_type == "gpt2"
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling)
+
+    @property
+    def windows(self) -> tuple:
+        return self.sliding_windows or (0,) * self.num_layers
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["rope_scaling"] = _freeze(d.get("rope_scaling") or {})
+        d["sliding_windows"] = tuple(d.get("sliding_windows") or ())
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        return _from_hf(hf)
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no config.json in {path!r}")
+        with open(config_path) as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+        try:
+            return _from_hf(hf)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{config_path}: missing or malformed field {e}") from e
+
+
+def _freeze(d: dict) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+def _eos_tuple(eos: Any) -> tuple:
+    if eos is None:
+        return ()
+    if isinstance(eos, (list, tuple)):
+        return tuple(int(e) for e in eos)
+    return (int(eos),)
+
+
+def _rope_fields(hf: dict) -> tuple[float, tuple]:
+    """RoPE theta and scaling from either transformers v5 `rope_parameters` or v4 fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        params.update(hf["rope_scaling"])
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("type", None)
+    if params.get("rope_type", "default") == "default":
+        params = {}
+    return theta, _freeze(params)
+
+
+def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple:
+    window = hf.get("sliding_window")
+    if not window:
+        return ()
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return ()
+        max_window_layers = hf.get("max_window_layers", num_layers)
+        return tuple(int(window) if i >= max_window_layers else 0 for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+def _from_hf(hf: dict) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    if model_type == "gpt2":
+        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+            raise ValueError("gpt2 attention-scaling variants other than 1/sqrt(head_dim) are not supported")
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"gpt2 activation {act!r} is not supported (gelu_new only)")
+        d = hf["n_embd"]
+        heads = hf["n_head"]
+        return ModelConfig(
+            model_type="gpt2",
+            vocab_size=hf["vocab_size"],
+            hidden_size=d,
+            num_layers=hf["n_layer"],
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=d // heads,
+            intermediate_size=hf.get("n_inner") or 4 * d,
+            max_position_embeddings=hf["n_positions"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            position_embedding="learned",
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
+        )
+
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+    theta, scaling = _rope_fields(hf)
+    if dict(scaling).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    heads = hf["num_attention_heads"]
+    num_layers = hf["num_hidden_layers"]
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_windows=_sliding_windows(hf, model_type, num_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
+    )

@@ -1,0 +1,133 @@
+"""GGUF files (llama.cpp's format) through the `gguf` package, dequantized on load.
+
+Supports the `llama` architecture (Llama, Mistral, SmolLM2 and friends). llama.cpp's
+converter permutes the rows of Q and K from Hugging Face's rotate-half RoPE
+layout into an interleaved one; `_unpermute` undoes that so the weights fit our
+(Hugging Face layout) rotary code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cbjax.checkpoint import Model, convert_tensors
+from cbjax.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHS = ("llama",)
+
+_GGUF_NAMES = [
+    (r"token_embd\.weight", "embed", lambda w: w),
+    (r"output_norm\.weight", "final_norm/scale", lambda w: w),
+    (r"output\.weight", "lm_head", lambda w: w.T),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers/attn_norm/scale", lambda w: w),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers/mlp_norm/scale", lambda w: w),
+    (r"blk\.(\d+)\.attn_q\.weight", "layers/wq", None),  # un-permuted, see below
+    (r"blk\.(\d+)\.attn_k\.weight", "layers/wk", None),
+    (r"blk\.(\d+)\.attn_v\.weight", "layers/wv", lambda w: w.T),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers/wo", lambda w: w.T),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate", lambda w: w.T),
+    (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up", lambda w: w.T),
+    (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down", lambda w: w.T),
+]
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows [heads, hd/2, 2] -> [heads, 2, hd/2]."""
+    out_dim, in_dim = w.shape
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported ({SUPPORTED_GGUF_ARCHS})")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
+                         "load the Hugging Face checkpoint instead")
+
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ValueError(f"{path}: GGUF metadata has no vocab size")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = {int(eos)} if eos is not None else set()
+    if tokens:
+        # Chat models end a turn with <|im_end|> / <|eot_id|>: stop there too.
+        for special in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>"):
+            if special in tokens:
+                eos_ids.add(tokens.index(special))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(need("feed_forward_length")),
+        max_position_embeddings=int(need("context_length")),
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(sorted(eos_ids)),
+    )
+
+
+def load_gguf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                         gguf_file=os.path.basename(path))
+
+
+def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted errors on a damaged file
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    config = gguf_config(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def loader(t):
+        def load():
+            try:
+                w = gguf.quants.dequantize(t.data, t.tensor_type)
+            except (NotImplementedError, ValueError) as e:
+                raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} "
+                                 f"({t.tensor_type.name}): {e}") from e
+            w = np.asarray(w, np.float32)
+            if t.name.endswith("attn_q.weight"):
+                return _unpermute(w, config.num_heads).T
+            if t.name.endswith("attn_k.weight"):
+                return _unpermute(w, config.num_kv_heads).T
+            return w
+        return load
+
+    names = [(p, ours, fn or (lambda w: w)) for p, ours, fn in _GGUF_NAMES]
+    params = convert_tensors({n: loader(t) for n, t in tensors.items()}, config, names, dtype,
+                             lambda n: path)
+    tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
+    return Model(config, params, tokenizer, source=os.path.abspath(path))

@@ -1,0 +1,108 @@
+"""One pure-functional decoder for every supported family, over the slot cache.
+
+`forward` runs a chunk of `T` tokens for `B` sequences. Sequence `b` lives in
+cache slot `slot_ids[b]`; its chunk starts at absolute position `starts[b]` and
+its first `num_valid[b]` tokens are real (the rest is bucket padding). The
+chunk's keys and values are written into the slot, then every query attends to
+its slot's first `kv_len` positions. So:
+
+- a prefill is `B=1` (or a few) rows with `starts=0`, `kv_len` = the bucket;
+- a chunked prefill is the same with `starts` = what the slot already holds;
+- a decode step is `T=1`, one row per slot, `starts = cache.lengths`,
+  `num_valid` 1 for active slots and 0 for idle ones (whose writes are dropped).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cbjax.attention import attention_mask, reference_attention
+from cbjax.config import ModelConfig
+from cbjax.kv_cache import SlotCache
+from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
+
+
+def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, window,
+                     slot_ids, write_pos, kv_len):
+    b, t, _ = x.shape
+    hd = config.head_dim
+    h = norm(x, p["attn_norm"], config)
+    q = dense(h, p["wq"], p.get("bq")).reshape(b, t, config.num_heads, hd)
+    k = dense(h, p["wk"], p.get("bk")).reshape(b, t, config.num_kv_heads, hd)
+    v = dense(h, p["wv"], p.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.norm_eps)
+        k = rms_norm(k, p["k_norm"], config.norm_eps)
+    if config.position_embedding == "rope":
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+    # Scatter into the carried [layers, slots, max_len, ...] array: XLA updates the
+    # loop carry in place, so a decode step writes one row per slot, not a copy.
+    # Padding rows have write_pos == max_len and are dropped.
+    rows = slot_ids[:, None]
+    k_all = k_all.at[layer, rows, write_pos].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, write_pos].set(v.astype(v_all.dtype), mode="drop")
+
+    keys = k_all[layer, slot_ids, :kv_len].astype(q.dtype)
+    values = v_all[layer, slot_ids, :kv_len].astype(q.dtype)
+    mask = attention_mask(q_positions, kv_len, window)
+    out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
+    x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
+    return x, k_all, v_all
+
+
+def forward(
+    params: dict,
+    config: ModelConfig,
+    cache: SlotCache,
+    tokens: jax.Array,  # [B, T] int32
+    starts: jax.Array,  # [B] int32
+    num_valid: jax.Array | None = None,  # [B] int32; default T
+    slot_ids: jax.Array | None = None,  # [B] int32; default arange(B)
+    kv_len: int | None = None,  # static; default cache.max_len
+    logits_index: jax.Array | None = None,  # [B]: return logits only at these chunk offsets
+) -> tuple[jax.Array, SlotCache]:
+    """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
+    `logits_index`) in float32, and the cache with the chunk written and
+    `lengths[slot_ids] = starts + num_valid`."""
+    b, t = tokens.shape
+    max_len = cache.max_len
+    kv_len = max_len if kv_len is None else kv_len
+    if slot_ids is None:
+        slot_ids = jnp.arange(b, dtype=jnp.int32)
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    starts = starts.astype(jnp.int32)
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = starts[:, None] + offsets
+    write_pos = jnp.where(offsets < num_valid[:, None], positions, max_len)
+
+    x = params["embed"][tokens]
+    if config.position_embedding == "learned":
+        pos_table = params["pos_embed"]
+        x = x + pos_table[jnp.clip(positions, 0, pos_table.shape[0] - 1)]
+    cos, sin = rope_tables(positions, rope_inv_freq(config))
+    windows = jnp.asarray(config.windows, jnp.int32)
+
+    def layer_step(carry, xs):
+        x, k_all, v_all = carry
+        p, layer, window = xs
+        x, k_all, v_all = _attention_block(
+            x, p, config, cos, sin, positions, k_all, v_all, layer, window, slot_ids, write_pos, kv_len)
+        x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
+        return (x, k_all, v_all), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, k_all, v_all), _ = jax.lax.scan(
+        layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids, windows))
+
+    if logits_index is not None:
+        x = x[jnp.arange(b), logits_index]
+    x = norm(x, params["final_norm"], config)
+    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    logits = (x @ head).astype(jnp.float32)
+
+    lengths = cache.lengths.at[slot_ids].set(starts + num_valid)
+    return logits, SlotCache(k=k_all, v=v_all, lengths=lengths)
