@@ -189,9 +189,12 @@ def _safetensors_files(path: str) -> dict[str, str]:
         return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
-        from safetensors import safe_open
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(single, framework="numpy") as f:
+                return {name: single for name in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"{single}: not a readable safetensors file ({e})") from e
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
 
 
@@ -290,19 +293,21 @@ def _tokenizer_for(source: str):
 
 # ------------------------------------------------------------------ dispatcher
 
-def load_model(spec: str, dtype="float32", seed: int = 0, with_tokenizer: bool = True) -> Model:
-    """A preset name, a Hugging Face directory, a GGUF file or an orbax directory."""
+def load_model(spec: str, dtype=None, seed: int = 0, with_tokenizer: bool = True) -> Model:
+    """A preset name, a Hugging Face directory, a GGUF file or an orbax directory.
+
+    `dtype` None keeps an orbax checkpoint's stored dtype and means float32 otherwise."""
     from cbjax import presets
 
-    as_dtype(dtype)
+    if spec is not None and os.path.isdir(spec) and is_orbax_dir(spec):
+        return load_orbax(spec, dtype=dtype)
+    dtype = as_dtype("float32" if dtype is None else dtype)
     if spec in presets.PRESETS:
         return presets.load_preset(spec, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
     if os.path.isfile(spec) and spec.endswith(".gguf"):
         from cbjax.gguf_loader import load_gguf
         return load_gguf(spec, dtype=dtype, with_tokenizer=with_tokenizer)
     if os.path.isdir(spec):
-        if is_orbax_dir(spec):
-            return load_orbax(spec, dtype=dtype)
         return load_hf_dir(spec, dtype=dtype, with_tokenizer=with_tokenizer)
     raise ValueError(
         f"cannot load model {spec!r}: not a preset ({', '.join(sorted(presets.PRESETS))}), "

@@ -38,8 +38,11 @@ def _decode(params, config, cache, tokens, active):
 
 
 def greedy_generate(model: Model, prompts: list[list[int]], max_new_tokens: int,
-                    stop_token_ids: tuple[int, ...] | None = None) -> list[list[int]]:
-    """Greedy continuations (without the prompt) for each token-id prompt."""
+                    stop_token_ids: tuple[int, ...] | None = None, max_len: int | None = None) -> list[list[int]]:
+    """Greedy continuations (without the prompt) for each token-id prompt.
+
+    `max_len` fixes the cache length (default: the next power of two that fits), so
+    that calls with different budgets can share compiled steps."""
     if not prompts:
         return []
     if max_new_tokens < 1:
@@ -53,7 +56,9 @@ def greedy_generate(model: Model, prompts: list[list[int]], max_new_tokens: int,
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}")
     stop = set(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     longest = max(len(p) for p in prompts)
-    max_len = next_power_of_two(longest + max_new_tokens)
+    max_len = max_len or next_power_of_two(longest + max_new_tokens)
+    if longest + max_new_tokens > max_len:
+        raise ValueError(f"max_len {max_len} cannot hold {longest} prompt + {max_new_tokens} new tokens")
     if longest + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt plus max_new_tokens ({longest + max_new_tokens}) exceeds the model's "
                          f"max_position_embeddings ({config.max_position_embeddings})")

@@ -92,11 +92,31 @@ def gguf_config(reader, path: str) -> ModelConfig:
     )
 
 
+def _tokenizer_cache_dir(path: str) -> str:
+    stat = os.stat(path)
+    root = os.environ.get("CBJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "cbjax"))
+    key = f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}"
+    return os.path.join(root, "tokenizers", key)
+
+
 def load_gguf_tokenizer(path: str):
+    """transformers' tokenizer from the GGUF metadata, converted once and cached on disk
+    (the conversion takes seconds; reading the cached tokenizer.json takes milliseconds)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path))
+    cached = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: convert again below
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                              gguf_file=os.path.basename(path))
+    try:
+        tokenizer.save_pretrained(cached)
+    except OSError:
+        pass  # a read-only home is fine: we just convert again next time
+    return tokenizer
 
 
 def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:

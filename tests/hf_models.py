@@ -1,0 +1,59 @@
+"""Tiny random-init transformers models, saved as Hugging Face directories, for parity tests.
+
+transformers initialises biases to zero and norms to one; we perturb every
+parameter so that biases, norm scales and q/k norms are all really exercised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+_COMMON = dict(vocab_size=160, max_position_embeddings=256)
+_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, **_COMMON)
+
+# name -> (config class, model class, config kwargs)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(_LLAMA_LIKE)),
+    "llama-tied-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                        dict(_LLAMA_LIKE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    "llama31": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                dict(_LLAMA_LIKE, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(_LLAMA_LIKE, num_key_value_heads=1, sliding_window=12)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(_LLAMA_LIKE, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(_LLAMA_LIKE, head_dim=32, num_key_value_heads=4)),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+             dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=160)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**kwargs, **overrides})
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def save_hf_model(model: torch.nn.Module, path: str, **save_kwargs) -> str:
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+def hf_logits(model: torch.nn.Module, tokens) -> "torch.Tensor":
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.float().numpy()

