@@ -1,0 +1,289 @@
+"""The front door: `LLM(model, **engine_options)`.
+
+Offline: `generate(prompts, sampling_params)`. Online: `add_request` / `step` /
+`abort` / `has_unfinished_requests`, with each step's new tokens streamed back.
+`replay(workload)` admits each request at its arrival time on the wall clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import zlib
+from typing import Callable, Sequence
+
+import jax
+
+from cbjax.checkpoint import Model, load_model
+from cbjax.engine import Engine, EngineConfig
+from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
+from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Model,
+        *,
+        policy: str = "continuous",
+        num_slots: int = 8,
+        max_seq_len: int = 512,
+        batch_size: int | None = None,
+        window_ms: float = 50.0,
+        refill_interval: int = 1,
+        waiting_served_ratio: float = 0.0,
+        max_waiting_steps: int = 20,
+        max_prefill_tokens: int | None = None,
+        ordering: str = "fcfs",
+        length_aware: bool = False,
+        decode_steps: int = 1,
+        prefill_floor: int = 16,
+        dtype: str = "float32",
+        seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.tokenizer = self.model.tokenizer
+        self.scheduler_config = SchedulerConfig(
+            policy=policy, num_slots=num_slots, batch_size=batch_size, window_ms=window_ms,
+            refill_interval=refill_interval, waiting_served_ratio=waiting_served_ratio,
+            max_waiting_steps=max_waiting_steps, max_prefill_tokens=max_prefill_tokens, ordering=ordering,
+            length_aware=length_aware, decode_steps=decode_steps)
+        self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
+                                                      prefill_floor=prefill_floor, decode_steps=decode_steps,
+                                                      dtype=dtype))
+        self.scheduler = Scheduler(self.scheduler_config, set(self.model.config.eos_token_ids), max_seq_len)
+        self.seed = seed
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._emitted: dict[str, int] = {}
+        self.last_plan: Plan | None = None
+
+    # ------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+            text = prompt
+        else:
+            ids, text = prompt, None
+        try:
+            if any(isinstance(t, (bool, float, str)) for t in ids):
+                raise TypeError("token ids must be integers")
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a prompt must be a string or a sequence of token ids ({e})") from e
+        return ids, text
+
+    def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        max_len = self.engine.max_len
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                             f"max_seq_len={max_len}")
+        self.engine.stop_ids_for(sampling)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError for a bad one (nothing else is touched)."""
+        sampling = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids, text = self._prompt_ids(prompt)
+        self._validate(ids, sampling)
+        request = Request(request_id, ids, sampling, self.clock() if arrival_time is None else arrival_time,
+                          priority=priority, prompt=text)
+        self.requests[request_id] = request
+        self._emitted[request_id] = 0
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        request = self.requests.get(str(request_id))
+        if request is None or request.finished:
+            raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
+        slot = request.slot
+        self.scheduler.abort(request.request_id, self.clock())
+        if slot is not None:
+            self.engine.deactivate(slot)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def _request_seed(self, request: Request) -> int:
+        if request.sampling.seed is not None:
+            return request.sampling.seed
+        return zlib.crc32(f"{self.seed}:{request.request_id}".encode()) & 0x7FFFFFFF
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round: planned prefill chunks, then a decode call. Returns an
+        output for every request that got new tokens or finished in this round."""
+        sched, engine = self.scheduler, self.engine
+        plan = sched.schedule(self.clock())
+        self.last_plan = plan
+        if plan.idle:
+            return []
+        prefill_results = []
+        for chunk in plan.prefills:
+            r = chunk.request
+            out = engine.prefill(chunk.slot, chunk.tokens, chunk.start, chunk.is_last, r.sampling,
+                                 self._request_seed(r))
+            prefill_results.append((chunk, out))
+        decoded = None
+        if plan.decode:
+            finishing = {c.request.request_id for c in plan.prefills if c.is_last}
+            longest = max(r.num_tokens + (1 if r.request_id in finishing else 0)
+                          for r in sched.running if r.state == RequestState.RUNNING or r.request_id in finishing)
+            decoded = engine.decode(longest)
+        # The one host copy of the round: every prefill's (token, done) and the decode tokens.
+        host_prefill, host_decode = jax.device_get(([o for _, o in prefill_results if o is not None], decoded))
+        now = self.clock()
+        touched: dict[str, Request] = {}
+        firsts = iter(host_prefill)
+        for chunk, out in prefill_results:
+            if out is None:
+                sched.on_prefill(chunk, -1, now)
+                continue
+            token, device_done = (int(x) for x in next(firsts))
+            finished = sched.on_prefill(chunk, token, now)
+            self._check_sync(chunk.request, bool(device_done), finished)
+            touched[chunk.request.request_id] = chunk.request
+        if host_decode is not None:
+            before = {r.request_id: len(r.output_token_ids) for r in sched.running if r.state == RequestState.RUNNING}
+            slot_requests = list(sched.slots)
+            sched.on_decode(host_decode.tolist(), now)
+            for slot, r in enumerate(slot_requests):
+                if r is None or r.request_id not in before:
+                    continue
+                if len(r.output_token_ids) == before[r.request_id] and not r.finished:
+                    raise RuntimeError(f"engine and scheduler out of sync: slot {slot} produced no token "
+                                       f"for running request {r.request_id!r}")
+                touched[r.request_id] = r
+        return [self._output(r, stream=True) for r in touched.values()]
+
+    def _check_sync(self, request: Request, device_done: bool, host_done: bool) -> None:
+        if device_done != host_done:
+            raise RuntimeError(f"engine and scheduler disagree on whether {request.request_id!r} finished")
+
+    def _output(self, r: Request, stream: bool = False) -> RequestOutput:
+        tokens = list(r.output_token_ids)
+        new = tokens[self._emitted.get(r.request_id, 0):] if stream else []
+        if stream:
+            self._emitted[r.request_id] = len(tokens)
+        text = None
+        if self.tokenizer is not None and tokens:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        reason = None if r.finish_reason is None else r.finish_reason.value
+        return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics,
+                             prompt=r.prompt, error=r.error, new_token_ids=new)
+
+    # ------------------------------------------------------------- offline
+    def _error_output(self, request_id: str, prompt, message: str) -> RequestOutput:
+        from cbjax.request import RequestMetrics
+
+        now = self.clock()
+        ids = list(prompt) if not isinstance(prompt, str) and _is_int_list(prompt) else []
+        metrics = RequestMetrics(arrival_time=now, finish_time=now)
+        return RequestOutput(request_id, ids, [], None, FinishReason.ERROR.value, metrics,
+                             prompt=prompt if isinstance(prompt, str) else None, error=message)
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order. A bad prompt gets an
+        `error` output with its message; the others run unharmed."""
+        if isinstance(prompts, str) or (prompts and _is_int_list(prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_list = [sampling_params] * len(prompts)
+        else:
+            sampling_list = list(sampling_params)
+            if len(sampling_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(sampling_list)} sampling params")
+        ids: list[str] = []
+        errors: dict[int, RequestOutput] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_list)):
+            try:
+                ids.append(self.add_request(prompt, sp))
+            except ValueError as e:
+                ids.append("")
+                errors[i] = self._error_output(f"error-{i}", prompt, str(e))
+        self.run_until_done(total=len(prompts) - len(errors), use_tqdm=use_tqdm)
+        return [errors[i] if i in errors else self._output(self.requests[rid]) for i, rid in enumerate(ids)]
+
+    def run_until_done(self, total: int | None = None, use_tqdm: bool = False) -> None:
+        from tqdm.auto import tqdm
+
+        self.scheduler.drain(True)
+        bar = tqdm(total=total, desc=f"{self.scheduler_config.policy}", disable=not use_tqdm, unit="req")
+        try:
+            while self.has_unfinished_requests():
+                outputs = self.step()
+                bar.update(sum(1 for o in outputs if o.finished))
+                if self.last_plan is not None and self.last_plan.idle:
+                    self._sleep_until(self.last_plan.wake_time)
+        finally:
+            bar.close()
+            self.scheduler.drain(False)
+
+    def _sleep_until(self, wake_time: float | None, cap: float = 0.05) -> None:
+        now = self.clock()
+        delay = cap if wake_time is None else min(max(wake_time - now, 0.0), cap)
+        if delay > 0:
+            time.sleep(delay)
+
+    # -------------------------------------------------------------- replay
+    def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
+               ) -> list[RequestOutput]:
+        """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock,
+        stepping the engine meanwhile; outputs in workload order."""
+        from tqdm.auto import tqdm
+
+        order = sorted(range(len(workload)), key=lambda i: workload[i][0])
+        ids: list[str | None] = [None] * len(workload)
+        start = self.clock()
+        bar = tqdm(total=len(workload), desc=f"replay {self.scheduler_config.policy}", disable=not use_tqdm,
+                   unit="req")
+        pending = 0
+        try:
+            while pending < len(order) or self.has_unfinished_requests():
+                now = self.clock()
+                while pending < len(order) and start + workload[order[pending]][0] <= now:
+                    i = order[pending]
+                    offset, prompt, sp = workload[i]
+                    ids[i] = self.add_request(prompt, sp, arrival_time=start + offset)
+                    pending += 1
+                self.scheduler.drain(pending == len(order))
+                outputs = self.step()
+                bar.update(sum(1 for o in outputs if o.finished))
+                if self.last_plan is not None and self.last_plan.idle:
+                    next_arrival = start + workload[order[pending]][0] if pending < len(order) else None
+                    wakes = [t for t in (next_arrival, self.last_plan.wake_time) if t is not None]
+                    self._sleep_until(min(wakes) if wakes else None)
+        finally:
+            bar.close()
+            self.scheduler.drain(False)
+        return [self._output(self.requests[rid]) for rid in ids]
+
+
+def _is_int_list(x) -> bool:
+    try:
+        return len(x) > 0 and all(isinstance(t, int) or hasattr(t, "__index__") for t in x) \
+            and not isinstance(x, str)
+    except TypeError:
+        return False

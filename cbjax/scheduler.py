@@ -1,0 +1,305 @@
+"""The slot-refill scheduler: plain Python over lists, no JAX, driven by an explicit clock.
+
+Each round the caller asks `schedule(now)` for a `Plan` (prefill chunks to run,
+whether to decode), runs it on the engine, and hands the results back through
+`on_prefill` / `on_decode`. Policies:
+
+- `static`: wait for `batch_size` requests, run the batch until its longest member
+  ends, then take the next (a partial batch only once `drain()` says no more
+  requests will come).
+- `dynamic`: start a batch when it is full or `window_ms` after its first request
+  arrived; run it to its longest member.
+- `continuous`: iteration-level; a freed slot is refilled, checked every
+  `refill_interval` decode steps, with TGI's rule: while decodes run, waiting
+  prefills interrupt them only when waiting/running >= `waiting_served_ratio` or
+  they have waited `max_waiting_steps` decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cbjax.request import FinishReason, Request, RequestState
+
+POLICIES = ("static", "dynamic", "continuous")
+ORDERINGS = ("fcfs", "priority")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    policy: str = "continuous"
+    num_slots: int = 8
+    batch_size: int | None = None  # static/dynamic; default num_slots
+    window_ms: float = 50.0
+    refill_interval: int = 1
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
+    max_prefill_tokens: int | None = None  # prompt tokens per round; None: whole prompts
+    ordering: str = "fcfs"
+    length_aware: bool = False
+    decode_steps: int = 1
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.batch_size is None:
+            self.batch_size = self.num_slots
+        if not 1 <= self.batch_size <= self.num_slots:
+            raise ValueError(f"batch_size must be in [1, num_slots={self.num_slots}], got {self.batch_size}")
+        for name in ("refill_interval", "decode_steps", "max_waiting_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.window_ms < 0 or self.waiting_served_ratio < 0:
+            raise ValueError("window_ms and waiting_served_ratio must be >= 0")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {self.max_prefill_tokens}")
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    request: Request
+    slot: int
+    start: int  # first prompt position of the chunk
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.length >= self.request.prompt_len
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_token_ids[self.start:self.start + self.length]
+
+
+@dataclasses.dataclass
+class Plan:
+    prefills: list[PrefillChunk]
+    decode: bool
+    # When there is nothing to do now: the earliest time something could change
+    # without a new arrival (a dynamic window closing), else None.
+    wake_time: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        return not self.prefills and not self.decode
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, stop_tokens: set[int] | frozenset = frozenset(),
+                 max_seq_len: int | None = None):
+        self.config = config
+        self.eos_tokens = frozenset(stop_tokens)
+        self.max_seq_len = max_seq_len
+        self.waiting: list[Request] = []
+        self.slots: list[Request | None] = [None] * config.num_slots
+        self.batch: set[str] = set()  # static/dynamic: ids of the batch in flight
+        self.steps_since_refill = 0
+        self.waiting_steps = 0
+        self.draining = False
+        self._admitted = 0
+        self.num_decode_steps = 0
+
+    # ------------------------------------------------------------- queue
+    def add(self, request: Request) -> None:
+        request.seq_index = self._admitted
+        self._admitted += 1
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def drain(self, draining: bool = True) -> None:
+        """No more arrivals are coming (offline generation): static may run a partial batch."""
+        self.draining = draining
+
+    def abort(self, request_id: str, now: float) -> Request:
+        for i, r in enumerate(self.waiting):
+            if r.request_id == request_id:
+                del self.waiting[i]
+                self._finish(r, FinishReason.ABORT, now)
+                return r
+        for r in self.slots:
+            if r is not None and r.request_id == request_id:
+                self._finish(r, FinishReason.ABORT, now)
+                return r
+        raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def _order_key(self, r: Request):
+        if self.config.ordering == "priority":
+            return (r.priority, r.arrival_time, r.seq_index)
+        return (r.arrival_time, r.seq_index)
+
+    # ---------------------------------------------------------- schedule
+    def schedule(self, now: float) -> Plan:
+        admitted, wake = self._admit(now)
+        for r in admitted:
+            slot = self.free_slots[0]
+            self.slots[slot] = r
+            r.slot = slot
+            r.state = RequestState.PREFILLING
+            r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
+            self.waiting.remove(r)
+        prefills = self._prefill_chunks()
+        decode = self._should_decode(prefills)
+        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None)
+
+    def _admit(self, now: float) -> tuple[list[Request], float | None]:
+        cfg = self.config
+        if not self.waiting or not self.free_slots:
+            return [], None
+        ordered = sorted(self.waiting, key=self._order_key)
+        if cfg.policy == "continuous":
+            return self._admit_continuous(ordered), None
+        if self.batch:  # static and dynamic never mix batches
+            return [], None
+        full = len(ordered) >= cfg.batch_size
+        if cfg.policy == "static":
+            ready = full or self.draining
+            wake = None
+        else:
+            deadline = min(r.arrival_time for r in ordered) + cfg.window_ms / 1000.0
+            ready = full or self.draining or now >= deadline
+            wake = None if ready else deadline
+        if not ready:
+            return [], wake
+        batch = self._pick_batch(ordered, min(cfg.batch_size, len(self.free_slots)))
+        self.batch = {r.request_id for r in batch}
+        return batch, None
+
+    def _pick_batch(self, ordered: list[Request], size: int) -> list[Request]:
+        if not self.config.length_aware:
+            return ordered[:size]
+        # Seed 001's length-aware batching: the head of the queue (so nobody starves)
+        # plus the waiting requests whose expected length is closest to it.
+        head = ordered[0]
+        rest = sorted(ordered[1:], key=lambda r: (abs(r.expected_len - head.expected_len), self._order_key(r)))
+        return [head] + rest[:size - 1]
+
+    def _admit_continuous(self, ordered: list[Request]) -> list[Request]:
+        cfg = self.config
+        decoding = [r for r in self.slots if r is not None and r.state == RequestState.RUNNING]
+        if decoding:
+            if self.steps_since_refill < cfg.refill_interval:
+                return []
+            self.steps_since_refill = 0
+            ratio_ok = len(self.waiting) >= cfg.waiting_served_ratio * len(decoding)
+            if not ratio_ok and self.waiting_steps < cfg.max_waiting_steps:
+                return []
+        self.waiting_steps = 0
+        budget = cfg.max_prefill_tokens
+        if budget is not None:
+            budget -= sum(r.prompt_len - r.num_prefilled for r in self.slots
+                          if r is not None and r.state == RequestState.PREFILLING)
+            if budget <= 0:
+                return []
+        admitted = ordered[:len(self.free_slots)]
+        if budget is not None:
+            # Admit while the round's prefill budget lasts (the last one may be chunked).
+            taken = []
+            for r in admitted:
+                if budget <= 0:
+                    break
+                taken.append(r)
+                budget -= r.prompt_len
+            admitted = taken
+        return admitted
+
+    def _prefill_chunks(self) -> list[PrefillChunk]:
+        budget = self.config.max_prefill_tokens
+        chunks = []
+        pending = sorted((r for r in self.slots if r is not None and r.state == RequestState.PREFILLING),
+                         key=self._order_key)
+        for r in pending:
+            remaining = r.prompt_len - r.num_prefilled
+            length = remaining if budget is None else min(remaining, budget)
+            if length <= 0:
+                break
+            chunks.append(PrefillChunk(r, r.slot, r.num_prefilled, length))
+            if budget is not None:
+                budget -= length
+        return chunks
+
+    def _should_decode(self, prefills: list[PrefillChunk]) -> bool:
+        finishing = {c.request.request_id for c in prefills if c.is_last}
+        active = [r for r in self.slots if r is not None and
+                  (r.state == RequestState.RUNNING or r.request_id in finishing)]
+        if not active:
+            return False
+        if self.config.policy == "continuous":
+            return True
+        # static/dynamic: decode once every member of the batch holds its whole prompt.
+        return all(r.state == RequestState.RUNNING or r.request_id in finishing
+                   for r in self.slots if r is not None)
+
+    # ----------------------------------------------------------- results
+    def on_prefill(self, chunk: PrefillChunk, token: int, now: float) -> bool:
+        """Record a prefill chunk; for the last one, the first token. True if it finished."""
+        r = chunk.request
+        if r.finished:
+            return False
+        r.num_prefilled = chunk.start + chunk.length
+        if not chunk.is_last:
+            return False
+        r.state = RequestState.RUNNING
+        return self._append(r, token, now)
+
+    def on_decode(self, tokens_per_step, now: float) -> list[Request]:
+        """Record a decode call's tokens, `[steps][slots]` with -1 for idle slots.
+        Returns the requests that finished."""
+        finished = []
+        steps = len(tokens_per_step)
+        self.num_decode_steps += steps
+        self.steps_since_refill += steps
+        if self.waiting:
+            self.waiting_steps += steps
+        for step_tokens in tokens_per_step:
+            for slot, token in enumerate(step_tokens):
+                r = self.slots[slot]
+                if token < 0 or r is None or r.state != RequestState.RUNNING:
+                    continue
+                if self._append(r, int(token), now):
+                    finished.append(r)
+        return finished
+
+    def stop_reason(self, r: Request, token: int) -> FinishReason | None:
+        s = r.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_tokens):
+            return FinishReason.STOP
+        if len(r.output_token_ids) >= s.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_seq_len is not None and r.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _append(self, r: Request, token: int, now: float) -> bool:
+        r.output_token_ids.append(token)
+        if r.metrics.first_token_time is None:
+            r.metrics.first_token_time = now
+        r.metrics.token_times.append(now)
+        reason = self.stop_reason(r, token)
+        if reason is None:
+            return False
+        self._finish(r, reason, now)
+        return True
+
+    def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        r.state = RequestState.FINISHED
+        r.finish_reason = reason
+        r.error = error
+        r.metrics.finish_time = now
+        if r.slot is not None and self.slots[r.slot] is r:
+            self.slots[r.slot] = None
+        self.batch.discard(r.request_id)
