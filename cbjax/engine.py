@@ -98,14 +98,16 @@ _STATIC = ("config", "max_len", "kv_len")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
-def _prefill_step(params, cache, state, tokens, slot, start, length, req, *, config, max_len, kv_len):
+def _prefill_step(params, cache, state, tokens, slot, start, length, is_last, req, *, config, max_len, kv_len):
+    """Write a prompt chunk into `slot`; when `is_last`, sample the first token and make the
+    slot's decode state (a traced flag, so chunked and whole prefills share one program)."""
     TRACE_COUNTS[("prefill", config, tokens.shape[0], kv_len, cache.num_slots)] += 1
     logits, cache = forward(params, config, cache, tokens[None], start[None], num_valid=length[None],
                             slot_ids=slot[None], kv_len=kv_len, logits_index=length[None] - 1)
     zero = jnp.zeros((1,), jnp.int32)
     token = sample(logits, req.temperature[None], req.top_k[None], req.top_p[None], req.seed[None], zero)[0]
     done = _is_done(token, req.stop_ids, 1, req.max_tokens, start + length + 1, max_len)
-    state = SlotState(
+    inserted = SlotState(
         tokens=state.tokens.at[slot].set(token),
         active=state.active.at[slot].set(~done),
         num_generated=state.num_generated.at[slot].set(1),
@@ -116,16 +118,8 @@ def _prefill_step(params, cache, state, tokens, slot, start, length, req, *, con
         seeds=state.seeds.at[slot].set(req.seed),
         stop_ids=state.stop_ids.at[slot].set(req.stop_ids),
     )
-    return jnp.stack([token, done.astype(jnp.int32)]), cache, state
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="cache")
-def _prefill_chunk_step(params, cache, tokens, slot, start, length, *, config, max_len, kv_len):
-    """A non-final chunk of a chunked prefill: only writes the cache."""
-    TRACE_COUNTS[("prefill_chunk", config, tokens.shape[0], kv_len, cache.num_slots)] += 1
-    _, cache = forward(params, config, cache, tokens[None], start[None], num_valid=length[None],
-                       slot_ids=slot[None], kv_len=kv_len, logits_index=length[None] - 1)
-    return cache
+    state = jax.tree.map(lambda new, old: jnp.where(is_last, new, old), inserted, state)
+    return jnp.stack([token, (done & is_last).astype(jnp.int32)]), cache, state
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("steps",), donate_argnames=("cache", "state"))
@@ -216,15 +210,13 @@ class Engine:
         padded[:n] = tokens
         kv_len = bucket if start == 0 else self._attended_len(start + n)
         args = (jnp.asarray(padded), jnp.int32(slot), jnp.int32(start), jnp.int32(n))
-        static = dict(config=self.model.config, max_len=self.max_len, kv_len=kv_len)
-        if not is_last:
-            self.cache = _prefill_chunk_step(self.params, self.cache, *args, **static)
-            return None
         req = SlotRequest(max_tokens=jnp.int32(sampling.max_tokens), temperature=jnp.float32(sampling.temperature),
                           top_k=jnp.int32(sampling.top_k), top_p=jnp.float32(sampling.top_p),
                           seed=jnp.int32(seed), stop_ids=jnp.asarray(self.stop_ids_for(sampling)))
-        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, *args, req, **static)
-        return out
+        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, *args, jnp.bool_(is_last),
+                                                    req, config=self.model.config, max_len=self.max_len,
+                                                    kv_len=kv_len)
+        return out if is_last else None
 
     def decode(self, longest: int) -> jax.Array:
         """`decode_steps` steps for every active slot; `longest` is the largest sequence length
@@ -234,6 +226,36 @@ class Engine:
         out, self.cache, self.state = _decode_steps(self.params, self.cache, self.state, config=self.model.config,
                                                     max_len=self.max_len, kv_len=kv_len, steps=steps)
         return out
+
+    def programs(self, chunked: bool = False) -> list[tuple]:
+        """Every program a workload can need: (kind, tokens bucket, attended length)."""
+        progs = [("prefill", b, b) for b in self.buckets]
+        progs += [("decode", 1, kv) for kv in self.buckets]
+        if chunked:
+            progs += [("prefill", b, kv) for b in self.buckets for kv in self.buckets if kv > b]
+        return progs
+
+    def warmup(self, chunked: bool = False) -> int:
+        """Compile every program up front (so timings and latencies exclude compilation);
+        leaves the engine empty. Returns the number of programs."""
+        greedy = SamplingParams(max_tokens=1)
+        progs = self.programs(chunked)
+        for kind, bucket, kv_len in progs:
+            if kind == "decode":
+                out = self.decode(max(kv_len - self.config.decode_steps, 0))
+            else:
+                start = kv_len - bucket  # start > 0 selects the attended length kv_len
+                out = self.prefill(0, [0] * bucket, start, True, greedy, 0)
+            if out is not None:
+                out.block_until_ready()
+        self.reset()
+        return len(progs)
+
+    def reset(self) -> None:
+        """Drop every sequence: all slots free and inactive."""
+        dtype = self.cache.k.dtype
+        self.cache = SlotCache.init(self.model.config, self.num_slots, self.max_len, dtype)
+        self.state = SlotState.init(self.num_slots, self.config.max_stop_tokens)
 
     def deactivate(self, slot: int) -> None:
         self.state = _deactivate(self.state, jnp.int32(slot))

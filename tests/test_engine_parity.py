@@ -1,0 +1,90 @@
+"""Greedy outputs under every policy equal transformers' `generate`, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cbjax import LLM, SamplingParams
+from cbjax.checkpoint import load_hf_dir
+from tests.hf_models import make_hf_model, save_hf_model
+
+MAX_SEQ_LEN = 64
+NUM_PROMPTS = 20
+NUM_SLOTS = 4
+
+POLICIES = {
+    "static": dict(policy="static"),
+    "static-length-aware": dict(policy="static", length_aware=True, batch_size=3),
+    "dynamic": dict(policy="dynamic", window_ms=0.5),
+    "continuous-r1": dict(policy="continuous", refill_interval=1),
+    "continuous-r3": dict(policy="continuous", refill_interval=3),
+    "continuous-r8-steps2": dict(policy="continuous", refill_interval=8, decode_steps=2),
+    "continuous-tgi-ratio": dict(policy="continuous", waiting_served_ratio=1.5, max_waiting_steps=4),
+    "continuous-chunked": dict(policy="continuous", max_prefill_tokens=16),
+    "continuous-priority": dict(policy="continuous", ordering="priority"),
+}
+
+
+def workload(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    # The last two prompts run into max_seq_len before their max_tokens.
+    lengths = rng.integers(1, 44, size=NUM_PROMPTS - 2).tolist() + [55, 62]
+    prompts = [rng.integers(3, vocab, size=int(n)).tolist() for n in lengths]
+    max_tokens = rng.integers(1, 26, size=NUM_PROMPTS - 2).tolist() + [20, 20]
+    return prompts, max_tokens
+
+
+def hf_greedy(hf, prompt, max_tokens):
+    budget = min(max_tokens, MAX_SEQ_LEN - len(prompt))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=budget, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request, tmp_path_factory):
+    hf = make_hf_model(request.param, seed=11, eos_token_id=2, bos_token_id=1)
+    model = load_hf_dir(save_hf_model(hf, str(tmp_path_factory.mktemp(request.param))), with_tokenizer=False)
+    assert model.config.eos_token_ids == (2,)
+    prompts, max_tokens = workload(model.config.vocab_size)
+    expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    return model, prompts, max_tokens, expected
+
+
+def _check(outputs, prompts, max_tokens, expected):
+    for i, out in enumerate(outputs):
+        assert out.token_ids == expected[i], f"prompt {i} (len {len(prompts[i])}, max_tokens {max_tokens[i]})"
+        if out.token_ids[-1] == 2:
+            assert out.finish_reason == "stop"
+        else:
+            assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_online_random_order_matches_transformers(setup, name):
+    """Requests are added in random order, a few engine steps apart."""
+    model, prompts, max_tokens, expected = setup
+    llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **POLICIES[name])
+    rng = np.random.default_rng(hash(name) % 2 ** 32)
+    ids = {}
+    for i in rng.permutation(len(prompts)):
+        ids[i] = llm.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]),
+                                 priority=int(rng.integers(0, 3)))
+        for _ in range(int(rng.integers(0, 3))):
+            llm.step()
+    llm.run_until_done()
+    outputs = [llm._output(llm.requests[ids[i]]) for i in range(len(prompts))]
+    _check(outputs, prompts, max_tokens, expected)
+    assert not llm.has_unfinished_requests()
+    assert llm.scheduler.free_slots == list(range(NUM_SLOTS))
+
+
+def test_offline_generate_matches_transformers(setup):
+    model, prompts, max_tokens, expected = setup
+    llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN)
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
+    _check(outputs, prompts, max_tokens, expected)
+    assert [o.prompt_token_ids for o in outputs] == prompts
