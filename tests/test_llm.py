@@ -1,0 +1,184 @@
+"""The front door: online API, streaming, abort, bad input, sampling, compilation counts, replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.engine import TRACE_COUNTS
+
+MAX_SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, seed=0)
+    engine.engine.warmup()
+    return engine
+
+
+def random_prompt(rng, n, vocab=512):
+    return rng.integers(3, vocab, size=n).tolist()
+
+
+def test_no_recompilation_after_warmup_over_200_random_requests():
+    llm = LLM("tiny-llama", num_slots=8, max_seq_len=MAX_SEQ_LEN, refill_interval=2)
+    num_programs = llm.engine.warmup()
+    assert num_programs == len(llm.engine.programs()) == 2 * len(llm.engine.buckets)
+    compiled = sum(TRACE_COUNTS.values())
+    rng = np.random.default_rng(0)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 100, size=200)]
+    params = [SamplingParams(max_tokens=int(m), temperature=float(t), top_k=int(k), top_p=float(p))
+              for m, t, k, p in zip(rng.integers(1, 28, size=200), rng.choice([0.0, 0.7, 1.3], size=200),
+                                    rng.choice([0, 5], size=200), rng.choice([1.0, 0.8], size=200))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finish_reason in ("stop", "length") for o in outputs)
+    assert sum(TRACE_COUNTS.values()) == compiled, "a steady workload recompiled after warm-up"
+
+
+def test_chunked_prefill_programs_are_bounded_and_warmed():
+    llm = LLM("tiny-llama", num_slots=4, max_seq_len=64, max_prefill_tokens=24)
+    llm.engine.warmup(chunked=True)
+    compiled = sum(TRACE_COUNTS.values())
+    rng = np.random.default_rng(1)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 60, size=40)]
+    llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert sum(TRACE_COUNTS.values()) == compiled
+
+
+def test_streaming_step_outputs_add_up(llm):
+    rng = np.random.default_rng(2)
+    ids = [llm.add_request(random_prompt(rng, 5 + i), SamplingParams(max_tokens=6 + i)) for i in range(6)]
+    streamed = {i: [] for i in ids}
+    finished = set()
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.request_id not in finished
+                finished.add(out.request_id)
+    assert finished == set(ids)
+    for rid in ids:
+        assert streamed[rid] == llm.requests[rid].output_token_ids
+
+
+def test_abort_waiting_and_running_requests_leaves_others_unharmed(llm):
+    rng = np.random.default_rng(3)
+    prompts = [random_prompt(rng, 8) for _ in range(6)]
+    alone = LLM(llm.model, num_slots=4, max_seq_len=MAX_SEQ_LEN).generate(
+        prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    llm.step()
+    llm.step()
+    running = next(r for r in llm.scheduler.running)
+    out = llm.abort(running.request_id)
+    assert out.finish_reason == "abort"
+    waiting = llm.scheduler.waiting[0].request_id
+    assert llm.abort(waiting).finish_reason == "abort"
+    with pytest.raises(ValueError, match="unknown or finished"):
+        llm.abort("no-such-request")
+    with pytest.raises(ValueError, match="unknown or finished"):
+        llm.abort(waiting)
+    llm.run_until_done()
+    for i, rid in enumerate(ids):
+        if rid in (running.request_id, waiting):
+            continue
+        assert llm.requests[rid].output_token_ids == alone[i].token_ids
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], None, "empty prompt"),
+    ([1, 2, 9999], None, "outside the vocabulary"),
+    ([1, -1], None, "outside the vocabulary"),
+    (list(range(3, 3 + MAX_SEQ_LEN)), None, "leaves no room"),
+    ("hello", None, "no tokenizer"),
+    ([1.5, 2], None, "token ids"),
+    ([1, 2], "greedy", "SamplingParams"),
+])
+def test_bad_requests_are_rejected_clearly(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.add_request(prompt, params)
+    assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed=-3), "seed"),
+    (dict(stop_token_ids=[-4]), "stop_token_ids"),
+])
+def test_nonsense_sampling_values_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    llm.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="duplicate request id"):
+        llm.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="dup")
+    llm.run_until_done()
+
+
+def test_generate_gives_bad_prompts_an_error_and_runs_the_rest(llm):
+    rng = np.random.default_rng(4)
+    good = [random_prompt(rng, 6), random_prompt(rng, 9)]
+    outputs = llm.generate([good[0], [], good[1], [1, 100000]], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length", "error"]
+    assert "empty prompt" in outputs[1].error and "vocabulary" in outputs[3].error
+    reference = llm.generate(good, SamplingParams(max_tokens=5), use_tqdm=False)
+    assert outputs[0].token_ids == reference[0].token_ids and outputs[2].token_ids == reference[1].token_ids
+
+
+def test_stop_tokens_and_ignore_eos(llm):
+    rng = np.random.default_rng(5)
+    prompt = random_prompt(rng, 10)
+    (free,) = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    stop_at = free.token_ids[5]
+    (stopped,) = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_at]),
+                              use_tqdm=False)
+    cut = free.token_ids.index(stop_at) + 1
+    assert stopped.token_ids == free.token_ids[:cut] and stopped.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_slots(llm):
+    rng = np.random.default_rng(6)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(3, 30, size=7)]
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    a = llm.generate(prompts, sp, use_tqdm=False)
+    b = llm.generate(prompts[::-1], sp, use_tqdm=False)[::-1]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    other = llm.generate(prompts, SamplingParams(**{**sp.__dict__, "seed": 99}), use_tqdm=False)
+    assert [o.token_ids for o in a] != [o.token_ids for o in other]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    rng = np.random.default_rng(7)
+    prompts = [random_prompt(rng, 12) for _ in range(3)]
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    k1 = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=2.0, top_k=1, seed=3), use_tqdm=False)
+    p0 = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=2.0, top_p=1e-6, seed=3), use_tqdm=False)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in k1] == [o.token_ids for o in p0]
+
+
+def test_metrics_timestamps_are_ordered(llm):
+    rng = np.random.default_rng(8)
+    outs = llm.generate([random_prompt(rng, 5) for _ in range(5)], SamplingParams(max_tokens=4), use_tqdm=False)
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.scheduled_time <= m.first_token_time <= m.finish_time
+        assert m.token_times == sorted(m.token_times) and len(m.token_times) == len(o.token_ids)
+
+
+def test_replay_admits_at_arrival_times(llm):
+    rng = np.random.default_rng(9)
+    workload = [(0.02 * i, random_prompt(rng, 6), SamplingParams(max_tokens=3)) for i in range(5)]
+    outs = llm.replay(workload, use_tqdm=False)
+    arrivals = [o.metrics.arrival_time for o in outs]
+    assert np.allclose(np.diff(arrivals), 0.02, atol=1e-6)
+    assert all(o.metrics.scheduled_time >= o.metrics.arrival_time for o in outs)
+    assert all(o.finish_reason == "length" for o in outs)

@@ -1,0 +1,219 @@
+"""Property-based tests of the scheduler with a fake clock and a fake model (no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cbjax.request import Request, RequestState, SamplingParams
+from cbjax.scheduler import Scheduler, SchedulerConfig
+
+EOS = 2
+MAX_SEQ_LEN = 48
+TICK = 0.001  # fake seconds per engine round
+
+
+@dataclasses.dataclass
+class Spec:
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+    eos_at: int | None  # index of the output token that is EOS, if any
+    priority: int
+
+
+def fake_token(spec: Spec, index: int) -> int:
+    return EOS if spec.eos_at == index else 10 + index % 7
+
+
+class FakeEngine:
+    """Mirrors the device: slots become active on a final prefill chunk, decode emits a
+    token per active slot per step (-1 for idle ones) and deactivates finished slots."""
+
+    def __init__(self, num_slots: int, steps: int):
+        self.active = [False] * num_slots
+        self.specs: list[Spec | None] = [None] * num_slots
+        self.generated = [0] * num_slots
+        self.lengths = [0] * num_slots
+        self.max_tokens = [0] * num_slots
+        self.steps = steps
+
+    def _done(self, slot, token):
+        return token == EOS or self.generated[slot] >= self.max_tokens[slot] or self.lengths[slot] >= MAX_SEQ_LEN
+
+    def prefill(self, slot, spec, request, is_last):
+        if not is_last:
+            return None
+        self.specs[slot], self.generated[slot] = spec, 1
+        self.max_tokens[slot] = request.sampling.max_tokens
+        self.lengths[slot] = request.prompt_len + 1
+        token = fake_token(spec, 0)
+        self.active[slot] = not self._done(slot, token)
+        return token
+
+    def decode(self):
+        out = []
+        for _ in range(self.steps):
+            row = []
+            for slot, on in enumerate(self.active):
+                if not on:
+                    row.append(-1)
+                    continue
+                token = fake_token(self.specs[slot], self.generated[slot])
+                self.generated[slot] += 1
+                self.lengths[slot] += 1
+                self.active[slot] = not self._done(slot, token)
+                row.append(token)
+            out.append(row)
+        return out
+
+
+configs = st.builds(
+    SchedulerConfig,
+    policy=st.sampled_from(["static", "dynamic", "continuous"]),
+    num_slots=st.integers(1, 6),
+    window_ms=st.sampled_from([0.0, 2.0, 10.0]),
+    refill_interval=st.integers(1, 4),
+    waiting_served_ratio=st.sampled_from([0.0, 0.5, 2.0]),
+    max_waiting_steps=st.integers(1, 6),
+    max_prefill_tokens=st.sampled_from([None, 8, 20]),
+    ordering=st.sampled_from(["fcfs", "priority"]),
+    length_aware=st.booleans(),
+    decode_steps=st.integers(1, 3),
+).flatmap(lambda c: st.builds(lambda b: dataclasses.replace(c, batch_size=b), st.integers(1, c.num_slots)))
+
+specs = st.lists(
+    st.builds(Spec, arrival=st.floats(0, 0.05), prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 20),
+              eos_at=st.one_of(st.none(), st.integers(0, 25)), priority=st.integers(0, 3)),
+    min_size=1, max_size=25)
+
+
+def run(config: SchedulerConfig, workload: list[Spec], check_round=None):
+    sched = Scheduler(config, {EOS}, MAX_SEQ_LEN)
+    engine = FakeEngine(config.num_slots, config.decode_steps)
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    requests: list[Request] = [None] * len(workload)  # type: ignore[list-item]
+    finish_events: dict[str, int] = {}
+    batches: list[set[str]] = []
+    now, pending = 0.0, 0
+    for _ in range(10_000):
+        while pending < len(order) and workload[order[pending]].arrival <= now:
+            i = order[pending]
+            s = workload[i]
+            requests[i] = Request(str(i), [5] * s.prompt_len, SamplingParams(max_tokens=s.max_tokens), s.arrival,
+                                  priority=s.priority)
+            sched.add(requests[i])
+            pending += 1
+        sched.drain(pending == len(order))
+        if pending == len(order) and not sched.has_unfinished():
+            break
+        before = {r.request_id for r in sched.running}
+        plan = sched.schedule(now)
+        admitted = {r.request_id for r in sched.running} - before
+        if admitted:
+            batches.append(admitted)
+        if check_round:
+            check_round(sched, plan, now, admitted)
+        _check_slots(sched)
+        if plan.idle:
+            nxt = [t for t in ([workload[order[pending]].arrival] if pending < len(order) else []) +
+                   ([plan.wake_time] if plan.wake_time is not None else [])]
+            assert nxt, "scheduler idles with requests waiting and nothing to wake it"
+            now = max(now + TICK / 10, min(nxt))
+            continue
+        now += TICK
+        for chunk in plan.prefills:
+            token = engine.prefill(chunk.slot, workload[int(chunk.request.request_id)], chunk.request, chunk.is_last)
+            if sched.on_prefill(chunk, -1 if token is None else token, now):
+                finish_events[chunk.request.request_id] = finish_events.get(chunk.request.request_id, 0) + 1
+        if plan.decode:
+            for r in sched.on_decode(engine.decode(), now):
+                finish_events[r.request_id] = finish_events.get(r.request_id, 0) + 1
+        _check_slots(sched)
+    else:
+        raise AssertionError("workload did not finish")
+    return sched, requests, finish_events, batches
+
+
+def _check_slots(sched: Scheduler):
+    held = [r for r in sched.slots if r is not None]
+    assert len({r.request_id for r in held}) == len(held), "a request holds two slots"
+    for i, r in enumerate(sched.slots):
+        if r is not None:
+            assert r.slot == i and r.state in (RequestState.PREFILLING, RequestState.RUNNING)
+    assert not {r.request_id for r in held} & {r.request_id for r in sched.waiting}
+
+
+def expected_output_len(spec: Spec) -> int:
+    budget = min(spec.max_tokens, MAX_SEQ_LEN - spec.prompt_len)
+    if spec.eos_at is not None and spec.eos_at < budget:
+        return spec.eos_at + 1
+    return budget
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs, specs)
+def test_every_request_finishes_exactly_once_and_no_slot_is_lost(config, workload):
+    workload = [s for s in workload if s.prompt_len < MAX_SEQ_LEN]
+    sched, requests, finish_events, _ = run(config, workload)
+    assert sorted(finish_events) == sorted(r.request_id for r in requests)
+    assert all(n == 1 for n in finish_events.values())
+    for spec, r in zip(workload, requests):
+        assert r.finished and r.finish_reason.value in ("stop", "length")
+        assert len(r.output_token_ids) == expected_output_len(spec)
+        assert r.metrics.first_token_time is not None and r.metrics.finish_time >= r.metrics.first_token_time
+        assert len(r.metrics.token_times) == len(r.output_token_ids)
+    assert sched.slots == [None] * config.num_slots and not sched.waiting
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="static")), specs)
+def test_static_never_mixes_batches(config, workload):
+    finished_at_admission = []
+
+    def check(sched, plan, now, admitted):
+        if admitted:
+            in_flight = [r for r in sched.running if r.request_id not in admitted]
+            finished_at_admission.append(in_flight)
+            if not sched.draining:
+                assert len(admitted) == config.batch_size
+
+    _, _, _, batches = run(config, workload, check)
+    assert all(not rest for rest in finished_at_admission), "a batch started while another was running"
+    assert all(len(b) <= config.batch_size for b in batches)
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="dynamic")), specs)
+def test_dynamic_never_waits_past_its_window_when_a_slot_is_free(config, workload):
+    def check(sched, plan, now, admitted):
+        if sched.waiting and not sched.running:
+            deadline = min(r.arrival_time for r in sched.waiting) + config.window_ms / 1000
+            assert now < deadline and len(sched.waiting) < config.batch_size, \
+                "dynamic left a batch waiting past its window (or full) with every slot free"
+
+    run(config, workload, check)
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="continuous", refill_interval=1,
+                                                 waiting_served_ratio=0.0, max_prefill_tokens=None)), specs)
+def test_continuous_never_leaves_a_slot_idle_while_a_request_waits(config, workload):
+    def check(sched, plan, now, admitted):
+        assert not (sched.waiting and sched.free_slots), "a slot is idle while a request waits"
+
+    run(config, workload, check)
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="continuous", ordering="priority")), specs)
+def test_priority_admits_lower_values_first(config, workload):
+    def check(sched, plan, now, admitted):
+        if admitted and sched.waiting:
+            best_waiting = min(r.priority for r in sched.waiting)
+            admitted_now = [r for r in sched.running if r.request_id in admitted]
+            assert max(r.priority for r in admitted_now) <= best_waiting
+
+    run(config, workload, check)
