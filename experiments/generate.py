@@ -1,7 +1,7 @@
-"""Greedy chat generation with a loaded model (default: the embedded SmolLM2-135M).
+"""Chat generation with a loaded model through the engine (default: the embedded SmolLM2-135M).
 
     python experiments/generate.py
-    python experiments/generate.py --model=/path/to/hf_dir --prompt="Hello" --max_tokens=64
+    python experiments/generate.py --model=/path/to/hf_dir --prompt="Hello" --max_tokens=64 --temperature=0.7
 """
 
 from __future__ import annotations
@@ -16,41 +16,51 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face director
 flags.DEFINE_multi_string("prompt", ["What is the capital of France?", "Name three colors.",
                                      "Write a haiku about the sea."],
                           "User message(s), chat-templated when the tokenizer has a template. Repeat the flag "
-                          "for several prompts; they are decoded together, one cache slot each.")
+                          "for several prompts.")
 flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per prompt.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", 0, "Top-k cut (0: off).")
+flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1: off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_enum("policy", "continuous", ["static", "dynamic", "continuous"], "Batching policy.")
+flags.DEFINE_integer("num_slots", 4, "KV-cache slots (sequences decoded together).")
+flags.DEFINE_integer("max_seq_len", 256, "Prompt plus output tokens per slot.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_json", None, "Optional path for the outputs as JSON.")
 
 
 def main(argv):
     del argv
-    from cbjax.checkpoint import load_model
-    from cbjax.generate import greedy_generate, next_power_of_two
+    from cbjax import LLM, SamplingParams
     from cbjax.tokenization import chat_prompt_ids
 
     t0 = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
-    print(f"loaded {FLAGS.model} ({model.config.model_type}, {model.config.num_layers} layers) "
+    llm = LLM(FLAGS.model, policy=FLAGS.policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
+              dtype=FLAGS.dtype, seed=FLAGS.seed)
+    print(f"loaded {FLAGS.model} ({llm.model.config.model_type}, {llm.model.config.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s")
-    if model.tokenizer is None:
+    if llm.tokenizer is None:
         raise app.UsageError(f"{FLAGS.model} has no tokenizer; this script needs text prompts")
-    prompts = [chat_prompt_ids(model.tokenizer, p) for p in FLAGS.prompt]
-
-    max_len = next_power_of_two(max(len(p) for p in prompts) + FLAGS.max_tokens)
-    greedy_generate(model, prompts, max_new_tokens=2, max_len=max_len)  # compile outside the timed run
+    prompts = [chat_prompt_ids(llm.tokenizer, p) for p in FLAGS.prompt]
+    params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                            top_p=FLAGS.top_p, seed=FLAGS.seed)
     t0 = time.perf_counter()
-    outputs = greedy_generate(model, prompts, max_new_tokens=FLAGS.max_tokens, max_len=max_len)
+    llm.engine.warmup()
+    print(f"compiled {len(llm.engine.programs())} programs in {time.perf_counter() - t0:.1f}s")
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    results = []
     for prompt, out in zip(FLAGS.prompt, outputs):
-        text = model.tokenizer.decode(out, skip_special_tokens=True)
-        results.append({"prompt": prompt, "output": text, "num_tokens": len(out)})
-        print(f"\n>>> {prompt}\n{text}")
-    total = sum(len(o) for o in outputs)
+        print(f"\n>>> {prompt}\n{out.text}   [{out.finish_reason}, {len(out.token_ids)} tokens, "
+              f"TTFT {1000 * out.metrics.ttft:.0f} ms]")
+    total = sum(len(o.token_ids) for o in outputs)
     print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s, {len(prompts)} sequences)")
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
-            json.dump({"model": FLAGS.model, "results": results, "seconds": elapsed}, f, indent=1)
+            json.dump({"model": FLAGS.model, "seconds": elapsed,
+                       "results": [{"prompt": p, "output": o.text, "token_ids": o.token_ids,
+                                    "finish_reason": o.finish_reason} for p, o in zip(FLAGS.prompt, outputs)]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

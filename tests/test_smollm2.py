@@ -36,14 +36,17 @@ def test_config_from_gguf_metadata(smollm2):
 
 
 def test_greedy_answer_names_paris(smollm2):
-    from cbjax.generate import greedy_generate
+    from cbjax import LLM, SamplingParams
     from cbjax.tokenization import chat_prompt_ids
 
-    prompt = chat_prompt_ids(smollm2.tokenizer, "What is the capital of France?")
-    (out,) = greedy_generate(smollm2, [prompt], max_new_tokens=32)
-    answer = smollm2.tokenizer.decode(out, skip_special_tokens=True)
-    print("SmolLM2 answer:", repr(answer))
-    assert "Paris" in answer
+    llm = LLM(smollm2, num_slots=2, max_seq_len=128)
+    question = chat_prompt_ids(smollm2.tokenizer, "What is the capital of France?")
+    # A chat-templated prompt (token ids) and a raw text prompt, batched together.
+    chat, text = llm.generate([question, "The capital of France is the city of"],
+                              SamplingParams(max_tokens=24), use_tqdm=False)
+    print("SmolLM2 answer:", repr(chat.text), "| completion:", repr(text.text))
+    assert "Paris" in chat.text and chat.finish_reason == "stop"
+    assert text.prompt == "The capital of France is the city of" and text.token_ids
 
 
 def test_logits_match_transformers_from_same_gguf(smollm2):
