@@ -26,21 +26,21 @@ def attention_mask(q_positions: jax.Array, kv_len: int, window: jax.Array | int 
 
 def reference_attention(
     q: jax.Array,  # [B, T, q_heads, head_dim]
-    k: jax.Array,  # [B, K, kv_heads, head_dim]
-    v: jax.Array,  # [B, K, kv_heads, head_dim]
+    k: jax.Array,  # [B, kv_heads, K, head_dim]
+    v: jax.Array,  # [B, kv_heads, K, head_dim]
     mask: jax.Array,  # [B, T, K] bool
     scale: float,
 ) -> jax.Array:
     """Grouped-query attention with float32 softmax; returns `[B, T, q_heads, head_dim]`."""
     b, t, hq, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     group = hq // kv_heads
     qg = q.reshape(b, t, kv_heads, group, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     # A fully masked row (a padded query) would give NaN; such rows are discarded by
     # the caller, but keep them finite so NaNs never leak into a reduction.
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.isnan(probs), 0.0, probs)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -7,6 +7,7 @@ Offline: `generate(prompts, sampling_params)`. Online: `add_request` / `step` /
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import zlib
@@ -20,6 +21,27 @@ from cbjax.request import FinishReason, Request, RequestOutput, RequestState, Sa
 from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
 
 Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Where the host loop's time goes (seconds, summed over rounds)."""
+
+    rounds: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+    schedule_s: float = 0.0  # Scheduler.schedule
+    dispatch_s: float = 0.0  # enqueueing the jitted steps (async)
+    device_wait_s: float = 0.0  # waiting for the round's one host copy
+    process_s: float = 0.0  # recording tokens, stop checks, building outputs
+
+    @property
+    def host_s(self) -> float:
+        """Scheduler and bookkeeping time: what the device would idle for without overlap."""
+        return self.schedule_s + self.process_s
+
+    def host_ms_per_decode_step(self) -> float:
+        return 1000 * self.host_s / max(self.decode_steps, 1)
 
 
 class LLM:
@@ -61,6 +83,7 @@ class LLM:
         self._ids = itertools.count()
         self._emitted: dict[str, int] = {}
         self.last_plan: Plan | None = None
+        self.stats = StepStats()
 
     # ------------------------------------------------------------ requests
     def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -132,9 +155,12 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling round: planned prefill chunks, then a decode call. Returns an
         output for every request that got new tokens or finished in this round."""
-        sched, engine = self.scheduler, self.engine
+        sched, engine, stats = self.scheduler, self.engine, self.stats
+        t0 = time.perf_counter()
         plan = sched.schedule(self.clock())
         self.last_plan = plan
+        t1 = time.perf_counter()
+        stats.schedule_s += t1 - t0
         if plan.idle:
             return []
         prefill_results = []
@@ -150,8 +176,12 @@ class LLM:
                           for r in sched.running if r.state == RequestState.RUNNING or r.request_id in finishing)
             decoded = engine.decode(longest)
         # The one host copy of the round: every prefill's (token, done) and the decode tokens.
+        t2 = time.perf_counter()
         host_prefill, host_decode = jax.device_get(([o for _, o in prefill_results if o is not None], decoded))
         now = self.clock()
+        t3 = time.perf_counter()
+        stats.dispatch_s += t2 - t1
+        stats.device_wait_s += t3 - t2
         touched: dict[str, Request] = {}
         firsts = iter(host_prefill)
         for chunk, out in prefill_results:
@@ -173,7 +203,12 @@ class LLM:
                     raise RuntimeError(f"engine and scheduler out of sync: slot {slot} produced no token "
                                        f"for running request {r.request_id!r}")
                 touched[r.request_id] = r
-        return [self._output(r, stream=True) for r in touched.values()]
+            stats.decode_steps += len(host_decode)
+        stats.rounds += 1
+        stats.prefill_chunks += len(plan.prefills)
+        outputs = [self._output(r, stream=True) for r in touched.values()]
+        stats.process_s += time.perf_counter() - t3
+        return outputs
 
     def _check_sync(self, request: Request, device_done: bool, host_done: bool) -> None:
         if device_done != host_done:
@@ -185,7 +220,7 @@ class LLM:
         if stream:
             self._emitted[r.request_id] = len(tokens)
         text = None
-        if self.tokenizer is not None and tokens:
+        if self.tokenizer is not None and tokens and r.finished:  # streamed steps carry new_token_ids only
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         reason = None if r.finish_reason is None else r.finish_reason.value
         return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics,

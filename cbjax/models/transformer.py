@@ -23,8 +23,35 @@ from cbjax.kv_cache import SlotCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
+def write_chunk(cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
+    """Write `new[b, :num_valid[b]]` at `cache[layer, slot_ids[b], starts[b]:]`, in place.
+
+    The performance trick: one `dynamic_update_slice` of a `[T]` window per row, in a
+    loop. XLA keeps a dynamic-update-slice of a loop-carried buffer in place, whereas a
+    scatter there can turn into a loop over the whole cache (on CPU, a full copy per
+    layer and step). The window is read first and only the valid positions replaced,
+    so bucket padding never clobbers the cache, and it is shifted left when it would
+    run past `max_len` (where dynamic_update_slice would clamp it).
+    """
+    t = new.shape[1]
+    _, _, kv_heads, max_len, head_dim = cache.shape
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    new = new.swapaxes(1, 2).astype(cache.dtype)  # [B, kv_heads, T, head_dim]
+
+    def write_row(b, cache):
+        w0 = jnp.clip(starts[b], 0, max_len - t)
+        index = (layer, slot_ids[b], 0, w0, 0)
+        window = jax.lax.dynamic_slice(cache, index, (1, 1, kv_heads, t, head_dim))[0, 0]
+        src = offsets - (starts[b] - w0)  # window position -> chunk offset
+        valid = (src >= 0) & (src < num_valid[b])
+        merged = jnp.where(valid[None, :, None], new[b][:, jnp.clip(src, 0, t - 1)], window)
+        return jax.lax.dynamic_update_slice(cache, merged[None, None], index)
+
+    return jax.lax.fori_loop(0, new.shape[0], write_row, cache)
+
+
 def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, window,
-                     slot_ids, write_pos, kv_len):
+                     slot_ids, starts, num_valid, kv_len, all_slots):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -38,15 +65,15 @@ def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, w
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-    # Scatter into the carried [layers, slots, max_len, ...] array: XLA updates the
-    # loop carry in place, so a decode step writes one row per slot, not a copy.
-    # Padding rows have write_pos == max_len and are dropped.
-    rows = slot_ids[:, None]
-    k_all = k_all.at[layer, rows, write_pos].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, rows, write_pos].set(v.astype(v_all.dtype), mode="drop")
+    k_all = write_chunk(k_all, layer, slot_ids, starts, num_valid, k)
+    v_all = write_chunk(v_all, layer, slot_ids, starts, num_valid, v)
 
-    keys = k_all[layer, slot_ids, :kv_len].astype(q.dtype)
-    values = v_all[layer, slot_ids, :kv_len].astype(q.dtype)
+    if all_slots:  # decode: every slot in order, a plain slice rather than a gather
+        keys = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)[:, :, :kv_len].astype(q.dtype)
+        values = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)[:, :, :kv_len].astype(q.dtype)
+    else:
+        keys = k_all[layer, slot_ids, :, :kv_len].astype(q.dtype)
+        values = v_all[layer, slot_ids, :, :kv_len].astype(q.dtype)
     mask = attention_mask(q_positions, kv_len, window)
     out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
     x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
@@ -70,14 +97,16 @@ def forward(
     b, t = tokens.shape
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
-    if slot_ids is None:
+    all_slots = slot_ids is None
+    if all_slots:
+        if b != cache.num_slots:
+            raise ValueError(f"without slot_ids the batch ({b}) must cover every slot ({cache.num_slots})")
         slot_ids = jnp.arange(b, dtype=jnp.int32)
     if num_valid is None:
         num_valid = jnp.full((b,), t, jnp.int32)
     starts = starts.astype(jnp.int32)
     offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = starts[:, None] + offsets
-    write_pos = jnp.where(offsets < num_valid[:, None], positions, max_len)
 
     x = params["embed"][tokens]
     if config.position_embedding == "learned":
@@ -90,7 +119,7 @@ def forward(
         x, k_all, v_all = carry
         p, layer, window = xs
         x, k_all, v_all = _attention_block(
-            x, p, config, cos, sin, positions, k_all, v_all, layer, window, slot_ids, write_pos, kv_len)
+            x, p, config, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid, kv_len, all_slots)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
         return (x, k_all, v_all), None
 
