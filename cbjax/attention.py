@@ -24,6 +24,9 @@ def attention_mask(q_positions: jax.Array, kv_len: int, window: jax.Array | int 
     return visible & in_window
 
 
+_MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
+
+
 def reference_attention(
     q: jax.Array,  # [B, T, q_heads, head_dim]
     k: jax.Array,  # [B, kv_heads, K, head_dim]
@@ -35,12 +38,24 @@ def reference_attention(
     b, t, hq, d = q.shape
     kv_heads = k.shape[1]
     group = hq // kv_heads
+    if t == 1:
+        return _single_query_attention(q.reshape(b, kv_heads, group, d), k, v, mask[:, 0], scale).reshape(q.shape)
     qg = q.reshape(b, t, kv_heads, group, d)
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    # A fully masked row (a padded query) would give NaN; such rows are discarded by
-    # the caller, but keep them finite so NaNs never leak into a reduction.
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(jnp.isnan(probs), 0.0, probs)
     out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _single_query_attention(q, k, v, mask, scale):
+    """Decode: one query per row. Written as multiply-and-reduce rather than a batched
+    matmul: with a handful of query heads per KV head the dot is a skinny [group, d] x
+    [d, K] product, which XLA's CPU backend runs 2.5x slower than the fused
+    elementwise reduction (measured at 32 slots, K=256); both stream K and V once."""
+    qf = q.astype(jnp.float32)
+    scores = jnp.sum(qf[:, :, :, None, :] * k[:, :, None, :, :].astype(jnp.float32), axis=-1) * scale
+    scores = jnp.where(mask[:, None, None, :], scores, _MASKED)  # [B, kv_heads, group, K]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
+    return out.astype(q.dtype)

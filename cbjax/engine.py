@@ -57,17 +57,9 @@ class SlotState:
                    seeds=zeros(), stop_ids=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotRequest:
-    """One request's sampling settings as device scalars, for `prefill`'s insert."""
-
-    max_tokens: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    stop_ids: jax.Array  # [max_stop_tokens]
+# Layout of the packed int32 row that carries one prefill's scalars to the device (one
+# host-to-device copy instead of one per scalar: on CPU that was most of a small prefill).
+_SLOT, _START, _LENGTH, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _STOP = range(8)
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -98,25 +90,30 @@ _STATIC = ("config", "max_len", "kv_len")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
-def _prefill_step(params, cache, state, tokens, slot, start, length, is_last, req, *, config, max_len, kv_len):
-    """Write a prompt chunk into `slot`; when `is_last`, sample the first token and make the
-    slot's decode state (a traced flag, so chunked and whole prefills share one program)."""
+def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len, kv_len):
+    """Write a prompt chunk into a slot; when it is the last chunk, sample the first token
+    and set the slot's decode state (a traced flag, so chunked and whole prefills share
+    one program). `ints` and `floats` are the packed scalars (see `_SLOT` and friends)."""
     TRACE_COUNTS[("prefill", config, tokens.shape[0], kv_len, cache.num_slots)] += 1
+    slot, start, length, max_tokens, top_k, seed = (ints[i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS,
+                                                                     _TOP_K, _SEED))
+    is_last, stop_ids = ints[_IS_LAST] > 0, ints[_STOP:]
+    temperature, top_p = floats[0], floats[1]
     logits, cache = forward(params, config, cache, tokens[None], start[None], num_valid=length[None],
                             slot_ids=slot[None], kv_len=kv_len, logits_index=length[None] - 1)
     zero = jnp.zeros((1,), jnp.int32)
-    token = sample(logits, req.temperature[None], req.top_k[None], req.top_p[None], req.seed[None], zero)[0]
-    done = _is_done(token, req.stop_ids, 1, req.max_tokens, start + length + 1, max_len)
+    token = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], zero)[0]
+    done = _is_done(token, stop_ids, 1, max_tokens, start + length + 1, max_len)
     inserted = SlotState(
         tokens=state.tokens.at[slot].set(token),
         active=state.active.at[slot].set(~done),
         num_generated=state.num_generated.at[slot].set(1),
-        max_tokens=state.max_tokens.at[slot].set(req.max_tokens),
-        temperature=state.temperature.at[slot].set(req.temperature),
-        top_k=state.top_k.at[slot].set(req.top_k),
-        top_p=state.top_p.at[slot].set(req.top_p),
-        seeds=state.seeds.at[slot].set(req.seed),
-        stop_ids=state.stop_ids.at[slot].set(req.stop_ids),
+        max_tokens=state.max_tokens.at[slot].set(max_tokens),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        seeds=state.seeds.at[slot].set(seed),
+        stop_ids=state.stop_ids.at[slot].set(stop_ids),
     )
     state = jax.tree.map(lambda new, old: jnp.where(is_last, new, old), inserted, state)
     return jnp.stack([token, (done & is_last).astype(jnp.int32)]), cache, state
@@ -209,12 +206,11 @@ class Engine:
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
         kv_len = bucket if start == 0 else self._attended_len(start + n)
-        args = (jnp.asarray(padded), jnp.int32(slot), jnp.int32(start), jnp.int32(n))
-        req = SlotRequest(max_tokens=jnp.int32(sampling.max_tokens), temperature=jnp.float32(sampling.temperature),
-                          top_k=jnp.int32(sampling.top_k), top_p=jnp.float32(sampling.top_p),
-                          seed=jnp.int32(seed), stop_ids=jnp.asarray(self.stop_ids_for(sampling)))
-        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, *args, jnp.bool_(is_last),
-                                                    req, config=self.model.config, max_len=self.max_len,
+        ints = np.concatenate([np.array([slot, start, n, is_last, sampling.max_tokens, sampling.top_k, seed],
+                                        np.int32), self.stop_ids_for(sampling)])
+        floats = np.array([sampling.temperature, sampling.top_p], np.float32)
+        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, padded, ints, floats,
+                                                    config=self.model.config, max_len=self.max_len,
                                                     kv_len=kv_len)
         return out if is_last else None
 

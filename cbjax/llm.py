@@ -155,6 +155,10 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling round: planned prefill chunks, then a decode call. Returns an
         output for every request that got new tokens or finished in this round."""
+        return [self._output(r, stream=True) for r in self._round()]
+
+    def _round(self) -> list[Request]:
+        """A round without building outputs; returns the requests it touched."""
         sched, engine, stats = self.scheduler, self.engine, self.stats
         t0 = time.perf_counter()
         plan = sched.schedule(self.clock())
@@ -206,9 +210,8 @@ class LLM:
             stats.decode_steps += len(host_decode)
         stats.rounds += 1
         stats.prefill_chunks += len(plan.prefills)
-        outputs = [self._output(r, stream=True) for r in touched.values()]
         stats.process_s += time.perf_counter() - t3
-        return outputs
+        return list(touched.values())
 
     def _check_sync(self, request: Request, device_done: bool, host_done: bool) -> None:
         if device_done != host_done:
@@ -268,8 +271,7 @@ class LLM:
         bar = tqdm(total=total, desc=f"{self.scheduler_config.policy}", disable=not use_tqdm, unit="req")
         try:
             while self.has_unfinished_requests():
-                outputs = self.step()
-                bar.update(sum(1 for o in outputs if o.finished))
+                bar.update(sum(1 for r in self._round() if r.finished))
                 if self.last_plan is not None and self.last_plan.idle:
                     self._sleep_until(self.last_plan.wake_time)
         finally:
@@ -304,8 +306,7 @@ class LLM:
                     ids[i] = self.add_request(prompt, sp, arrival_time=start + offset)
                     pending += 1
                 self.scheduler.drain(pending == len(order))
-                outputs = self.step()
-                bar.update(sum(1 for o in outputs if o.finished))
+                bar.update(sum(1 for r in self._round() if r.finished))
                 if self.last_plan is not None and self.last_plan.idle:
                     next_arrival = start + workload[order[pending]][0] if pending < len(order) else None
                     wakes = [t for t in (next_arrival, self.last_plan.wake_time) if t is not None]

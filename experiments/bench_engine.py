@@ -21,8 +21,9 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("shape", "small", ["small", "smollm2"],
-                  "Model shape: 'small' (4 layers, d=256) or 'smollm2' (30 layers, d=576, the 135M shape).")
+flags.DEFINE_enum("shape", "small", ["tiny", "small", "smollm2"],
+                  "Model shape: 'tiny' (2 layers, d=64), 'small' (4 layers, d=256) or 'smollm2' "
+                  "(30 layers, d=576, the 135M shape).")
 flags.DEFINE_integer("num_requests", 64, "Requests in the workload.")
 flags.DEFINE_integer("num_slots", 32, "Concurrent sequences for both engines (transformers' "
                      "max_requests_per_batch).")
@@ -37,6 +38,8 @@ flags.DEFINE_bool("skip_transformers", False, "Only run cbjax.")
 flags.DEFINE_string("output_json", "results/bench_engine.json", "Where to write the results.")
 
 SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024),
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
