@@ -34,6 +34,12 @@ class StepStats:
     dispatch_s: float = 0.0  # enqueueing the jitted steps (async)
     device_wait_s: float = 0.0  # waiting for the round's one host copy
     process_s: float = 0.0  # recording tokens, stop checks, building outputs
+    active_slot_steps: int = 0  # sum over decode steps of slots that produced a token
+
+    @property
+    def mean_running(self) -> float:
+        """Mean number of sequences decoding per decode step (batch utilization)."""
+        return self.active_slot_steps / max(self.decode_steps, 1)
 
     @property
     def host_s(self) -> float:
@@ -208,6 +214,7 @@ class LLM:
                                        f"for running request {r.request_id!r}")
                 touched[r.request_id] = r
             stats.decode_steps += len(host_decode)
+            stats.active_slot_steps += int((host_decode >= 0).sum())
         stats.rounds += 1
         stats.prefill_chunks += len(plan.prefills)
         stats.process_s += time.perf_counter() - t3

@@ -20,6 +20,8 @@ import time
 
 from absl import app, flags
 
+from hf_peers import continuous_generate_batch
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("shape", "small", ["tiny", "small", "smollm2"],
                   "Model shape: 'tiny' (2 layers, d=64), 'small' (4 layers, d=256) or 'smollm2' "
@@ -84,33 +86,6 @@ def run_cbjax(model, prompts, outputs, max_seq_len):
     return [r.token_ids for r in results], elapsed, compile_s, llm.stats
 
 
-def run_transformers(hf, prompts, outputs):
-    import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from tqdm.auto import tqdm
-
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(outputs))
-    cb = ContinuousBatchingConfig(max_requests_per_batch=FLAGS.num_slots)
-    # Warm up once on a few requests so both sides are timed without start-up costs.
-    hf.generate_batch(prompts[:2], generation_config=gen, continuous_batching_config=cb, max_new_tokens=4)
-    results = {}
-    with torch.no_grad(), hf.continuous_batching_context_manager(
-            generation_config=gen, continuous_batching_config=cb, block=True, timeout=5) as manager:
-        t0 = time.perf_counter()
-        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
-               for i, (p, m) in enumerate(zip(prompts, outputs))]
-        with tqdm(total=len(ids), desc="transformers") as bar:
-            while len(results) < len(ids):
-                out = manager.get_result(timeout=1)
-                if out is not None and out.is_finished():
-                    results[out.request_id] = list(out.generated_tokens)
-                    bar.update(1)
-                elif out is None and not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching thread stopped")
-        elapsed = time.perf_counter() - t0
-    return [results[i] for i in ids], elapsed
-
-
 def scheduler_overhead(slots: int) -> dict:
     """Host time per decode step of the cbjax loop at `slots` slots on a tiny model, where the
     device step is cheap and the host share is easy to see."""
@@ -158,7 +133,7 @@ def main(argv):
     print(f"\ncbjax continuous: {total} tokens in {ours_s:.2f}s = {total / ours_s:.1f} tok/s "
           f"(compile {compile_s:.1f}s, host {stats.host_ms_per_decode_step():.3f} ms/decode step)")
     if not FLAGS.skip_transformers:
-        theirs, theirs_s = run_transformers(hf, prompts, outputs)
+        theirs, theirs_s = continuous_generate_batch(hf, prompts, outputs, FLAGS.num_slots, return_tokens=True)
         same = sum(a == b for a, b in zip(ours, theirs))
         ratio = (total / ours_s) / (total / theirs_s)
         result["transformers"] = {"seconds": theirs_s, "tokens_per_s": total / theirs_s}

@@ -1,0 +1,48 @@
+"""Perplexity of a token stream, in non-overlapping windows scored independently."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cbjax.checkpoint import Model
+from cbjax.kv_cache import SlotCache
+from cbjax.models import forward
+
+
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows; a trailing window shorter than 2 tokens predicts nothing."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    out = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
+    return [w for w in out if len(w) >= 2]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _window_nll(params, config, tokens, length):
+    cache = SlotCache.init(config, 1, tokens.shape[0], jax.tree.leaves(params)[0].dtype)
+    logits, _ = forward(params, config, cache, tokens[None], jnp.zeros((1,), jnp.int32), num_valid=length[None])
+    logp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(jnp.arange(tokens.shape[0] - 1) < length - 1, nll, 0.0))
+
+
+def negative_log_likelihood(model: Model, token_ids: list[int], window: int = 256) -> tuple[float, int]:
+    """(summed NLL in nats, number of predicted tokens) over the windows."""
+    total, count = 0.0, 0
+    for w in windows(token_ids, window):
+        padded = np.zeros(window, np.int32)
+        padded[:len(w)] = w
+        total += float(_window_nll(model.params, model.config, jnp.asarray(padded), jnp.int32(len(w))))
+        count += len(w) - 1
+    if count == 0:
+        raise ValueError("text too short: need at least 2 tokens")
+    return total, count
+
+
+def perplexity(model: Model, token_ids: list[int], window: int = 256) -> float:
+    total, count = negative_log_likelihood(model, token_ids, window)
+    return float(np.exp(total / count))

@@ -1,0 +1,171 @@
+"""The Anyscale throughput table: static vs dynamic vs continuous batching at equal KV memory.
+
+Same prompts; output budgets drawn from a capped exponential (mean `output_mean`,
+capped at each max generation length, EOS ignored); all requests arrive at once.
+`kv_cache_bytes` fixes the KV memory, from which each layout derives how many
+sequences it holds; the transformers peers run at that same batch size. Next to
+each continuous/static ratio we print the bound the drawn workload allows at
+equal slots: the mean over static batches of the longest budget divided by the
+mean budget.
+
+    python experiments/compare_batching.py                          # CPU, scaled down
+    python experiments/compare_batching.py --flagfile=configs/compare_batching_gpu.cfg
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_integer("prompt_len", 32, "Prompt length in tokens (the study used 512).")
+flags.DEFINE_list("max_gen_lens", ["16", "64", "256"], "Max generation lengths, one table column each "
+                  "(the study used 32,128,512,1536).")
+flags.DEFINE_float("output_mean", 64.0, "Mean of the capped-exponential output budget (the study used 128).")
+flags.DEFINE_integer("num_requests", 24, "Requests per column.")
+flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget; sets the number of slots per column. "
+                     "Default: --num_slots at the largest max generation length.")
+flags.DEFINE_integer("num_slots", 8, "Slots at the largest max generation length when --kv_cache_bytes is unset.")
+flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "cbjax policies to run.")
+flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch.")
+flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.")
+flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON and the plot go.")
+
+
+def static_bound(budgets: list[int], batch: int) -> float:
+    """Continuous/static throughput bound at equal slots for these budgets (FCFS batches)."""
+    import numpy as np
+
+    longest = [max(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
+    sizes = [len(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
+    # Static spends sum(longest * size) slot-steps for sum(budgets) useful tokens.
+    return float(np.dot(longest, sizes) / np.sum(budgets))
+
+
+def run_column(model, max_gen: int, peer) -> dict:
+    from tqdm.auto import tqdm
+
+    from cbjax import LLM
+    from cbjax.kv_cache import SlotCache
+    from cbjax.workload import LengthDist, synthetic
+
+    max_seq_len = FLAGS.prompt_len + max_gen
+    dtype = FLAGS.dtype
+    budget = FLAGS.kv_cache_bytes
+    if budget is None:
+        largest = FLAGS.prompt_len + max(int(x) for x in FLAGS.max_gen_lens)
+        budget = FLAGS.num_slots * SlotCache.bytes_per_slot(model.config, largest, dtype)
+    slots = max(1, budget // SlotCache.bytes_per_slot(model.config, max_seq_len, dtype))
+    work = synthetic(FLAGS.num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
+                     output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=max_gen),
+                     vocab_size=model.config.vocab_size, seed=FLAGS.seed)
+    prompts = [w.prompt for w in work]
+    budgets = [w.sampling.max_tokens for w in work]
+    column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget),
+              "mean_budget": sum(budgets) / len(budgets), "bound_continuous_over_static": static_bound(budgets, slots),
+              "rows": {}}
+    for policy in FLAGS.policies:
+        llm = LLM(model, policy=policy, num_slots=slots, batch_size=slots, max_seq_len=max_seq_len,
+                  window_ms=FLAGS.window_ms, decode_steps=FLAGS.decode_steps, dtype=dtype)
+        llm.engine.warmup()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        assert tokens == sum(budgets), "EOS is ignored: every request makes its budget"
+        column["rows"][policy] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                                  "mean_running": llm.stats.mean_running, "decode_steps": llm.stats.decode_steps}
+    if peer is not None:
+        from hf_peers import continuous_generate_batch, static_generate
+
+        for name, fn in (("hf_generate_static", static_generate), ("hf_generate_batch", continuous_generate_batch)):
+            with tqdm(total=len(prompts), desc=name) as bar:
+                tokens, elapsed = fn(peer, prompts, budgets, slots, progress=bar.update)
+            column["rows"][name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
+    return column
+
+
+def print_table(columns: list[dict]) -> str:
+    rows = list(columns[0]["rows"])
+    head = f"{'policy':<22}" + "".join(f"{'gen<=' + str(c['max_gen_len']):>16}" for c in columns)
+    lines = [head, "-" * len(head)]
+    lines.append(f"{'slots (equal KV mem)':<22}" + "".join(f"{c['slots']:>16}" for c in columns))
+    for r in rows:
+        lines.append(f"{r + ' tok/s':<22}" + "".join(f"{c['rows'][r]['tokens_per_s']:>16.1f}" for c in columns))
+    if "static" in rows:
+        for r in rows:
+            if r == "static":
+                continue
+            lines.append(f"{r + ' / static':<22}" + "".join(
+                f"{c['rows'][r]['tokens_per_s'] / c['rows']['static']['tokens_per_s']:>15.2f}x" for c in columns))
+        lines.append(f"{'bound cont./static':<22}" + "".join(
+            f"{c['bound_continuous_over_static']:>15.2f}x" for c in columns))
+    for r in rows:
+        if "mean_running" in columns[0]["rows"][r]:
+            lines.append(f"{r + ' mean running':<22}" + "".join(
+                f"{c['rows'][r]['mean_running']:>16.2f}" for c in columns))
+    return "\n".join(lines)
+
+
+def plot(columns: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [c["max_gen_len"] for c in columns]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in columns[0]["rows"]:
+        ax.plot(xs, [c["rows"][r]["tokens_per_s"] for c in columns], marker="o", label=r)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("max generation length (tokens)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{FLAGS.model}: throughput at equal KV memory")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    from cbjax.checkpoint import load_model
+    from cbjax.metrics import write_json
+
+    start = time.perf_counter()
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
+    peer = load_peer(FLAGS.model) if FLAGS.peers else None
+    if FLAGS.peers and peer is None:
+        print(f"no transformers twin for {FLAGS.model}: peers skipped")
+    columns = [run_column(model, int(g), peer) for g in FLAGS.max_gen_lens]
+    table = print_table(columns)
+    print("\n" + table)
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    write_json(os.path.join(FLAGS.output_dir, "compare_batching.json"),
+               {"flags": script_flags(),
+                "columns": columns, "table": table, "wall_s": time.perf_counter() - start})
+    plot(columns, os.path.join(FLAGS.output_dir, "compare_batching.png"))
+    print(f"\nwrote {FLAGS.output_dir}/compare_batching.json and .png in {time.perf_counter() - start:.0f}s")
+
+
+def load_peer(spec):
+    from hf_peers import load_peer as load
+
+    return load(spec)
+
+
+def script_flags() -> dict:
+    import sys
+
+    return {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.argv[0])}
+
+
+if __name__ == "__main__":
+    app.run(main)

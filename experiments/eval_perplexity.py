@@ -1,0 +1,84 @@
+"""Perplexity of a checkpoint on a text file, next to transformers' value for the same checkpoint.
+
+    python experiments/eval_perplexity.py                                  # SmolLM2, shipped text
+    python experiments/eval_perplexity.py --model=/path/hf_dir --text=my.txt --window=512
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory "
+                    "(an orbax directory is compared against the checkpoint it was converted from).")
+flags.DEFINE_string("text", os.path.join(os.path.dirname(__file__), "data", "public_domain.txt"),
+                    "Text file to score.")
+flags.DEFINE_integer("window", 256, "Tokens per independently scored window.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype for cbjax.")
+flags.DEFINE_bool("transformers", True, "Also compute transformers' perplexity on the same windows.")
+flags.DEFINE_string("output_json", "results/eval_perplexity.json", "Where the result goes.")
+
+
+def transformers_nll(peer, token_ids, window):
+    import torch
+
+    from cbjax.perplexity import windows
+
+    total, count = 0.0, 0
+    for w in windows(token_ids, window):
+        ids = torch.tensor([w])
+        with torch.no_grad():
+            logits = peer(ids).logits[0, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += len(w) - 1
+    return total, count
+
+
+def main(argv):
+    del argv
+    import numpy as np
+
+    from cbjax.checkpoint import is_orbax_dir, load_model
+    from cbjax.metrics import write_json
+    from cbjax.perplexity import negative_log_likelihood
+
+    start = time.perf_counter()
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    if model.tokenizer is None:
+        raise app.UsageError(f"{FLAGS.model} has no tokenizer to turn the text into tokens")
+    with open(FLAGS.text) as f:
+        text = f.read()
+    ids = [int(t) for t in model.tokenizer(text)["input_ids"]]
+    total, count = negative_log_likelihood(model, ids, FLAGS.window)
+    ours = float(np.exp(total / count))
+    result = {"model": FLAGS.model, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
+              "window": FLAGS.window, "cbjax_ppl": ours}
+    print(f"cbjax        perplexity {ours:.4f} over {count} predicted tokens ({len(ids)} tokens, "
+          f"window {FLAGS.window})")
+    if FLAGS.transformers:
+        from hf_peers import load_peer
+
+        source = FLAGS.model
+        if os.path.isdir(source) and is_orbax_dir(source):
+            with open(os.path.join(source, "cbjax_config.json")) as f:
+                source = json.load(f).get("source", "")
+        peer = load_peer(source) if source else None
+        if peer is None:
+            print(f"no transformers twin for {FLAGS.model}: comparison skipped")
+        else:
+            t_total, t_count = transformers_nll(peer, ids, FLAGS.window)
+            theirs = float(np.exp(t_total / t_count))
+            rel = abs(ours - theirs) / theirs
+            result.update(transformers_ppl=theirs, relative_difference=rel)
+            print(f"transformers perplexity {theirs:.4f}   relative difference {100 * rel:.4f}%")
+    result["wall_s"] = time.perf_counter() - start
+    write_json(FLAGS.output_json, result)
+    print(f"wrote {FLAGS.output_json} in {result['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)

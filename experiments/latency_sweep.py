@@ -1,0 +1,88 @@
+"""Latency under Poisson arrivals: each policy replayed on the wall clock at several QPS.
+
+Prints TTFT / TPOT / E2E percentiles and goodput per (policy, QPS), writes JSON and
+a plot of the end-to-end latency CDF per policy for each QPS.
+
+    python experiments/latency_sweep.py
+    python experiments/latency_sweep.py --qps=2,8 --ttft_ms=500 --tpot_ms=100
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags
+
+import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second).")
+flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "Policies to compare.")
+flags.DEFINE_integer("num_slots", 8, "KV-cache slots (and static/dynamic batch size).")
+flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.")
+flags.DEFINE_float("window_ms", 100.0, "Dynamic batching window.")
+flags.DEFINE_float("ttft_ms", None, "SLO on time to first token, for goodput.")
+flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput.")
+flags.DEFINE_float("e2e_ms", None, "SLO on end-to-end latency, for goodput.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+flags.DEFINE_string("output_dir", "results/latency_sweep", "Where the JSON and the plot go.")
+common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
+
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
+        "output_throughput")
+
+
+def main(argv):
+    del argv
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from cbjax import LLM
+    from cbjax.checkpoint import load_model
+    from cbjax.metrics import SLO, write_json
+
+    start = time.perf_counter()
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
+    slo = SLO(ttft_ms=FLAGS.ttft_ms, tpot_ms=FLAGS.tpot_ms, e2el_ms=FLAGS.e2e_ms)
+    results = {}
+    qps_list = [float(q) for q in FLAGS.qps]
+    for qps in qps_list:
+        workload = common.make_workload(model.config.vocab_size, "poisson", qps)
+        for policy in FLAGS.policies:
+            llm = LLM(model, policy=policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
+                      window_ms=FLAGS.window_ms, dtype=FLAGS.dtype)
+            results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo)}
+
+    header = f"{'policy @ qps':<18}" + "".join(f"{k:>18}" for k in KEYS) + f"{'goodput req/s':>15}"
+    lines = [header, "-" * len(header)]
+    for name, m in results.items():
+        lines.append(f"{name:<18}" + "".join(f"{m[k]:>18.1f}" for k in KEYS) + f"{m['request_goodput']:>15.2f}")
+    table = "\n".join(lines)
+    print("\n" + table)
+
+    fig, axes = plt.subplots(1, len(qps_list), figsize=(5.2 * len(qps_list), 4), squeeze=False)
+    for ax, qps in zip(axes[0], qps_list):
+        for policy in FLAGS.policies:
+            e2e = np.asarray(results[f"{policy}@{qps:g}"]["e2el_s"]) * 1000
+            ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=policy)
+        ax.set_title(f"{FLAGS.model}, Poisson {qps:g} req/s")
+        ax.set_xlabel("end-to-end latency (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    common.savefig(fig, os.path.join(FLAGS.output_dir, "latency_cdf.png"))
+    write_json(os.path.join(FLAGS.output_dir, "latency_sweep.json"),
+               {"flags": common.script_flags(), "results": results, "table": table,
+                "wall_s": time.perf_counter() - start})
+    print(f"\nwrote {FLAGS.output_dir}/latency_sweep.json and latency_cdf.png "
+          f"in {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)
