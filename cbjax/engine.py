@@ -223,19 +223,21 @@ class Engine:
                                                     max_len=self.max_len, kv_len=kv_len, steps=steps)
         return out
 
-    def programs(self, chunked: bool = False) -> list[tuple]:
-        """Every program a workload can need: (kind, tokens bucket, attended length)."""
-        progs = [("prefill", b, b) for b in self.buckets]
+    def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
+        """Every program a workload can need: (kind, tokens bucket, attended length).
+        `max_prompt_len` leaves out prefill buckets no prompt of the workload reaches."""
+        top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
+        progs = [("prefill", b, b) for b in self.buckets if b <= top]
         progs += [("decode", 1, kv) for kv in self.buckets]
         if chunked:
-            progs += [("prefill", b, kv) for b in self.buckets for kv in self.buckets if kv > b]
+            progs += [("prefill", b, kv) for b in self.buckets for kv in self.buckets if kv > b and b <= top]
         return progs
 
-    def warmup(self, chunked: bool = False) -> int:
+    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
         leaves the engine empty. Returns the number of programs."""
         greedy = SamplingParams(max_tokens=1)
-        progs = self.programs(chunked)
+        progs = self.programs(chunked, max_prompt_len)
         for kind, bucket, kv_len in progs:
             if kind == "decode":
                 out = self.decode(max(kv_len - self.config.decode_steps, 0))

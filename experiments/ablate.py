@@ -48,9 +48,9 @@ def main(argv):
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
     arrival = "all_at_once" if FLAGS.qps <= 0 else "poisson"
-    workload = common.make_workload(model.config.vocab_size, arrival, max(FLAGS.qps, 1e-9))
+    workload = common.make_workload(model, arrival, max(FLAGS.qps, 1e-9))
     keyword, parse = KNOBS[FLAGS.knob]
     runs = []
     for raw in FLAGS.values:

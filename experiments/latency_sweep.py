@@ -47,12 +47,12 @@ def main(argv):
     from cbjax.metrics import SLO, write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
     slo = SLO(ttft_ms=FLAGS.ttft_ms, tpot_ms=FLAGS.tpot_ms, e2el_ms=FLAGS.e2e_ms)
     results = {}
     qps_list = [float(q) for q in FLAGS.qps]
     for qps in qps_list:
-        workload = common.make_workload(model.config.vocab_size, "poisson", qps)
+        workload = common.make_workload(model, "poisson", qps)
         for policy in FLAGS.policies:
             llm = LLM(model, policy=policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
                       window_ms=FLAGS.window_ms, dtype=FLAGS.dtype)

@@ -69,3 +69,17 @@ def test_logits_match_transformers_from_same_gguf(smollm2):
     # only float32 summation order differs across 30 layers: 1e-4 relative is ample.
     assert err < 1e-4
     assert (logits.argmax(-1) == ref.argmax(-1)).mean() == 1.0
+
+
+def test_chat_workload_from_chitchat(smollm2):
+    pytest.importorskip("chitchat_dataset")
+    from cbjax.workload import chat, chat_messages
+
+    messages = chat_messages(6, seed=1)
+    assert len(messages) == 6 and all(m.strip() for m in messages)
+    assert chat_messages(6, seed=1) == messages != chat_messages(6, seed=2)
+    work = chat(6, smollm2.tokenizer, max_tokens=40, seed=1, arrival="poisson", qps=2.0)
+    assert [w.arrival for w in work] == sorted(w.arrival for w in work)
+    for w, m in zip(work, messages):
+        assert smollm2.tokenizer.decode(w.prompt).count(m[:20]) == 1
+        assert w.sampling.max_tokens == 40 and not w.sampling.ignore_eos
