@@ -91,32 +91,33 @@ _STATIC = ("config", "max_len", "kv_len")
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
 def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len, kv_len):
-    """Write a prompt chunk into a slot; when it is the last chunk, sample the first token
-    and set the slot's decode state (a traced flag, so chunked and whole prefills share
-    one program). `ints` and `floats` are the packed scalars (see `_SLOT` and friends)."""
-    TRACE_COUNTS[("prefill", config, tokens.shape[0], kv_len, cache.num_slots)] += 1
-    slot, start, length, max_tokens, top_k, seed = (ints[i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS,
-                                                                     _TOP_K, _SEED))
-    is_last, stop_ids = ints[_IS_LAST] > 0, ints[_STOP:]
-    temperature, top_p = floats[0], floats[1]
-    logits, cache = forward(params, config, cache, tokens[None], start[None], num_valid=length[None],
-                            slot_ids=slot[None], kv_len=kv_len, logits_index=length[None] - 1)
-    zero = jnp.zeros((1,), jnp.int32)
-    token = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], zero)[0]
+    """Write `B` prompt chunks (`tokens [B, T]`) into their slots; for rows that are the
+    last chunk of their prompt, sample the first token and set the slot's decode state
+    (a traced flag, so chunked and whole prefills share one program). `ints [B, 7+stops]`
+    and `floats [B, 2]` are the packed per-row scalars (see `_SLOT` and friends); rows
+    with length 0 are batch padding and change nothing."""
+    b = tokens.shape[0]
+    TRACE_COUNTS[("prefill", config, b, tokens.shape[1], kv_len, cache.num_slots)] += 1
+    slot, start, length, max_tokens, top_k, seed = (ints[:, i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS,
+                                                                        _TOP_K, _SEED))
+    is_last, stop_ids = (ints[:, _IS_LAST] > 0) & (length > 0), ints[:, _STOP:]
+    temperature, top_p = floats[:, 0], floats[:, 1]
+    logits, cache = forward(params, config, cache, tokens, start, num_valid=length, slot_ids=slot, kv_len=kv_len,
+                            logits_index=jnp.maximum(length - 1, 0))
+    token = sample(logits, temperature, top_k, top_p, seed, jnp.zeros((b,), jnp.int32))
     done = _is_done(token, stop_ids, 1, max_tokens, start + length + 1, max_len)
-    inserted = SlotState(
-        tokens=state.tokens.at[slot].set(token),
-        active=state.active.at[slot].set(~done),
-        num_generated=state.num_generated.at[slot].set(1),
-        max_tokens=state.max_tokens.at[slot].set(max_tokens),
-        temperature=state.temperature.at[slot].set(temperature),
-        top_k=state.top_k.at[slot].set(top_k),
-        top_p=state.top_p.at[slot].set(top_p),
-        seeds=state.seeds.at[slot].set(seed),
-        stop_ids=state.stop_ids.at[slot].set(stop_ids),
-    )
-    state = jax.tree.map(lambda new, old: jnp.where(is_last, new, old), inserted, state)
-    return jnp.stack([token, (done & is_last).astype(jnp.int32)]), cache, state
+    # Rows that insert nothing scatter to an out-of-range slot, which is dropped.
+    target = jnp.where(is_last, slot, cache.num_slots)
+
+    def put(field, value):
+        return field.at[target].set(value, mode="drop")
+
+    state = SlotState(
+        tokens=put(state.tokens, token), active=put(state.active, ~done), num_generated=put(state.num_generated, 1),
+        max_tokens=put(state.max_tokens, max_tokens), temperature=put(state.temperature, temperature),
+        top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seeds=put(state.seeds, seed),
+        stop_ids=state.stop_ids.at[target].set(stop_ids, mode="drop"))
+    return jnp.stack([token, (done & is_last).astype(jnp.int32)], axis=-1), cache, state
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("steps",), donate_argnames=("cache", "state"))
@@ -147,12 +148,25 @@ def _deactivate(state, slot):
 
 
 @dataclasses.dataclass
+class PrefillRequest:
+    """One prompt chunk for `Engine.prefill`: `tokens` go to `slot` from position `start`."""
+
+    slot: int
+    tokens: list[int]
+    start: int
+    is_last: bool
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclasses.dataclass
 class EngineConfig:
     num_slots: int = 8
     max_seq_len: int = 512
     prefill_floor: int = 16
     decode_steps: int = 1
     max_stop_tokens: int = 16
+    max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -162,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.prefill_floor < 1 or self.decode_steps < 1:
             raise ValueError("prefill_floor and decode_steps must be >= 1")
+        if self.max_prefill_batch < 1 or self.max_prefill_batch & (self.max_prefill_batch - 1):
+            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
 
 
 class Engine:
@@ -197,22 +213,42 @@ class Engine:
     def _attended_len(self, needed: int) -> int:
         return bucket_for(min(needed, self.max_len), self.buckets)
 
-    def prefill(self, slot: int, tokens: list[int], start: int, is_last: bool,
-                sampling: SamplingParams, seed: int) -> jax.Array | None:
-        """Write a prompt chunk into `slot` at `start`. For the last chunk, also sample the
-        first token and make the slot active; returns the device array (token, done)."""
-        n = len(tokens)
-        bucket = bucket_for(n, self.buckets)
-        padded = np.zeros((bucket,), np.int32)
-        padded[:n] = tokens
-        kv_len = bucket if start == 0 else self._attended_len(start + n)
-        ints = np.concatenate([np.array([slot, start, n, is_last, sampling.max_tokens, sampling.top_k, seed],
-                                        np.int32), self.stop_ids_for(sampling)])
-        floats = np.array([sampling.temperature, sampling.top_p], np.float32)
-        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, padded, ints, floats,
+    def prefill(self, chunks: list[PrefillRequest]) -> list[tuple[jax.Array, list[int]]]:
+        """Write prompt chunks into their slots, in as few device calls as the buckets allow:
+        chunks sharing a (length bucket, attended length) go together, in row batches of a
+        power of two up to `max_prefill_batch`. For each chunk that ends its prompt, the
+        slot's first token is sampled and the slot made active. Returns, per call, the device
+        array `[rows, 2]` of (first token, done) and the indices of `chunks` in its rows."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, c in enumerate(chunks):
+            n = len(c.tokens)
+            bucket = bucket_for(n, self.buckets)
+            kv_len = bucket if c.start == 0 else self._attended_len(c.start + n)
+            groups.setdefault((bucket, kv_len), []).append(i)
+        calls = []
+        limit = self.config.max_prefill_batch
+        for (bucket, kv_len), members in groups.items():
+            for k in range(0, len(members), limit):
+                rows = members[k:k + limit]
+                calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
+        return calls
+
+    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> jax.Array:
+        rows = 1 << (len(chunks) - 1).bit_length()  # pad the batch to a power of two
+        stops = self.config.max_stop_tokens
+        tokens = np.zeros((rows, bucket), np.int32)
+        ints = np.zeros((rows, _STOP + stops), np.int32)
+        floats = np.zeros((rows, 2), np.float32)
+        for r, c in enumerate(chunks):
+            tokens[r, :len(c.tokens)] = c.tokens
+            s = c.sampling
+            ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed)
+            ints[r, _STOP:] = self.stop_ids_for(s)
+            floats[r] = (s.temperature, s.top_p)
+        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
                                                     config=self.model.config, max_len=self.max_len,
                                                     kv_len=kv_len)
-        return out if is_last else None
+        return out
 
     def decode(self, longest: int) -> jax.Array:
         """`decode_steps` steps for every active slot; `longest` is the largest sequence length
@@ -224,28 +260,31 @@ class Engine:
         return out
 
     def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
-        """Every program a workload can need: (kind, tokens bucket, attended length).
-        `max_prompt_len` leaves out prefill buckets no prompt of the workload reaches."""
+        """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
+        and ("decode", attended length). `max_prompt_len` leaves out prefill buckets no
+        prompt of the workload reaches."""
         top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
-        progs = [("prefill", b, b) for b in self.buckets if b <= top]
-        progs += [("decode", 1, kv) for kv in self.buckets]
+        shapes = [(b, b) for b in self.buckets if b <= top]
         if chunked:
-            progs += [("prefill", b, kv) for b in self.buckets for kv in self.buckets if kv > b and b <= top]
-        return progs
+            shapes += [(b, kv) for b in self.buckets for kv in self.buckets if kv > b and b <= top]
+        rows = [1 << i for i in range(self.config.max_prefill_batch.bit_length())]
+        progs = [("prefill", r, b, kv) for r in rows for b, kv in shapes]
+        return progs + [("decode", kv) for kv in self.buckets]
 
     def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
         leaves the engine empty. Returns the number of programs."""
         greedy = SamplingParams(max_tokens=1)
         progs = self.programs(chunked, max_prompt_len)
-        for kind, bucket, kv_len in progs:
-            if kind == "decode":
-                out = self.decode(max(kv_len - self.config.decode_steps, 0))
+        for prog in progs:
+            if prog[0] == "decode":
+                out = self.decode(max(prog[1] - self.config.decode_steps, 0))
             else:
+                _, rows, bucket, kv_len = prog
                 start = kv_len - bucket  # start > 0 selects the attended length kv_len
-                out = self.prefill(0, [0] * bucket, start, True, greedy, 0)
-            if out is not None:
-                out.block_until_ready()
+                chunk = [PrefillRequest(0, [0] * bucket, start, True, greedy, 0)]
+                out = self._prefill_call(chunk * rows, bucket, kv_len)
+            out.block_until_ready()
         self.reset()
         return len(progs)
 

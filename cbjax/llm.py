@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import jax
 
 from cbjax.checkpoint import Model, load_model
-from cbjax.engine import Engine, EngineConfig
+from cbjax.engine import Engine, EngineConfig, PrefillRequest
 from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
 
@@ -173,12 +173,8 @@ class LLM:
         stats.schedule_s += t1 - t0
         if plan.idle:
             return []
-        prefill_results = []
-        for chunk in plan.prefills:
-            r = chunk.request
-            out = engine.prefill(chunk.slot, chunk.tokens, chunk.start, chunk.is_last, r.sampling,
-                                 self._request_seed(r))
-            prefill_results.append((chunk, out))
+        calls = engine.prefill([PrefillRequest(c.slot, c.tokens, c.start, c.is_last, c.request.sampling,
+                                               self._request_seed(c.request)) for c in plan.prefills])
         decoded = None
         if plan.decode:
             finishing = {c.request.request_id for c in plan.prefills if c.is_last}
@@ -187,21 +183,22 @@ class LLM:
             decoded = engine.decode(longest)
         # The one host copy of the round: every prefill's (token, done) and the decode tokens.
         t2 = time.perf_counter()
-        host_prefill, host_decode = jax.device_get(([o for _, o in prefill_results if o is not None], decoded))
+        host_prefill, host_decode = jax.device_get(([out for out, _ in calls], decoded))
         now = self.clock()
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t1
         stats.device_wait_s += t3 - t2
         touched: dict[str, Request] = {}
-        firsts = iter(host_prefill)
-        for chunk, out in prefill_results:
-            if out is None:
-                sched.on_prefill(chunk, -1, now)
-                continue
-            token, device_done = (int(x) for x in next(firsts))
-            finished = sched.on_prefill(chunk, token, now)
-            self._check_sync(chunk.request, bool(device_done), finished)
-            touched[chunk.request.request_id] = chunk.request
+        firsts: dict[int, tuple[int, int]] = {}
+        for out, rows in zip(host_prefill, (rows for _, rows in calls)):
+            for r, i in enumerate(rows):
+                firsts[i] = (int(out[r, 0]), int(out[r, 1]))
+        for i, chunk in enumerate(plan.prefills):
+            token, device_done = firsts[i]
+            finished = sched.on_prefill(chunk, token if chunk.is_last else -1, now)
+            if chunk.is_last:
+                self._check_sync(chunk.request, bool(device_done), finished)
+                touched[chunk.request.request_id] = chunk.request
         if host_decode is not None:
             before = {r.request_id: len(r.output_token_ids) for r in sched.running if r.state == RequestState.RUNNING}
             slot_requests = list(sched.slots)

@@ -133,5 +133,7 @@ def forward(
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     logits = (x @ head).astype(jnp.float32)
 
-    lengths = cache.lengths.at[slot_ids].set(starts + num_valid)
+    # Rows with nothing valid (idle slots, batch padding) leave their slot's length alone.
+    touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
+    lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
     return logits, SlotCache(k=k_all, v=v_all, lengths=lengths)
