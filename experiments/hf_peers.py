@@ -19,8 +19,12 @@ import numpy as np
 def load_peer(spec: str):
     """A transformers model for a GGUF file, a Hugging Face directory or the smollm2 preset;
     None for random-init presets (no transformers twin)."""
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        print(f"transformers peers need PyTorch (pip install 'cbjax[peers]'): {e}")
+        return None
 
     from cbjax.presets import PRESETS, smollm2_gguf_path
 
