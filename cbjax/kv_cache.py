@@ -55,7 +55,110 @@ class SlotCache:
         per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
         return per_token * max_len * jnp.dtype(dtype).itemsize
 
+    def write(self, cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
+        """Write `new[b, :num_valid[b]]` at `cache[layer, slot_ids[b], starts[b]:]`, in place.
+
+        The performance trick: one `dynamic_update_slice` of a `[T]` window per row, in a
+        loop. XLA keeps a dynamic-update-slice of a loop-carried buffer in place, whereas a
+        scatter there can turn into a loop over the whole cache (on CPU, a full copy per
+        layer and step). The window is read first and only the valid positions replaced,
+        so bucket padding never clobbers the cache, and it is shifted left when it would
+        run past `max_len` (where dynamic_update_slice would clamp it).
+        """
+        t = new.shape[1]
+        _, _, kv_heads, max_len, head_dim = cache.shape
+        offsets = jnp.arange(t, dtype=jnp.int32)
+        new = new.swapaxes(1, 2).astype(cache.dtype)  # [B, kv_heads, T, head_dim]
+
+        def write_row(b, cache):
+            w0 = jnp.clip(starts[b], 0, max_len - t)
+            index = (layer, slot_ids[b], 0, w0, 0)
+            window = jax.lax.dynamic_slice(cache, index, (1, 1, kv_heads, t, head_dim))[0, 0]
+            src = offsets - (starts[b] - w0)  # window position -> chunk offset
+            valid = (src >= 0) & (src < num_valid[b])
+            merged = jnp.where(valid[None, :, None], new[b][:, jnp.clip(src, 0, t - 1)], window)
+            return jax.lax.dynamic_update_slice(cache, merged[None, None], index)
+
+        return jax.lax.fori_loop(0, new.shape[0], write_row, cache)
+
+    def read(self, cache: jax.Array, layer, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
+        """Keys (or values) of rows `slot_ids`: `[B, kv_heads, kv_len, head_dim]`."""
+        if all_slots:  # decode: every slot in order, a plain slice rather than a gather
+            return jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)[:, :, :kv_len]
+        return cache[layer, slot_ids, :, :kv_len]
+
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
         return self.k[:, slot, :, :n], self.v[:, slot, :, :n]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedCache:
+    """The paged layout: a page pool per layer, `[layers, kv_heads, num_pages, page_size,
+    head_dim]`, and a block table mapping each slot's i-th page to a pool page. Pages
+    come from the host-side `BlockManager`; table entries past a sequence are ignored."""
+
+    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array
+    block_tables: jax.Array  # [slots, pages_per_seq] int32
+    lengths: jax.Array  # [slots] int32
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_tables.shape[1] * self.page_size
+
+    @classmethod
+    def init(cls, config: ModelConfig, num_slots: int, max_len: int, num_pages: int, page_size: int,
+             dtype=jnp.float32) -> "PagedCache":
+        if max_len % page_size:
+            raise ValueError(f"max_len ({max_len}) must be a multiple of page_size ({page_size})")
+        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   block_tables=jnp.zeros((num_slots, max_len // page_size), jnp.int32),
+                   lengths=jnp.zeros((num_slots,), jnp.int32))
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype=jnp.float32) -> int:
+        return SlotCache.bytes_per_slot(config, page_size, dtype)
+
+    def write(self, cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
+        """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) to the pages holding
+        positions `starts[b] + t` of slot `slot_ids[b]`; padding goes nowhere."""
+        t = new.shape[1]
+        ps = self.page_size
+        positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        table = self.block_tables[slot_ids]  # [B, pages_per_seq]
+        page = jnp.take_along_axis(table, jnp.clip(positions // ps, 0, table.shape[1] - 1), axis=1)
+        valid = jnp.arange(t)[None, :] < num_valid[:, None]
+        page = jnp.where(valid, page, self.num_pages)  # out of range: dropped
+        # cache[layer, :, page, offset] with [B, T] page and offset arrays indexes [B, T, kv_heads, hd]
+        # (NumPy puts the broadcast index dimensions first when a slice separates them).
+        return cache.at[layer, :, page, positions % ps].set(new.astype(cache.dtype), mode="drop")
+
+    def read(self, cache: jax.Array, layer, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
+        """Gather the first `kv_len` positions of each row's pages: `[B, kv_heads, kv_len, hd]`."""
+        del all_slots
+        n_pages = -(-kv_len // self.page_size)
+        pages = jnp.clip(self.block_tables[slot_ids, :n_pages], 0, self.num_pages - 1)  # [B, n_pages]
+        pool = jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)  # [kv_heads, P, ps, hd]
+        gathered = pool[:, pages]  # [kv_heads, B, n_pages, ps, hd]
+        kv_heads, b = gathered.shape[:2]
+        out = gathered.reshape(kv_heads, b, n_pages * self.page_size, -1)[:, :, :kv_len]
+        return out.swapaxes(0, 1)
+
+
+KVCache = SlotCache | PagedCache

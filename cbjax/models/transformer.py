@@ -14,43 +14,18 @@ its slot's first `kv_len` positions. So:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from cbjax.attention import attention_mask, reference_attention
 from cbjax.config import ModelConfig
-from cbjax.kv_cache import SlotCache
+from cbjax.kv_cache import KVCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
-def write_chunk(cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
-    """Write `new[b, :num_valid[b]]` at `cache[layer, slot_ids[b], starts[b]:]`, in place.
-
-    The performance trick: one `dynamic_update_slice` of a `[T]` window per row, in a
-    loop. XLA keeps a dynamic-update-slice of a loop-carried buffer in place, whereas a
-    scatter there can turn into a loop over the whole cache (on CPU, a full copy per
-    layer and step). The window is read first and only the valid positions replaced,
-    so bucket padding never clobbers the cache, and it is shifted left when it would
-    run past `max_len` (where dynamic_update_slice would clamp it).
-    """
-    t = new.shape[1]
-    _, _, kv_heads, max_len, head_dim = cache.shape
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    new = new.swapaxes(1, 2).astype(cache.dtype)  # [B, kv_heads, T, head_dim]
-
-    def write_row(b, cache):
-        w0 = jnp.clip(starts[b], 0, max_len - t)
-        index = (layer, slot_ids[b], 0, w0, 0)
-        window = jax.lax.dynamic_slice(cache, index, (1, 1, kv_heads, t, head_dim))[0, 0]
-        src = offsets - (starts[b] - w0)  # window position -> chunk offset
-        valid = (src >= 0) & (src < num_valid[b])
-        merged = jnp.where(valid[None, :, None], new[b][:, jnp.clip(src, 0, t - 1)], window)
-        return jax.lax.dynamic_update_slice(cache, merged[None, None], index)
-
-    return jax.lax.fori_loop(0, new.shape[0], write_row, cache)
-
-
-def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, window,
+def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, layer, window,
                      slot_ids, starts, num_valid, kv_len, all_slots):
     b, t, _ = x.shape
     hd = config.head_dim
@@ -65,15 +40,10 @@ def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, w
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-    k_all = write_chunk(k_all, layer, slot_ids, starts, num_valid, k)
-    v_all = write_chunk(v_all, layer, slot_ids, starts, num_valid, v)
-
-    if all_slots:  # decode: every slot in order, a plain slice rather than a gather
-        keys = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)[:, :, :kv_len].astype(q.dtype)
-        values = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)[:, :, :kv_len].astype(q.dtype)
-    else:
-        keys = k_all[layer, slot_ids, :, :kv_len].astype(q.dtype)
-        values = v_all[layer, slot_ids, :, :kv_len].astype(q.dtype)
+    k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
+    v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
+    keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
+    values = cache.read(v_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
     mask = attention_mask(q_positions, kv_len, window)
     out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
     x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
@@ -83,7 +53,7 @@ def _attention_block(x, p, config, cos, sin, q_positions, k_all, v_all, layer, w
 def forward(
     params: dict,
     config: ModelConfig,
-    cache: SlotCache,
+    cache: KVCache,
     tokens: jax.Array,  # [B, T] int32
     starts: jax.Array,  # [B] int32
     num_valid: jax.Array | None = None,  # [B] int32; default T
@@ -119,7 +89,8 @@ def forward(
         x, k_all, v_all = carry
         p, layer, window = xs
         x, k_all, v_all = _attention_block(
-            x, p, config, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid, kv_len, all_slots)
+            x, p, config, cache, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid,
+            kv_len, all_slots)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
         return (x, k_all, v_all), None
 
@@ -136,4 +107,4 @@ def forward(
     # Rows with nothing valid (idle slots, batch padding) leave their slot's length alone.
     touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
     lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
-    return logits, SlotCache(k=k_all, v=v_all, lengths=lengths)
+    return logits, dataclasses.replace(cache, k=k_all, v=v_all, lengths=lengths)
