@@ -108,12 +108,31 @@ class BlockManager:
             table.append(self._take_free())
         self.tables[seq_id] = table
         self.lengths[seq_id] = len(tokens)
-        if self.enable_prefix_caching:
-            for i, key in enumerate(self._keys(tokens)):
-                if key not in self.cached:
-                    self.cached[key] = table[i]
-                    self.page_key[table[i]] = key
         return len(cached) * self.page_size
+
+    def register(self, seq_id: str, tokens: list[int], num_computed: int) -> None:
+        """Offer the sequence's full pages whose keys and values are now computed (the first
+        `num_computed` of `tokens`) to later prompts. Registering only computed pages means a
+        prefix hit never reads a page another prefill has yet to write."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq_id]
+        for i, key in enumerate(self._keys(tokens[:num_computed])):
+            if key not in self.cached and table[i] not in self.page_key:
+                self.cached[key] = table[i]
+                self.page_key[table[i]] = key
+
+    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
+        return self.pages_needed(num_tokens) - len(self.tables[seq_id]) <= self.num_free
+
+    def grow(self, seq_id: str, num_tokens: int) -> None:
+        """Pages for the sequence to hold `num_tokens` tokens (all or nothing)."""
+        if not self.can_grow(seq_id, num_tokens):
+            raise MemoryError(f"no free pages to grow {seq_id!r} to {num_tokens} tokens")
+        table = self.tables[seq_id]
+        while len(table) < self.pages_needed(num_tokens):
+            table.append(self._take_free())
+        self.lengths[seq_id] = max(self.lengths[seq_id], num_tokens)
 
     def can_append(self, seq_id: str) -> bool:
         return self.lengths[seq_id] % self.page_size != 0 or self.num_free > 0

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.checkpoint import Model
-from cbjax.kv_cache import SlotCache
+from cbjax.kv_cache import PagedCache, SlotCache
 from cbjax.models import forward
 from cbjax.request import SamplingParams
 from cbjax.sampling import sample
@@ -59,7 +59,7 @@ class SlotState:
 
 # Layout of the packed int32 row that carries one prefill's scalars to the device (one
 # host-to-device copy instead of one per scalar: on CPU that was most of a small prefill).
-_SLOT, _START, _LENGTH, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _STOP = range(8)
+_SLOT, _START, _LENGTH, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED, _STOP = range(9)
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -98,14 +98,16 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
     with length 0 are batch padding and change nothing."""
     b = tokens.shape[0]
     TRACE_COUNTS[("prefill", config, b, tokens.shape[1], kv_len, cache.num_slots)] += 1
-    slot, start, length, max_tokens, top_k, seed = (ints[:, i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS,
-                                                                        _TOP_K, _SEED))
+    slot, start, length, max_tokens, top_k, seed, generated = (
+        ints[:, i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED))
     is_last, stop_ids = (ints[:, _IS_LAST] > 0) & (length > 0), ints[:, _STOP:]
     temperature, top_p = floats[:, 0], floats[:, 1]
     logits, cache = forward(params, config, cache, tokens, start, num_valid=length, slot_ids=slot, kv_len=kv_len,
                             logits_index=jnp.maximum(length - 1, 0))
-    token = sample(logits, temperature, top_k, top_p, seed, jnp.zeros((b,), jnp.int32))
-    done = _is_done(token, stop_ids, 1, max_tokens, start + length + 1, max_len)
+    # A request resumed after preemption has `generated` tokens already: its next token
+    # is sampled as output index `generated`, so seeded sampling continues where it was.
+    token = sample(logits, temperature, top_k, top_p, seed, generated)
+    done = _is_done(token, stop_ids, generated + 1, max_tokens, start + length + 1, max_len)
     # Rows that insert nothing scatter to an out-of-range slot, which is dropped.
     target = jnp.where(is_last, slot, cache.num_slots)
 
@@ -113,7 +115,8 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
         return field.at[target].set(value, mode="drop")
 
     state = SlotState(
-        tokens=put(state.tokens, token), active=put(state.active, ~done), num_generated=put(state.num_generated, 1),
+        tokens=put(state.tokens, token), active=put(state.active, ~done),
+        num_generated=put(state.num_generated, generated + 1),
         max_tokens=put(state.max_tokens, max_tokens), temperature=put(state.temperature, temperature),
         top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seeds=put(state.seeds, seed),
         stop_ids=state.stop_ids.at[target].set(stop_ids, mode="drop"))
@@ -157,6 +160,7 @@ class PrefillRequest:
     is_last: bool
     sampling: SamplingParams
     seed: int
+    generated: int = 0  # tokens generated before a preemption (recompute)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,9 @@ class EngineConfig:
     max_stop_tokens: int = 16
     max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
     dtype: str = "float32"
+    kv_cache: str = "slots"  # or "paged"
+    page_size: int = 16
+    num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
 
     def __post_init__(self):
         if self.num_slots < 1:
@@ -176,6 +183,16 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.prefill_floor < 1 or self.decode_steps < 1:
             raise ValueError("prefill_floor and decode_steps must be >= 1")
+        if self.kv_cache not in ("slots", "paged"):
+            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+        if self.kv_cache == "paged":
+            if self.page_size < 1 or self.max_seq_len % self.page_size:
+                raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
+                                 f"({self.page_size})")
+            if self.num_pages is None:
+                self.num_pages = self.num_slots * self.max_seq_len // self.page_size
+            if self.num_pages < 1:
+                raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.max_prefill_batch < 1 or self.max_prefill_batch & (self.max_prefill_batch - 1):
             raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
 
@@ -191,9 +208,7 @@ class Engine:
         self.params = model.params
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
-        dtype = jax.tree.leaves(self.params)[0].dtype
-        self.cache = SlotCache.init(mc, config.num_slots, self.max_len, dtype)
-        self.state = SlotState.init(config.num_slots, config.max_stop_tokens)
+        self.reset()
         self.eos_ids = tuple(mc.eos_token_ids)
 
     @property
@@ -242,7 +257,7 @@ class Engine:
         for r, c in enumerate(chunks):
             tokens[r, :len(c.tokens)] = c.tokens
             s = c.sampling
-            ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed)
+            ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed, c.generated)
             ints[r, _STOP:] = self.stop_ids_for(s)
             floats[r] = (s.temperature, s.top_p)
         out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
@@ -290,9 +305,20 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every sequence: all slots free and inactive."""
-        dtype = self.cache.k.dtype
-        self.cache = SlotCache.init(self.model.config, self.num_slots, self.max_len, dtype)
-        self.state = SlotState.init(self.num_slots, self.config.max_stop_tokens)
+        dtype = jax.tree.leaves(self.params)[0].dtype
+        c = self.config
+        if c.kv_cache == "paged":
+            self.cache = PagedCache.init(self.model.config, c.num_slots, self.max_len, c.num_pages, c.page_size, dtype)
+        else:
+            self.cache = SlotCache.init(self.model.config, c.num_slots, self.max_len, dtype)
+        self.state = SlotState.init(self.num_slots, c.max_stop_tokens)
+        self._tables = None
+
+    def set_block_tables(self, tables: np.ndarray) -> None:
+        """Paged cache: the host's block tables `[slots, pages_per_seq]` (copied only on change)."""
+        if self._tables is None or not np.array_equal(tables, self._tables):
+            self._tables = tables.copy()
+            self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(tables, jnp.int32))
 
     def deactivate(self, slot: int) -> None:
         self.state = _deactivate(self.state, jnp.int32(slot))

@@ -14,9 +14,12 @@ import zlib
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from cbjax.checkpoint import Model, load_model
+from cbjax.block_manager import BlockManager
 from cbjax.engine import Engine, EngineConfig, PrefillRequest
+from cbjax.kv_cache import PagedCache, SlotCache
 from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
 
@@ -70,10 +73,18 @@ class LLM:
         prefill_floor: int = 16,
         dtype: str = "float32",
         seed: int = 0,
+        kv_cache: str = "slots",
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        enable_prefix_caching: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
+        if kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
+            num_slots, num_pages = kv_capacity(self.model.config, kv_cache, kv_cache_bytes, max_seq_len,
+                                               page_size, dtype, num_slots)
         self.scheduler_config = SchedulerConfig(
             policy=policy, num_slots=num_slots, batch_size=batch_size, window_ms=window_ms,
             refill_interval=refill_interval, waiting_served_ratio=waiting_served_ratio,
@@ -81,8 +92,13 @@ class LLM:
             length_aware=length_aware, decode_steps=decode_steps)
         self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                                       prefill_floor=prefill_floor, decode_steps=decode_steps,
-                                                      dtype=dtype))
-        self.scheduler = Scheduler(self.scheduler_config, set(self.model.config.eos_token_ids), max_seq_len)
+                                                      dtype=dtype, kv_cache=kv_cache, page_size=page_size,
+                                                      num_pages=num_pages))
+        self.pages = None
+        if kv_cache == "paged":
+            self.pages = BlockManager(self.engine.config.num_pages, page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, set(self.model.config.eos_token_ids), max_seq_len,
+                                   pages=self.pages)
         self.seed = seed
         self.clock = clock
         self.requests: dict[str, Request] = {}
@@ -120,6 +136,11 @@ class LLM:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
                              f"max_seq_len={max_len}")
         self.engine.stop_ids_for(sampling)
+        if self.pages is not None:
+            longest = min(len(ids) + sampling.max_tokens, max_len)
+            if self.pages.pages_needed(longest) > self.pages.num_pages:
+                raise ValueError(f"a request of up to {longest} tokens needs {self.pages.pages_needed(longest)} "
+                                 f"pages; the paged cache has {self.pages.num_pages}: it could never fit")
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
@@ -153,6 +174,14 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- step
+    def _block_tables(self) -> np.ndarray:
+        tables = np.zeros((self.engine.num_slots, self.engine.max_len // self.pages.page_size), np.int32)
+        for slot, r in enumerate(self.scheduler.slots):
+            if r is not None:
+                pages = self.pages.tables[r.request_id]
+                tables[slot, :len(pages)] = pages
+        return tables
+
     def _request_seed(self, request: Request) -> int:
         if request.sampling.seed is not None:
             return request.sampling.seed
@@ -173,8 +202,13 @@ class LLM:
         stats.schedule_s += t1 - t0
         if plan.idle:
             return []
+        for slot in plan.preempted_slots:
+            engine.deactivate(slot)
+        if self.pages is not None:
+            engine.set_block_tables(self._block_tables())
         calls = engine.prefill([PrefillRequest(c.slot, c.tokens, c.start, c.is_last, c.request.sampling,
-                                               self._request_seed(c.request)) for c in plan.prefills])
+                                               self._request_seed(c.request), len(c.request.output_token_ids))
+                                for c in plan.prefills])
         decoded = None
         if plan.decode:
             finishing = {c.request.request_id for c in plan.prefills if c.is_last}
@@ -327,3 +361,19 @@ def _is_int_list(x) -> bool:
             and not isinstance(x, str)
     except TypeError:
         return False
+
+
+def kv_capacity(config, kv_cache: str, kv_cache_bytes: int, max_seq_len: int, page_size: int, dtype: str,
+                num_slots: int) -> tuple[int, int | None]:
+    """(num_slots, num_pages) that fit `kv_cache_bytes`: the slot layout reserves `max_seq_len`
+    per sequence; the paged layout gets as many pages as fit and keeps `num_slots` as its
+    limit on concurrent sequences."""
+    if kv_cache == "paged":
+        num_pages = kv_cache_bytes // PagedCache.bytes_per_page(config, page_size, dtype)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens")
+        return num_slots, int(num_pages)
+    slots = kv_cache_bytes // SlotCache.bytes_per_slot(config, max_seq_len, dtype)
+    if slots < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_seq_len={max_seq_len}")
+    return int(slots), None

@@ -118,8 +118,18 @@ class Request:
         return self.state == RequestState.FINISHED
 
     @property
+    def prefill_token_ids(self) -> list[int]:
+        """What a (re)admission prefills: the prompt, plus the tokens generated before a
+        preemption (recompute)."""
+        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
     def prefill_done(self) -> bool:
-        return self.num_prefilled >= self.prompt_len
+        return self.num_prefilled >= self.prefill_len
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cbjax.block_manager import BlockManager
 from cbjax.request import FinishReason, Request, RequestState
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -68,11 +69,11 @@ class PrefillChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.start + self.length >= self.request.prompt_len
+        return self.start + self.length >= self.request.prefill_len
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.prompt_token_ids[self.start:self.start + self.length]
+        return self.request.prefill_token_ids[self.start:self.start + self.length]
 
 
 @dataclasses.dataclass
@@ -82,6 +83,7 @@ class Plan:
     # When there is nothing to do now: the earliest time something could change
     # without a new arrival (a dynamic window closing), else None.
     wake_time: float | None = None
+    preempted_slots: list[int] = dataclasses.field(default_factory=list)  # to deactivate on the device
 
     @property
     def idle(self) -> bool:
@@ -90,8 +92,10 @@ class Plan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, stop_tokens: set[int] | frozenset = frozenset(),
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, pages: BlockManager | None = None):
         self.config = config
+        self.pages = pages  # the paged KV cache's allocator, or None for the slot cache
+        self.num_preemptions = 0
         self.eos_tokens = frozenset(stop_tokens)
         self.max_seq_len = max_seq_len
         self.waiting: list[Request] = []
@@ -145,7 +149,12 @@ class Scheduler:
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float) -> Plan:
         admitted, wake = self._admit(now)
-        for r in admitted:
+        for i, r in enumerate(admitted):
+            if self.pages is not None:
+                if not self.pages.can_allocate(r.prefill_token_ids):
+                    self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
+                    break
+                r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
             slot = self.free_slots[0]
             self.slots[slot] = r
             r.slot = slot
@@ -153,8 +162,11 @@ class Scheduler:
             r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
             self.waiting.remove(r)
         prefills = self._prefill_chunks()
+        preempted = self._reserve_decode_pages(prefills) if self.pages is not None else []
+        prefills = [c for c in prefills if c.request.slot is not None]
         decode = self._should_decode(prefills)
-        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None)
+        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None,
+                    preempted_slots=preempted)
 
     def _admit(self, now: float) -> tuple[list[Request], float | None]:
         cfg = self.config
@@ -163,8 +175,8 @@ class Scheduler:
         ordered = sorted(self.waiting, key=self._order_key)
         if cfg.policy == "continuous":
             return self._admit_continuous(ordered), None
-        if self.batch:  # static and dynamic never mix batches
-            return [], None
+        if self.batch:  # static and dynamic never mix batches; preempted members come back
+            return [r for r in ordered if r.request_id in self.batch][:len(self.free_slots)], None
         full = len(ordered) >= cfg.batch_size
         if cfg.policy == "static":
             ready = full or self.draining
@@ -201,7 +213,7 @@ class Scheduler:
         self.waiting_steps = 0
         budget = cfg.max_prefill_tokens
         if budget is not None:
-            budget -= sum(r.prompt_len - r.num_prefilled for r in self.slots
+            budget -= sum(r.prefill_len - r.num_prefilled for r in self.slots
                           if r is not None and r.state == RequestState.PREFILLING)
             if budget <= 0:
                 return []
@@ -213,7 +225,7 @@ class Scheduler:
                 if budget <= 0:
                     break
                 taken.append(r)
-                budget -= r.prompt_len
+                budget -= r.prefill_len
             admitted = taken
         return admitted
 
@@ -223,7 +235,7 @@ class Scheduler:
         pending = sorted((r for r in self.slots if r is not None and r.state == RequestState.PREFILLING),
                          key=self._order_key)
         for r in pending:
-            remaining = r.prompt_len - r.num_prefilled
+            remaining = r.prefill_len - r.num_prefilled
             length = remaining if budget is None else min(remaining, budget)
             if length <= 0:
                 break
@@ -231,6 +243,38 @@ class Scheduler:
             if budget is not None:
                 budget -= length
         return chunks
+
+    def _reserve_decode_pages(self, prefills: list[PrefillChunk]) -> list[int]:
+        """Pages for the coming decode call of every decoding request, most important first.
+        When the pool runs dry, preempt (recompute) the least important request holding a
+        slot: lowest priority, latest arrival. Returns the freed slots."""
+        finishing = {c.request.request_id for c in prefills if c.is_last}
+        decoding = sorted((r for r in self.slots if r is not None and
+                           (r.state == RequestState.RUNNING or r.request_id in finishing)), key=self._order_key)
+        preempted: list[int] = []
+        for r in decoding:
+            if r.slot is None:
+                continue  # preempted below for a more important request
+            done = r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1
+            need = min(done + self.config.decode_steps - 1, self.max_seq_len or 1 << 30)
+            while not self.pages.can_grow(r.request_id, need):
+                victim = max((x for x in self.slots if x is not None), key=self._order_key)
+                preempted.append(self._preempt(victim))
+                if victim is r:
+                    break
+            if r.slot is not None:
+                self.pages.grow(r.request_id, need)
+        return preempted
+
+    def _preempt(self, r: Request) -> int:
+        slot = r.slot
+        self.pages.free(r.request_id)
+        self.slots[slot] = None
+        r.slot, r.num_prefilled, r.state = None, 0, RequestState.WAITING
+        r.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(r)
+        return slot
 
     def _should_decode(self, prefills: list[PrefillChunk]) -> bool:
         finishing = {c.request.request_id for c in prefills if c.is_last}
@@ -251,6 +295,8 @@ class Scheduler:
         if r.finished:
             return False
         r.num_prefilled = chunk.start + chunk.length
+        if self.pages is not None:
+            self.pages.register(r.request_id, r.prefill_token_ids, r.num_prefilled)
         if not chunk.is_last:
             return False
         r.state = RequestState.RUNNING
@@ -300,6 +346,8 @@ class Scheduler:
         r.finish_reason = reason
         r.error = error
         r.metrics.finish_time = now
+        if self.pages is not None and r.request_id in self.pages.tables:
+            self.pages.free(r.request_id)
         if r.slot is not None and self.slots[r.slot] is r:
             self.slots[r.slot] = None
         self.batch.discard(r.request_id)

@@ -26,7 +26,7 @@ def check_invariants(bm: BlockManager):
         assert bm.page_key[page] == key
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free"]), st.integers(0, 7),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "grow", "free"]), st.integers(0, 7),
                          st.lists(st.integers(0, 3), min_size=1, max_size=14)), max_size=80)
 
 
@@ -40,6 +40,7 @@ def test_allocator_invariants(num_pages, prefix, operations):
             if bm.can_allocate(tokens):
                 cached = bm.allocate(sid, tokens)
                 assert cached % PAGE == 0 and cached < len(tokens)
+                bm.register(sid, tokens, len(tokens))
             else:
                 before = list(bm.free_pages)
                 try:
@@ -49,6 +50,8 @@ def test_allocator_invariants(num_pages, prefix, operations):
                     assert list(bm.free_pages) == before
         elif op == "append" and sid in bm.tables and bm.can_append(sid):
             bm.append(sid)
+        elif op == "grow" and sid in bm.tables and bm.can_grow(sid, bm.lengths[sid] + len(tokens)):
+            bm.grow(sid, bm.lengths[sid] + len(tokens))
         elif op == "free" and sid in bm.tables:
             bm.free(sid)
         check_invariants(bm)
@@ -64,6 +67,9 @@ def test_prefix_hits_return_exactly_the_tokens_pages(shared, tail):
     bm = BlockManager(64, PAGE, enable_prefix_caching=True)
     first = shared + tail
     bm.allocate("a", first)
+    assert bm.allocate("early", first) == 0  # nothing registered before it is computed
+    bm.free("early")
+    bm.register("a", first, len(first))
     second = shared + [9] * 5
     cached = bm.allocate("b", second)
     common = 0
