@@ -24,6 +24,11 @@ POLICIES = {
     "continuous-tgi-ratio": dict(policy="continuous", waiting_served_ratio=1.5, max_waiting_steps=4),
     "continuous-chunked": dict(policy="continuous", max_prefill_tokens=16),
     "continuous-priority": dict(policy="continuous", ordering="priority"),
+    "paged": dict(policy="continuous", kv_cache="paged", page_size=8),
+    "paged-prefix-cache": dict(policy="continuous", kv_cache="paged", page_size=8, enable_prefix_caching=True),
+    # 14 pages of 8 tokens for 4 slots of up to 64 tokens: forces preemptions.
+    "paged-preempt": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14, decode_steps=2),
+    "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
 }
 
 
@@ -80,6 +85,11 @@ def test_online_random_order_matches_transformers(setup, name):
     _check(outputs, prompts, max_tokens, expected)
     assert not llm.has_unfinished_requests()
     assert llm.scheduler.free_slots == list(range(NUM_SLOTS))
+    if llm.pages is not None:
+        assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+        if "preempt" in name:
+            assert llm.scheduler.num_preemptions > 0
+            assert sum(llm.requests[i].metrics.num_preemptions for i in ids.values()) == llm.scheduler.num_preemptions
 
 
 def test_offline_generate_matches_transformers(setup):
@@ -88,3 +98,21 @@ def test_offline_generate_matches_transformers(setup):
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
     _check(outputs, prompts, max_tokens, expected)
     assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_prefix_cache_shares_a_system_prompt_and_keeps_outputs(setup):
+    """Prompts sharing a 40-token prefix: later ones reuse its pages (hits counted) and
+    every output still equals transformers'."""
+    model, _, _, _ = setup
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, model.config.vocab_size, size=40).tolist()
+    prompts = [system + rng.integers(3, model.config.vocab_size, size=int(n)).tolist() for n in (3, 9, 1, 14, 6)]
+    params = SamplingParams(max_tokens=8)
+    reference = LLM(model, num_slots=2, max_seq_len=MAX_SEQ_LEN).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, num_slots=2, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8,
+              enable_prefix_caching=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    stats = llm.pages.stats
+    # The first two run together (nothing computed yet); the other three hit the 5 shared pages.
+    assert stats.hits >= 3 * 5 and 0 < stats.hit_rate <= 1

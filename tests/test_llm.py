@@ -183,3 +183,39 @@ def test_replay_admits_at_arrival_times(llm):
     assert np.allclose(np.diff(arrivals), 0.02, atol=1e-6)
     assert all(o.metrics.scheduled_time >= o.metrics.arrival_time for o in outs)
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_seeded_sampling_survives_preemption():
+    """A preempted request recomputes its tokens and samples on from the same output index,
+    so its seeded tokens equal those of a run that was never preempted."""
+    rng = np.random.default_rng(10)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(5, 30, size=6)]
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
+    calm = LLM("tiny-llama", num_slots=3, max_seq_len=64).generate(prompts, sp, use_tqdm=False)
+    tight = LLM("tiny-llama", num_slots=3, max_seq_len=64, kv_cache="paged", page_size=8, num_pages=10)
+    stormy = tight.generate(prompts, sp, use_tqdm=False)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in stormy] == [o.token_ids for o in calm]
+    assert any(o.metrics.num_preemptions for o in stormy)
+
+
+def test_request_that_could_never_fit_the_pages_is_rejected():
+    llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, kv_cache="paged", page_size=8, num_pages=3)
+    with pytest.raises(ValueError, match="could never fit"):
+        llm.add_request(list(range(3, 23)), SamplingParams(max_tokens=10))
+    llm.add_request(list(range(3, 13)), SamplingParams(max_tokens=10))  # 20 tokens: 3 pages fit
+    llm.run_until_done()
+
+
+def test_kv_cache_bytes_sizes_both_layouts():
+    from cbjax.kv_cache import PagedCache, SlotCache
+    from cbjax.presets import RANDOM_PRESETS
+
+    cfg = RANDOM_PRESETS["tiny-llama"]
+    budget = 3 * SlotCache.bytes_per_slot(cfg, 64) + 5
+    slots = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget)
+    assert slots.engine.num_slots == 3
+    paged = LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=8, kv_cache_bytes=budget, num_slots=16)
+    assert paged.pages.num_pages == budget // PagedCache.bytes_per_page(cfg, 8) == 24
+    with pytest.raises(ValueError, match="holds no"):
+        LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=10)

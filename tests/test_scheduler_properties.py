@@ -7,6 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cbjax.block_manager import BlockManager
 from cbjax.request import Request, RequestState, SamplingParams
 from cbjax.scheduler import Scheduler, SchedulerConfig
 
@@ -46,10 +47,11 @@ class FakeEngine:
     def prefill(self, slot, spec, request, is_last):
         if not is_last:
             return None
-        self.specs[slot], self.generated[slot] = spec, 1
+        before = len(request.output_token_ids)  # > 0 when resumed after a preemption
+        self.specs[slot], self.generated[slot] = spec, before + 1
         self.max_tokens[slot] = request.sampling.max_tokens
-        self.lengths[slot] = request.prompt_len + 1
-        token = fake_token(spec, 0)
+        self.lengths[slot] = request.prompt_len + before + 1
+        token = fake_token(spec, before)
         self.active[slot] = not self._done(slot, token)
         return token
 
@@ -90,8 +92,8 @@ specs = st.lists(
     min_size=1, max_size=25)
 
 
-def run(config: SchedulerConfig, workload: list[Spec], check_round=None):
-    sched = Scheduler(config, {EOS}, MAX_SEQ_LEN)
+def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: BlockManager | None = None):
+    sched = Scheduler(config, {EOS}, MAX_SEQ_LEN, pages=pages)
     engine = FakeEngine(config.num_slots, config.decode_steps)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     requests: list[Request] = [None] * len(workload)  # type: ignore[list-item]
@@ -124,6 +126,8 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None):
             now = max(now + TICK / 10, min(nxt))
             continue
         now += TICK
+        for slot in plan.preempted_slots:
+            engine.active[slot] = False
         for chunk in plan.prefills:
             token = engine.prefill(chunk.slot, workload[int(chunk.request.request_id)], chunk.request, chunk.is_last)
             if sched.on_prefill(chunk, -1 if token is None else token, now):
@@ -217,3 +221,26 @@ def test_priority_admits_lower_values_first(config, workload):
             assert max(r.priority for r in admitted_now) <= best_waiting
 
     run(config, workload, check)
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs, specs, st.integers(MAX_SEQ_LEN // 4, 40), st.booleans())
+def test_paged_scheduling_with_preemption_finishes_everything_and_frees_every_page(config, workload, num_pages,
+                                                                                   prefix):
+    """A small page pool (4-token pages, as few as one max-length sequence's worth) forces
+    preemptions; every request still finishes exactly once with its full output, and
+    every page is free afterwards."""
+    workload = [s for s in workload if s.prompt_len < MAX_SEQ_LEN]
+    pages = BlockManager(num_pages, 4, enable_prefix_caching=prefix)
+
+    def check(sched, plan, now, admitted):
+        held = {r.request_id for r in sched.slots if r is not None}
+        assert set(pages.tables) == held, "pages are held exactly by the requests in slots"
+
+    sched, requests, finish_events, _ = run(config, workload, check, pages=pages)
+    assert all(n == 1 for n in finish_events.values()) and len(finish_events) == len(workload)
+    for spec, r in zip(workload, requests):
+        assert len(r.output_token_ids) == expected_output_len(spec)
+        assert r.output_token_ids == [fake_token(spec, i) for i in range(len(r.output_token_ids))]
+    assert pages.num_free == num_pages and not pages.tables
+    assert sum(r.metrics.num_preemptions for r in requests) == sched.num_preemptions
