@@ -278,6 +278,8 @@ class Engine:
         """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
         and ("decode", attended length). `max_prompt_len` leaves out prefill buckets no
         prompt of the workload reaches."""
+        if self.config.kv_cache == "paged":
+            max_prompt_len = None  # a request resumed after preemption prefills prompt + output
         top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
         shapes = [(b, b) for b in self.buckets if b <= top]
         if chunked:

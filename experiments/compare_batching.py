@@ -29,7 +29,13 @@ flags.DEFINE_integer("num_requests", 24, "Requests per column.")
 flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget; sets the number of slots per column. "
                      "Default: --num_slots at the largest max generation length.")
 flags.DEFINE_integer("num_slots", 8, "Slots at the largest max generation length when --kv_cache_bytes is unset.")
-flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "cbjax policies to run.")
+flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "cbjax policies to run on the slot cache.")
+flags.DEFINE_list("paged_policies", ["continuous"], "cbjax policies to also run on the paged cache (rows "
+                  "'<policy>-paged'), at the same KV memory.")
+flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged cache.")
+flags.DEFINE_integer("paged_max_seqs", None, "Most sequences the paged cache decodes together (its slots). "
+                     "Default: the pool's tokens over the mean sequence length (prompt + mean output); the "
+                     "decode step computes every slot, so more slots than fit on average only cost time.")
 flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch.")
 flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.")
 flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.")
@@ -53,6 +59,7 @@ def run_column(model, max_gen: int, peer) -> dict:
     from tqdm.auto import tqdm
 
     from cbjax import LLM
+    from cbjax.engine import TRACE_COUNTS
     from cbjax.kv_cache import SlotCache
     from cbjax.workload import LengthDist, synthetic
 
@@ -71,10 +78,23 @@ def run_column(model, max_gen: int, peer) -> dict:
     column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget),
               "mean_budget": sum(budgets) / len(budgets), "bound_continuous_over_static": static_bound(budgets, slots),
               "rows": {}}
-    for policy in FLAGS.policies:
-        llm = LLM(model, policy=policy, num_slots=slots, batch_size=slots, max_seq_len=max_seq_len,
-                  window_ms=FLAGS.window_ms, decode_steps=FLAGS.decode_steps, dtype=dtype)
+    runs = [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]
+    for policy, layout in runs:
+        layout_options = dict(num_slots=slots, batch_size=slots)
+        if layout == "paged":
+            page = FLAGS.page_size
+            seq_len = -(-max_seq_len // page) * page
+            pool_tokens = budget // SlotCache.bytes_per_slot(model.config, 1, dtype)
+            fit = int(pool_tokens // (FLAGS.prompt_len + FLAGS.output_mean))
+            paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), FLAGS.num_requests)
+            layout_options = dict(kv_cache="paged", kv_cache_bytes=int(budget), page_size=page,
+                                  num_slots=paged_slots, batch_size=paged_slots)
+        else:
+            seq_len = max_seq_len
+        llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
+                  decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options)
         llm.engine.warmup(max_prompt_len=FLAGS.prompt_len)
+        compiled = sum(TRACE_COUNTS.values())
         elapsed = float("inf")
         for _ in range(FLAGS.repeats):
             llm.stats = type(llm.stats)()
@@ -83,8 +103,14 @@ def run_column(model, max_gen: int, peer) -> dict:
             elapsed = min(elapsed, time.perf_counter() - t0)
         tokens = sum(len(o.token_ids) for o in outs)
         assert tokens == sum(budgets), "EOS is ignored: every request makes its budget"
-        column["rows"][policy] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
-                                  "mean_running": llm.stats.mean_running, "decode_steps": llm.stats.decode_steps}
+        if sum(TRACE_COUNTS.values()) != compiled:
+            print(f"warning: {policy}/{layout} compiled during the timed run; its time includes compilation")
+        row = policy if layout == "slots" else f"{policy}-paged"
+        column["rows"][row] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                               "mean_running": llm.stats.mean_running, "decode_steps": llm.stats.decode_steps,
+                               "preemptions": llm.scheduler.num_preemptions}
+        if llm.pages is not None:
+            column["rows"][row]["num_pages"] = llm.pages.num_pages
     if peer is not None:
         from hf_peers import continuous_generate_batch, static_generate
 

@@ -25,7 +25,8 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
     result = json.loads((tmp_path / "compare_batching.json").read_text())
     assert [c["max_gen_len"] for c in result["columns"]] == [8, 32]
     for column in result["columns"]:
-        assert set(column["rows"]) == {"static", "dynamic", "continuous"}
+        assert set(column["rows"]) == {"static", "dynamic", "continuous", "continuous-paged"}
+        assert column["rows"]["continuous-paged"]["num_pages"] > 0
         assert column["bound_continuous_over_static"] >= 1.0
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
@@ -53,3 +54,12 @@ def test_static_bound():
     assert static_bound([4, 4, 4, 4], 2) == pytest.approx(1.0)
     # batches [1, 3] and [2]: static spends 3*2 + 2*1 = 8 slot-steps for 6 tokens.
     assert static_bound([1, 3, 2], 2) == pytest.approx(8 / 6)
+
+
+def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
+    out = tmp_path / "bench.json"
+    run_script("bench_paged_attention.py", "--interpret", "--batch_sizes=2", "--context_lens=64", "--page_sizes=16",
+               "--q_heads=4", "--kv_heads=2", "--head_dim=32", "--dtype=float32", "--iters=1",
+               "--pages_per_block=2", "--splits=2", f"--output_json={out}")
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and all("us" in rows[0][n] for n in ("ours", "xla_reference", "dense"))

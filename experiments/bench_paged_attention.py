@@ -1,0 +1,144 @@
+"""Paged decode attention, timed: our Pallas kernel vs JAX's shipped GPU kernel vs the XLA
+reference, and dense attention over a contiguous cache of the same lengths.
+
+Over a grid of batch sizes, context lengths and page sizes, reports each one's time and
+achieved memory bandwidth (K and V bytes read over time) as a fraction of a measured
+device-to-device copy. Meant for a GPU; on a CPU `--interpret` runs a tiny grid in Pallas
+interpret mode as a smoke test (its timings mean nothing).
+
+    python experiments/bench_paged_attention.py                      # on a GPU
+    python experiments/bench_paged_attention.py --interpret --batch_sizes=2 --context_lens=64 --page_sizes=16
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batch_sizes", ["1", "8", "32", "128"], "Sequences per call.")
+flags.DEFINE_list("context_lens", ["512", "2048", "8192"], "Tokens per sequence (all the same).")
+flags.DEFINE_list("page_sizes", ["16", "64"], "Tokens per page.")
+flags.DEFINE_integer("q_heads", 32, "Query heads.")
+flags.DEFINE_integer("kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "K/V and q dtype.")
+flags.DEFINE_integer("pages_per_block", 8, "Our kernel: pages per inner step.")
+flags.DEFINE_integer("splits", 8, "Our kernel: sequence splits (flash-decoding).")
+flags.DEFINE_integer("iters", 20, "Timed calls per measurement.")
+flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode (CPU smoke test).")
+flags.DEFINE_string("output_json", "results/bench_paged_attention.json", "Where the results go.")
+
+
+def timed(fn, *args) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(FLAGS.iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / FLAGS.iters)
+    return best
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write) of an `nbytes` buffer."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0)  # one read, one write
+    return 2 * x.nbytes / timed(copy, x)
+
+
+def case(batch, context, page_size, bandwidth):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    from pallas_kernels.paged_attention import paged_attention, reference
+
+    dtype = jnp.dtype(FLAGS.dtype)
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, FLAGS.q_heads, FLAGS.head_dim), dtype)
+    k_pages = jax.random.normal(kk, (FLAGS.kv_heads, num_pages, page_size, FLAGS.head_dim), dtype)
+    v_pages = jax.random.normal(kv, (FLAGS.kv_heads, num_pages, page_size, FLAGS.head_dim), dtype)
+    tables = jnp.asarray(rng.permutation(num_pages).reshape(batch, pages_per_seq), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    scale = FLAGS.head_dim ** -0.5
+    kv_bytes = 2 * k_pages.nbytes
+
+    ours = jax.jit(lambda *a: paged_attention(*a, scale=scale, pages_per_block=min(FLAGS.pages_per_block,
+                                                                                   pages_per_seq),
+                                              splits=FLAGS.splits, interpret=FLAGS.interpret))
+    theirs = jax.jit(lambda q, k, v, t, n: jax_paged.paged_attention(
+        q * scale, k, v, t, n, pages_per_compute_block=min(FLAGS.pages_per_block, pages_per_seq),
+        k_splits=FLAGS.splits, interpret=FLAGS.interpret))
+    xla = jax.jit(lambda *a: reference(*a, scale))
+    # Dense: the same keys laid out contiguously per sequence, [batch, kv_heads, context, hd].
+    k_dense = k_pages[:, tables].reshape(FLAGS.kv_heads, batch, context, -1).swapaxes(0, 1)
+    v_dense = v_pages[:, tables].reshape(FLAGS.kv_heads, batch, context, -1).swapaxes(0, 1)
+
+    def dense_attention(q, k, v):
+        g = FLAGS.q_heads // FLAGS.kv_heads
+        qg = q.reshape(batch, FLAGS.kv_heads, g, -1)
+        s = jnp.einsum("bkgd,bktd->bkgt", qg, k, preferred_element_type=jnp.float32) * scale
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgt,bktd->bkgd", p, v).reshape(q.shape)
+
+    args = (q, k_pages, v_pages, tables, lengths)
+    ref = np.asarray(xla(*args), np.float32)
+    np.testing.assert_allclose(np.asarray(ours(*args), np.float32), ref, atol=3e-2, rtol=3e-2)
+    row = {"batch": batch, "context": context, "page_size": page_size, "kv_bytes": kv_bytes}
+    for name, fn, fargs in (("ours", ours, args), ("jax_pallas", theirs, args), ("xla_reference", xla, args),
+                            ("dense", jax.jit(dense_attention), (q, k_dense, v_dense))):
+        try:
+            seconds = timed(fn, *fargs)
+        except Exception as e:  # a backend that cannot run one of them still reports the rest
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        row[name] = {"us": 1e6 * seconds, "bandwidth_fraction": kv_bytes / seconds / bandwidth}
+    return row
+
+
+def main(argv):
+    del argv
+    import jax
+    from tqdm.auto import tqdm
+
+    from cbjax.metrics import write_json
+
+    if jax.default_backend() == "cpu" and not FLAGS.interpret:
+        raise app.UsageError("the Pallas kernels need a GPU; on a CPU pass --interpret (a smoke test)")
+    grid = list(itertools.product([int(x) for x in FLAGS.batch_sizes], [int(x) for x in FLAGS.context_lens],
+                                  [int(x) for x in FLAGS.page_sizes]))
+    bandwidth = copy_bandwidth(256 << 20 if not FLAGS.interpret else 1 << 20)
+    print(f"device {jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    rows = [case(b, c, p, bandwidth) for b, c, p in tqdm(grid, desc="cases")]
+    names = ("ours", "jax_pallas", "xla_reference", "dense")
+    print(f"{'batch':>6}{'context':>9}{'page':>6}" + "".join(f"{n + ' us (bw%)':>24}" for n in names))
+    for r in rows:
+        cells = []
+        for n in names:
+            m = r[n]
+            cells.append(f"{'error':>24}" if "error" in m else f"{m['us']:>15.1f} ({100 * m['bandwidth_fraction']:>4.0f}%)")
+        print(f"{r['batch']:>6}{r['context']:>9}{r['page_size']:>6}" + "".join(cells))
+    if FLAGS.output_json:
+        write_json(FLAGS.output_json, {"copy_bandwidth_Bps": bandwidth, "rows": rows,
+                                       "interpret": FLAGS.interpret})
+        print(f"wrote {os.path.abspath(FLAGS.output_json)}")
+
+
+if __name__ == "__main__":
+    app.run(main)
