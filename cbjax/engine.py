@@ -123,15 +123,15 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
     return jnp.stack([token, (done & is_last).astype(jnp.int32)], axis=-1), cache, state
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("steps",), donate_argnames=("cache", "state"))
-def _decode_steps(params, cache, state, *, config, max_len, kv_len, steps):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("steps", "paged_kernel"), donate_argnames=("cache", "state"))
+def _decode_steps(params, cache, state, *, config, max_len, kv_len, steps, paged_kernel=False):
     TRACE_COUNTS[("decode", config, kv_len, steps, cache.num_slots)] += 1
 
     def one_step(carry, _):
         cache, state = carry
         logits, cache = forward(params, config, cache, state.tokens[:, None], cache.lengths,
                                 num_valid=state.active.astype(jnp.int32), kv_len=kv_len,
-                                logits_index=jnp.zeros_like(state.tokens))
+                                logits_index=jnp.zeros_like(state.tokens), paged_kernel=paged_kernel)
         token = sample(logits, state.temperature, state.top_k, state.top_p, state.seeds, state.num_generated)
         generated = state.num_generated + state.active
         done = state.active & _is_done(token, state.stop_ids, generated, state.max_tokens, cache.lengths + 1,
@@ -175,6 +175,10 @@ class EngineConfig:
     kv_cache: str = "slots"  # or "paged"
     page_size: int = 16
     num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
+    # Decode attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas"
+    # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
+    # so not the default there.
+    attention: str = "reference"
 
     def __post_init__(self):
         if self.num_slots < 1:
@@ -183,6 +187,10 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.prefill_floor < 1 or self.decode_steps < 1:
             raise ValueError("prefill_floor and decode_steps must be >= 1")
+        if self.attention not in ("reference", "pallas"):
+            raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
+        if self.attention == "pallas" and self.kv_cache != "paged":
+            raise ValueError("attention='pallas' needs kv_cache='paged'")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged":
@@ -271,7 +279,8 @@ class Engine:
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
         out, self.cache, self.state = _decode_steps(self.params, self.cache, self.state, config=self.model.config,
-                                                    max_len=self.max_len, kv_len=kv_len, steps=steps)
+                                                    max_len=self.max_len, kv_len=kv_len, steps=steps,
+                                                    paged_kernel=self.config.attention == "pallas")
         return out
 
     def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:

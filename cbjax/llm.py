@@ -78,6 +78,7 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         enable_prefix_caching: bool = False,
+        attention: str = "reference",
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
@@ -93,7 +94,7 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                                       prefill_floor=prefill_floor, decode_steps=decode_steps,
                                                       dtype=dtype, kv_cache=kv_cache, page_size=page_size,
-                                                      num_pages=num_pages))
+                                                      num_pages=num_pages, attention=attention))
         self.pages = None
         if kv_cache == "paged":
             self.pages = BlockManager(self.engine.config.num_pages, page_size, enable_prefix_caching)

@@ -19,6 +19,9 @@ import time
 
 from absl import app, flags
 
+import common
+from hf_peers import load_peer
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens (the study used 512).")
@@ -171,7 +174,7 @@ def main(argv):
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
-    peer = load_peer(FLAGS.model) if FLAGS.peers else None
+    peer = load_peer(FLAGS.model) if FLAGS.peers else None  # transformers' twin of the same checkpoint
     if FLAGS.peers and peer is None:
         print(f"no transformers twin for {FLAGS.model}: peers skipped")
     columns = [run_column(model, int(g), peer) for g in FLAGS.max_gen_lens]
@@ -179,22 +182,10 @@ def main(argv):
     print("\n" + table)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     write_json(os.path.join(FLAGS.output_dir, "compare_batching.json"),
-               {"flags": script_flags(),
+               {"flags": common.script_flags(),
                 "columns": columns, "table": table, "wall_s": time.perf_counter() - start})
     plot(columns, os.path.join(FLAGS.output_dir, "compare_batching.png"))
     print(f"\nwrote {FLAGS.output_dir}/compare_batching.json and .png in {time.perf_counter() - start:.0f}s")
-
-
-def load_peer(spec):
-    from hf_peers import load_peer as load
-
-    return load(spec)
-
-
-def script_flags() -> dict:
-    import sys
-
-    return {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.argv[0])}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ POLICIES = {
     # 14 pages of 8 tokens for 4 slots of up to 64 tokens: forces preemptions.
     "paged-preempt": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14, decode_steps=2),
     "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
+    "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
 }
 
 

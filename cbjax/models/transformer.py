@@ -26,7 +26,7 @@ from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv
 
 
 def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, layer, window,
-                     slot_ids, starts, num_valid, kv_len, all_slots):
+                     slot_ids, starts, num_valid, kv_len, all_slots, paged_kernel):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -42,10 +42,20 @@ def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, l
 
     k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
     v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
-    keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
-    values = cache.read(v_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
-    mask = attention_mask(q_positions, kv_len, window)
-    out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
+    if paged_kernel and t == 1:
+        # Decode over the page pool with the Pallas kernel: each query sees its slot's
+        # first starts + 1 positions (interpret mode where there is no GPU).
+        from pallas_kernels.paged_attention import paged_attention
+
+        out = paged_attention(q[:, 0], jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False),
+                              jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False),
+                              cache.block_tables[slot_ids], starts + 1, scale=hd ** -0.5,
+                              interpret=jax.default_backend() == "cpu")[:, None]
+    else:
+        keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
+        values = cache.read(v_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
+        mask = attention_mask(q_positions, kv_len, window)
+        out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
     x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
     return x, k_all, v_all
 
@@ -60,11 +70,14 @@ def forward(
     slot_ids: jax.Array | None = None,  # [B] int32; default arange(B)
     kv_len: int | None = None,  # static; default cache.max_len
     logits_index: jax.Array | None = None,  # [B]: return logits only at these chunk offsets
-) -> tuple[jax.Array, SlotCache]:
+    paged_kernel: bool = False,  # static: decode attention by the Pallas kernel (paged cache)
+) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
     `lengths[slot_ids] = starts + num_valid`."""
     b, t = tokens.shape
+    if paged_kernel and (not hasattr(cache, "block_tables") or any(config.windows)):
+        raise ValueError("the Pallas decode kernel needs the paged cache and full (non-sliding) attention")
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
     all_slots = slot_ids is None
@@ -90,7 +103,7 @@ def forward(
         p, layer, window = xs
         x, k_all, v_all = _attention_block(
             x, p, config, cache, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid,
-            kv_len, all_slots)
+            kv_len, all_slots, paged_kernel)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
         return (x, k_all, v_all), None
 
