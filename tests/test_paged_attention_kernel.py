@@ -76,3 +76,17 @@ def test_matches_jax_shipped_gpu_kernel_in_interpret_mode():
                                        interpret=True)
     ours = paged_attention(q, k, v, table, lens, scale=scale, pages_per_block=2, splits=2, interpret=True)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-5, rtol=2e-5)
+
+
+def test_tpu_backend_in_tpu_interpret_mode():
+    """JAX's TPU kernel behind our calling convention, under TPU interpret mode on CPU
+    (it computes in bfloat16 inside, hence the tolerance)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, table, lengths = make_inputs(8, 2, LENGTHS, jnp.float32, head_dim=128)
+    scale = 128 ** -0.5
+    with pltpu.force_tpu_interpret_mode():
+        out = paged_attention(q, k, v, table, lengths, scale=scale, pages_per_block=2, backend="tpu")
+    ref = reference(q, k, v, table, lengths, scale)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)

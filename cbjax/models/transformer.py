@@ -50,7 +50,8 @@ def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, l
         out = paged_attention(q[:, 0], jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False),
                               jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False),
                               cache.block_tables[slot_ids], starts + 1, scale=hd ** -0.5,
-                              interpret=jax.default_backend() == "cpu")[:, None]
+                              interpret=jax.default_backend() == "cpu",
+                              backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
     else:
         keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
         values = cache.read(v_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
