@@ -13,9 +13,7 @@ MAX_SEQ_LEN = 128
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, seed=0)
-    engine.engine.warmup()
-    return engine
+    return LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, seed=0)
 
 
 def random_prompt(rng, n, vocab=512):
