@@ -171,7 +171,6 @@ class EngineConfig:
     decode_steps: int = 1
     max_stop_tokens: int = 16
     max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
-    dtype: str = "float32"
     kv_cache: str = "slots"  # or "paged"
     page_size: int = 16
     num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)

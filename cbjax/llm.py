@@ -93,7 +93,7 @@ class LLM:
             length_aware=length_aware, decode_steps=decode_steps)
         self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                                       prefill_floor=prefill_floor, decode_steps=decode_steps,
-                                                      dtype=dtype, kv_cache=kv_cache, page_size=page_size,
+                                                      kv_cache=kv_cache, page_size=page_size,
                                                       num_pages=num_pages, attention=attention))
         self.pages = None
         if kv_cache == "paged":
