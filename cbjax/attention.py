@@ -41,10 +41,16 @@ def reference_attention(
     if t == 1:
         return _single_query_attention(q.reshape(b, kv_heads, group, d), k, v, mask[:, 0], scale).reshape(q.shape)
     qg = q.reshape(b, t, kv_heads, group, d)
+    # XLA:CPU has no batched bf16 x bf16 -> f32 dot (it fails once a prefill batches two or
+    # more rows), so on the CPU low-precision operands are widened first; accelerators
+    # keep them narrow and accumulate in f32.
+    operand = jnp.float32 if jax.default_backend() == "cpu" else None
+    qg, k = (x.astype(operand or x.dtype) for x in (qg, k))
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(operand or v.dtype), v.astype(operand or v.dtype),
+                     preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 

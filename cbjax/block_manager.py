@@ -7,6 +7,12 @@ i covers tokens [0, (i+1) * page_size)), so two sequences that share a prefix sh
 its full pages by reference count, and a later prompt with that prefix skips
 prefilling them. A freed page keeps its key until it is handed out again, so a
 prefix stays cached after its sequences end, as long as the page is not reused.
+
+Eviction, as in vLLM: free pages that hold no cached prefix are handed out first;
+then cached ones, least recently freed first, and a sequence's pages are freed last
+page first, so the tail of a prefix goes before its head (the head is what other
+prompts share). Pages filled during decode are registered too, so a follow-up
+prompt that repeats prompt + answer hits them.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_pages: collections.deque[int] = collections.deque(range(num_pages))
+        self._free_plain: collections.deque[int] = collections.deque(range(num_pages))  # no cached prefix
+        self._free_cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # eviction order
         self.ref_counts = [0] * num_pages
         self.tables: dict[str, list[int]] = {}  # sequence id -> its pages, in order
         self.lengths: dict[str, int] = {}
         self.page_key: dict[int, int] = {}  # page -> prefix key (full, cached pages)
         self.cached: dict[int, int] = {}  # prefix key -> page
+        self._seq_keys: dict[str, list[int]] = {}  # sequence id -> keys of its computed full pages
         self.stats = PrefixStats()
 
     # ------------------------------------------------------------ queries
@@ -46,11 +54,18 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        return len(self._free_plain) + len(self._free_cached)
 
-    def _keys(self, tokens: list[int]) -> list[int]:
-        keys, key = [], 0
-        for i in range(len(tokens) // self.page_size):
+    @property
+    def free_pages(self) -> list[int]:
+        """The free pages in the order they are handed out."""
+        return list(self._free_plain) + list(self._free_cached)
+
+    def _keys(self, tokens: list[int], known: tuple[int, ...] | list[int] = ()) -> list[int]:
+        """Hash-chain keys of the full pages of `tokens`, extending the `known` leading ones."""
+        keys = list(known)
+        key = keys[-1] if keys else 0
+        for i in range(len(keys), len(tokens) // self.page_size):
             key = hash((key, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])))
             keys.append(key)
         return keys
@@ -66,15 +81,20 @@ class BlockManager:
             pages.append(page)
         return pages
 
-    def can_allocate(self, tokens: list[int]) -> bool:
+    def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0) -> bool:
+        """Whether `tokens` (grown to `num_tokens` positions, if more) fit in the free pages
+        while `reserved` of them stay free for others."""
         cached = self._cached_prefix(tokens)
-        fresh = self.pages_needed(len(tokens)) - len(cached)
+        fresh = self.pages_needed(max(len(tokens), num_tokens)) - len(cached)
         revived = sum(1 for p in cached if self.ref_counts[p] == 0)  # cached but free: leaves the free list
-        return fresh + revived <= self.num_free
+        return fresh + revived + reserved <= self.num_free
 
     # ------------------------------------------------------------ changes
     def _take_free(self) -> int:
-        page = self.free_pages.popleft()
+        if self._free_plain:
+            page = self._free_plain.popleft()
+        else:
+            page, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
         key = self.page_key.pop(page, None)
         if key is not None and self.cached.get(key) == page:
             del self.cached[key]
@@ -101,9 +121,11 @@ class BlockManager:
         table = []
         for page in cached:
             if self.ref_counts[page] == 0:
-                self.free_pages.remove(page)
+                del self._free_cached[page]
             self.ref_counts[page] += 1
             table.append(page)
+        if self.enable_prefix_caching:
+            self._seq_keys[seq_id] = [self.page_key[p] for p in cached]
         for _ in range(self.pages_needed(len(tokens)) - len(cached)):
             table.append(self._take_free())
         self.tables[seq_id] = table
@@ -117,10 +139,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self.tables[seq_id]
-        for i, key in enumerate(self._keys(tokens[:num_computed])):
+        known = self._seq_keys[seq_id]
+        if num_computed // self.page_size <= len(known):
+            return
+        keys = self._keys(tokens[:num_computed], known)
+        for i in range(len(known), len(keys)):
+            key = keys[i]
             if key not in self.cached and table[i] not in self.page_key:
                 self.cached[key] = table[i]
                 self.page_key[table[i]] = key
+        self._seq_keys[seq_id] = keys
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
         return self.pages_needed(num_tokens) - len(self.tables[seq_id]) <= self.num_free
@@ -140,19 +168,23 @@ class BlockManager:
     def append(self, seq_id: str) -> None:
         """Room for one more token, taking a page when the last one is full."""
         if self.lengths[seq_id] % self.page_size == 0:
-            if not self.free_pages:
+            if not self.num_free:
                 raise MemoryError(f"no free page to grow {seq_id!r}")
             self.tables[seq_id].append(self._take_free())
         self.lengths[seq_id] += 1
 
     def free(self, seq_id: str) -> None:
-        for page in self.tables.pop(seq_id):
+        for page in reversed(self.tables.pop(seq_id)):  # last page first: evicted before the head
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
-                self.free_pages.append(page)
+                if page in self.page_key:
+                    self._free_cached[page] = None
+                else:
+                    self._free_plain.append(page)
             elif self.ref_counts[page] < 0:
                 raise AssertionError(f"page {page} freed twice")
         del self.lengths[seq_id]
+        self._seq_keys.pop(seq_id, None)
 
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax import checks
 from cbjax.checkpoint import Model
 from cbjax.kv_cache import PagedCache, SlotCache
 from cbjax.models import forward
@@ -180,28 +181,26 @@ class EngineConfig:
     attention: str = "reference"
 
     def __post_init__(self):
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.prefill_floor < 1 or self.decode_steps < 1:
-            raise ValueError("prefill_floor and decode_steps must be >= 1")
+        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
+        self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
+        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size"):
+            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        self.max_prefill_batch = checks.integer("max_prefill_batch", self.max_prefill_batch, 1, 1024)
+        if self.max_prefill_batch & (self.max_prefill_batch - 1):
+            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
         if self.attention not in ("reference", "pallas"):
             raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
-        if self.attention == "pallas" and self.kv_cache != "paged":
-            raise ValueError("attention='pallas' needs kv_cache='paged'")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+        if self.attention == "pallas" and self.kv_cache != "paged":
+            raise ValueError("attention='pallas' needs kv_cache='paged'")
         if self.kv_cache == "paged":
-            if self.page_size < 1 or self.max_seq_len % self.page_size:
+            if self.max_seq_len % self.page_size:
                 raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
                                  f"({self.page_size})")
             if self.num_pages is None:
                 self.num_pages = self.num_slots * self.max_seq_len // self.page_size
-            if self.num_pages < 1:
-                raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.max_prefill_batch < 1 or self.max_prefill_batch & (self.max_prefill_batch - 1):
-            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
+            self.num_pages = checks.integer("num_pages", self.num_pages, 1)
 
 
 class Engine:

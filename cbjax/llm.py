@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from cbjax import checks
 from cbjax.checkpoint import Model, load_model
 from cbjax.block_manager import BlockManager
 from cbjax.engine import Engine, EngineConfig, PrefillRequest
@@ -81,28 +82,37 @@ class LLM:
         attention: str = "reference",
         clock: Callable[[], float] = time.perf_counter,
     ):
+        # Both configs check their knobs before the model loads, so a bad one fails fast.
+        scheduler_options = dict(
+            policy=policy, batch_size=batch_size, window_ms=window_ms, refill_interval=refill_interval,
+            waiting_served_ratio=waiting_served_ratio, max_waiting_steps=max_waiting_steps,
+            max_prefill_tokens=max_prefill_tokens, ordering=ordering, length_aware=length_aware,
+            decode_steps=decode_steps)
+        engine_options = dict(max_seq_len=max_seq_len, prefill_floor=prefill_floor, decode_steps=decode_steps,
+                              kv_cache=kv_cache, page_size=page_size, attention=attention)
+        SchedulerConfig(num_slots=num_slots, **scheduler_options)
+        EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
+        if kv_cache_bytes is not None:
+            kv_cache_bytes = checks.integer("kv_cache_bytes", kv_cache_bytes, 1, 2 ** 62)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         if kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
             num_slots, num_pages = kv_capacity(self.model.config, kv_cache, kv_cache_bytes, max_seq_len,
                                                page_size, dtype, num_slots)
-        self.scheduler_config = SchedulerConfig(
-            policy=policy, num_slots=num_slots, batch_size=batch_size, window_ms=window_ms,
-            refill_interval=refill_interval, waiting_served_ratio=waiting_served_ratio,
-            max_waiting_steps=max_waiting_steps, max_prefill_tokens=max_prefill_tokens, ordering=ordering,
-            length_aware=length_aware, decode_steps=decode_steps)
-        self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
-                                                      prefill_floor=prefill_floor, decode_steps=decode_steps,
-                                                      kv_cache=kv_cache, page_size=page_size,
-                                                      num_pages=num_pages, attention=attention))
+        self.scheduler_config = SchedulerConfig(num_slots=num_slots, **scheduler_options)
+        self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options))
         self.pages = None
         if kv_cache == "paged":
             self.pages = BlockManager(self.engine.config.num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, set(self.model.config.eos_token_ids), max_seq_len,
                                    pages=self.pages)
-        self.seed = seed
+        self.seed = checks.integer("seed", seed, 0, 2 ** 63 - 1)
         self.clock = clock
+        # Live requests: waiting, running, or finished but not yet returned. A finished request
+        # is released once an output with its finish has been handed back (step, generate,
+        # replay, abort), so a long-running instance holds only what is in flight.
         self.requests: dict[str, Request] = {}
+        self._finished_unreturned: list[Request] = []  # finished inside another call's loop
         self._ids = itertools.count()
         self._emitted: dict[str, int] = {}
         self.last_plan: Plan | None = None
@@ -113,17 +123,11 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            ids = self.tokenizer(prompt)["input_ids"]
-            text = prompt
-        else:
-            ids, text = prompt, None
-        try:
-            if any(isinstance(t, (bool, float, str)) for t in ids):
-                raise TypeError("token ids must be integers")
-            ids = [int(t) for t in ids]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"a prompt must be a string or a sequence of token ids ({e})") from e
-        return ids, text
+            return list(self.tokenizer(prompt)["input_ids"]), prompt
+        if isinstance(prompt, (bytes, bytearray, memoryview)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"a prompt must be a string or a sequence of integer token ids, "
+                             f"got {type(prompt).__name__}")
+        return [checks.integer("a prompt token id", t) for t in prompt], None
 
     def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
@@ -136,6 +140,9 @@ class LLM:
         if len(ids) >= max_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
                              f"max_seq_len={max_len}")
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         self.engine.stop_ids_for(sampling)
         if self.pages is not None:
             longest = min(len(ids) + sampling.max_tokens, max_len)
@@ -143,19 +150,28 @@ class LLM:
                 raise ValueError(f"a request of up to {longest} tokens needs {self.pages.pages_needed(longest)} "
                                  f"pages; the paged cache has {self.pages.num_pages}: it could never fit")
 
+    def _new_request_id(self) -> str:
+        # Skip ids a user chose: auto ids share the namespace of live requests.
+        while (request_id := str(next(self._ids))) in self.requests:
+            pass
+        return request_id
+
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
         """Queue a request; raises ValueError for a bad one (nothing else is touched)."""
         sampling = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        if request_id is not None and not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        priority = checks.real("priority", priority)
+        arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self._prompt_ids(prompt)
         self._validate(ids, sampling)
-        request = Request(request_id, ids, sampling, self.clock() if arrival_time is None else arrival_time,
-                          priority=priority, prompt=text)
+        request_id = self._new_request_id() if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text)
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.scheduler.add(request)
@@ -169,7 +185,12 @@ class LLM:
         self.scheduler.abort(request.request_id, self.clock())
         if slot is not None:
             self.engine.deactivate(slot)
-        return self._output(request)
+        return self._release(request, self._output(request))
+
+    def _release(self, request: Request, output: RequestOutput) -> RequestOutput:
+        del self.requests[request.request_id]
+        del self._emitted[request.request_id]
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -191,7 +212,9 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling round: planned prefill chunks, then a decode call. Returns an
         output for every request that got new tokens or finished in this round."""
-        return [self._output(r, stream=True) for r in self._round()]
+        touched, self._finished_unreturned = self._finished_unreturned + self._round(), []
+        outputs = [self._output(r, stream=True) for r in touched]
+        return [self._release(r, o) if r.finished else o for r, o in zip(touched, outputs)]
 
     def _round(self) -> list[Request]:
         """A round without building outputs; returns the requests it touched."""
@@ -273,17 +296,17 @@ class LLM:
         from cbjax.request import RequestMetrics
 
         now = self.clock()
-        ids = list(prompt) if not isinstance(prompt, str) and _is_int_list(prompt) else []
+        ids = list(prompt) if not isinstance(prompt, (str, bytes, bytearray)) and _is_int_list(prompt) else []
         metrics = RequestMetrics(arrival_time=now, finish_time=now)
         return RequestOutput(request_id, ids, [], None, FinishReason.ERROR.value, metrics,
                              prompt=prompt if isinstance(prompt, str) else None, error=message)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, desc: str | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. A bad prompt gets an
         `error` output with its message; the others run unharmed."""
-        if isinstance(prompts, str) or (prompts and _is_int_list(prompts)):
+        if isinstance(prompts, str) or (len(prompts) > 0 and _is_int_list(prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -300,22 +323,45 @@ class LLM:
             except ValueError as e:
                 ids.append("")
                 errors[i] = self._error_output(f"error-{i}", prompt, str(e))
-        self.run_until_done(total=len(prompts) - len(errors), use_tqdm=use_tqdm)
-        return [errors[i] if i in errors else self._output(self.requests[rid]) for i, rid in enumerate(ids)]
+        self._keep_others(self._run_until_done(len(prompts) - len(errors), use_tqdm, desc), ids)
+        return [errors[i] if i in errors else self._release(self.requests[rid], self._output(self.requests[rid]))
+                for i, rid in enumerate(ids)]
 
-    def run_until_done(self, total: int | None = None, use_tqdm: bool = False) -> None:
-        from tqdm.auto import tqdm
+    def _keep_others(self, finished: list[Request], mine: list[str | None]) -> None:
+        """Requests added online that finished while generate/replay drove the loop: the
+        next `step()` returns them."""
+        mine_set = set(mine)
+        self._finished_unreturned += [r for r in finished if r.request_id not in mine_set]
 
+    def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until every request has finished; returns (and releases) the outputs of the
+        requests that finished meanwhile, in the order they finished."""
+        finished = self._finished_unreturned + self._run_until_done(None, use_tqdm, None)
+        self._finished_unreturned = []
+        return [self._release(r, self._output(r)) for r in finished]
+
+    def _run_until_done(self, total: int | None, use_tqdm: bool, desc: str | None) -> list[Request]:
+        finished: list[Request] = []
         self.scheduler.drain(True)
-        bar = tqdm(total=total, desc=f"{self.scheduler_config.policy}", disable=not use_tqdm, unit="req")
+        bar = self._progress(total, use_tqdm, desc)
         try:
             while self.has_unfinished_requests():
-                bar.update(sum(1 for r in self._round() if r.finished))
+                done = [r for r in self._round() if r.finished]
+                finished += done
+                bar.update(len(done))
                 if self.last_plan is not None and self.last_plan.idle:
                     self._sleep_until(self.last_plan.wake_time)
         finally:
             bar.close()
             self.scheduler.drain(False)
+        return finished
+
+    def _progress(self, total: int | None, use_tqdm: bool, desc: str | None):
+        from tqdm.auto import tqdm
+
+        if desc is None:
+            desc = self.scheduler_config.policy + ("-paged" if self.pages is not None else "")
+        return tqdm(total=total, desc=desc, disable=not use_tqdm, unit="req")
 
     def _sleep_until(self, wake_time: float | None, cap: float = 0.05) -> None:
         now = self.clock()
@@ -325,17 +371,15 @@ class LLM:
 
     # -------------------------------------------------------------- replay
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
-               ) -> list[RequestOutput]:
+               desc: str | None = None) -> list[RequestOutput]:
         """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock,
         stepping the engine meanwhile; outputs in workload order."""
-        from tqdm.auto import tqdm
-
         order = sorted(range(len(workload)), key=lambda i: workload[i][0])
         ids: list[str | None] = [None] * len(workload)
         start = self.clock()
-        bar = tqdm(total=len(workload), desc=f"replay {self.scheduler_config.policy}", disable=not use_tqdm,
-                   unit="req")
+        bar = self._progress(len(workload), use_tqdm, desc or f"replay {self.scheduler_config.policy}")
         pending = 0
+        finished: list[Request] = []
         try:
             while pending < len(order) or self.has_unfinished_requests():
                 now = self.clock()
@@ -345,7 +389,9 @@ class LLM:
                     ids[i] = self.add_request(prompt, sp, arrival_time=start + offset)
                     pending += 1
                 self.scheduler.drain(pending == len(order))
-                bar.update(sum(1 for r in self._round() if r.finished))
+                done = [r for r in self._round() if r.finished]
+                finished += done
+                bar.update(len(done))
                 if self.last_plan is not None and self.last_plan.idle:
                     next_arrival = start + workload[order[pending]][0] if pending < len(order) else None
                     wakes = [t for t in (next_arrival, self.last_plan.wake_time) if t is not None]
@@ -353,7 +399,8 @@ class LLM:
         finally:
             bar.close()
             self.scheduler.drain(False)
-        return [self._output(self.requests[rid]) for rid in ids]
+        self._keep_others(finished, ids)
+        return [self._release(self.requests[rid], self._output(self.requests[rid])) for rid in ids]
 
 
 def _is_int_list(x) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
+
+from cbjax import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,21 +24,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31):
-            raise ValueError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
-        stop = tuple(self.stop_token_ids or ())
-        if any(not isinstance(t, int) or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        # Normalised to plain Python values that fit the device's int32/float32 arrays.
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("max_tokens", checks.integer("max_tokens", self.max_tokens, 1))
+        put("temperature", checks.real("temperature", self.temperature, 0.0))
+        put("top_k", checks.integer("top_k (0 disables it)", self.top_k, 0))
+        put("top_p", checks.real("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        if self.seed is not None:
+            put("seed", checks.integer("seed", self.seed, 0))
+        stop = self.stop_token_ids
+        if stop is None or isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+            stop = () if stop is None else [stop]
+        put("stop_token_ids", tuple(checks.integer("stop_token_ids", t, 0) for t in stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

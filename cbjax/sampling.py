@@ -20,9 +20,12 @@ def _sample_row(logits, temperature, top_k, top_p, seed, index):
     keep = (top_k <= 0) | (rank < top_k)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     keep &= (jnp.cumsum(probs) - probs) < top_p  # the top token always survives
+    # The draw happens in vocabulary order, so each token id gets its own noise: the same
+    # seed picks the same token whenever the distribution is the same, even where a 1e-7
+    # difference between two near-equal logits would swap their ranks.
+    keep_by_id = jnp.zeros((vocab,), bool).at[order].set(keep)
     key = jax.random.fold_in(jax.random.key(seed), index)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
-    return order[choice]
+    return jax.random.categorical(key, jnp.where(keep_by_id, scaled, -jnp.inf)).astype(jnp.int32)
 
 
 def sample(

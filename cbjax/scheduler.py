@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cbjax import checks
 from cbjax.block_manager import BlockManager
 from cbjax.request import FinishReason, Request, RequestState
 
@@ -45,35 +46,36 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
         if self.batch_size is None:
             self.batch_size = self.num_slots
-        if not 1 <= self.batch_size <= self.num_slots:
-            raise ValueError(f"batch_size must be in [1, num_slots={self.num_slots}], got {self.batch_size}")
+        self.batch_size = checks.integer("batch_size", self.batch_size, 1, self.num_slots)
         for name in ("refill_interval", "decode_steps", "max_waiting_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.window_ms < 0 or self.waiting_served_ratio < 0:
-            raise ValueError("window_ms and waiting_served_ratio must be >= 0")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {self.max_prefill_tokens}")
+            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        self.window_ms = checks.real("window_ms", self.window_ms, 0.0)
+        self.waiting_served_ratio = checks.real("waiting_served_ratio", self.waiting_served_ratio, 0.0)
+        if self.max_prefill_tokens is not None:
+            self.max_prefill_tokens = checks.integer("max_prefill_tokens (or None)", self.max_prefill_tokens, 1)
+        if not isinstance(self.length_aware, bool):
+            raise ValueError(f"length_aware must be a bool, got {self.length_aware!r}")
 
 
 @dataclasses.dataclass
 class PrefillChunk:
+    """A planned piece of a prefill. `is_last` and `tokens` are fixed when it is planned:
+    recording its first token grows the request's `prefill_len`, and the round still has
+    to know that this chunk ended the prompt."""
+
     request: Request
     slot: int
     start: int  # first prompt position of the chunk
     length: int
+    is_last: bool = dataclasses.field(init=False)
+    tokens: list[int] = dataclasses.field(init=False)
 
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.length >= self.request.prefill_len
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prefill_token_ids[self.start:self.start + self.length]
+    def __post_init__(self):
+        self.is_last = self.start + self.length >= self.request.prefill_len
+        self.tokens = self.request.prefill_token_ids[self.start:self.start + self.length]
 
 
 @dataclasses.dataclass
@@ -149,12 +151,18 @@ class Scheduler:
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float) -> Plan:
         admitted, wake = self._admit(now)
+        # Paged: admit only what leaves room for this round's decode reservations (those of
+        # the running requests and the newcomer's own first decode call), the same look-ahead
+        # `_reserve_decode_pages` takes, so an admission is never undone in its own round.
+        reserved = self._pages_to_grow() if self.pages is not None else 0
         for i, r in enumerate(admitted):
             if self.pages is not None:
-                if not self.pages.can_allocate(r.prefill_token_ids):
+                first_decode = self._decode_need(r, r.prefill_len + 1)
+                if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
                     self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
                     break
                 r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
+                reserved += self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
             slot = self.free_slots[0]
             self.slots[slot] = r
             r.slot = slot
@@ -255,8 +263,7 @@ class Scheduler:
         for r in decoding:
             if r.slot is None:
                 continue  # preempted below for a more important request
-            done = r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1
-            need = min(done + self.config.decode_steps - 1, self.max_seq_len or 1 << 30)
+            need = self._decode_need(r, r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1)
             while not self.pages.can_grow(r.request_id, need):
                 victim = max((x for x in self.slots if x is not None), key=self._order_key)
                 preempted.append(self._preempt(victim))
@@ -265,6 +272,22 @@ class Scheduler:
             if r.slot is not None:
                 self.pages.grow(r.request_id, need)
         return preempted
+
+    def _decode_need(self, r: Request, num_tokens: int) -> int:
+        """Cache positions a request holding `num_tokens` tokens (the last one not yet in the
+        cache) writes by the end of the next decode call: one per step, but never past its
+        own last write (prompt + max_tokens - 1: the final token is not written back) nor
+        past max_seq_len. Capped so, it never exceeds what `add_request` checked fits."""
+        need = min(num_tokens + self.config.decode_steps - 1, r.prompt_len + r.sampling.max_tokens - 1)
+        return min(need, self.max_seq_len) if self.max_seq_len is not None else need
+
+    def _pages_to_grow(self) -> int:
+        """Pages the requests holding slots will take for their next decode call."""
+        def need(r: Request) -> int:
+            done = r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1
+            return self.pages.pages_needed(self._decode_need(r, done)) - len(self.pages.table(r.request_id))
+
+        return sum(max(0, need(r)) for r in self.slots if r is not None)
 
     def _preempt(self, r: Request) -> int:
         slot = r.slot
@@ -332,6 +355,10 @@ class Scheduler:
 
     def _append(self, r: Request, token: int, now: float) -> bool:
         r.output_token_ids.append(token)
+        computed = r.num_tokens - 1  # the newest token is not in the cache yet
+        if self.pages is not None and self.pages.enable_prefix_caching and computed % self.pages.page_size == 0:
+            # A page filled during decode: offer it to follow-ups (prompt + answer + more).
+            self.pages.register(r.request_id, r.prefill_token_ids, computed)
         if r.metrics.first_token_time is None:
             r.metrics.first_token_time = now
         r.metrics.token_times.append(now)

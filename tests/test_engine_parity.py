@@ -75,22 +75,22 @@ def test_online_random_order_matches_transformers(setup, name):
     model, prompts, max_tokens, expected = setup
     llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **POLICIES[name])
     rng = np.random.default_rng(hash(name) % 2 ** 32)
-    ids = {}
+    ids, finished = {}, {}
     for i in rng.permutation(len(prompts)):
         ids[i] = llm.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]),
                                  priority=int(rng.integers(0, 3)))
         for _ in range(int(rng.integers(0, 3))):
-            llm.step()
-    llm.run_until_done()
-    outputs = [llm._output(llm.requests[ids[i]]) for i in range(len(prompts))]
+            finished.update((o.request_id, o) for o in llm.step() if o.finished)
+    finished.update((o.request_id, o) for o in llm.run_until_done())
+    outputs = [finished[ids[i]] for i in range(len(prompts))]
     _check(outputs, prompts, max_tokens, expected)
-    assert not llm.has_unfinished_requests()
+    assert not llm.has_unfinished_requests() and not llm.requests, "finished requests are released"
     assert llm.scheduler.free_slots == list(range(NUM_SLOTS))
     if llm.pages is not None:
         assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
         if "preempt" in name:
             assert llm.scheduler.num_preemptions > 0
-            assert sum(llm.requests[i].metrics.num_preemptions for i in ids.values()) == llm.scheduler.num_preemptions
+            assert sum(o.metrics.num_preemptions for o in outputs) == llm.scheduler.num_preemptions
 
 
 def test_offline_generate_matches_transformers(setup):

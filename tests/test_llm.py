@@ -50,16 +50,16 @@ def test_streaming_step_outputs_add_up(llm):
     rng = np.random.default_rng(2)
     ids = [llm.add_request(random_prompt(rng, 5 + i), SamplingParams(max_tokens=6 + i)) for i in range(6)]
     streamed = {i: [] for i in ids}
-    finished = set()
+    finished = {}
     while llm.has_unfinished_requests():
         for out in llm.step():
             streamed[out.request_id] += out.new_token_ids
             if out.finished:
                 assert out.request_id not in finished
-                finished.add(out.request_id)
-    assert finished == set(ids)
+                finished[out.request_id] = out
+    assert set(finished) == set(ids)
     for rid in ids:
-        assert streamed[rid] == llm.requests[rid].output_token_ids
+        assert streamed[rid] == finished[rid].token_ids
 
 
 def test_abort_waiting_and_running_requests_leaves_others_unharmed(llm):
@@ -79,11 +79,11 @@ def test_abort_waiting_and_running_requests_leaves_others_unharmed(llm):
         llm.abort("no-such-request")
     with pytest.raises(ValueError, match="unknown or finished"):
         llm.abort(waiting)
-    llm.run_until_done()
+    finished = {o.request_id: o for o in llm.run_until_done()}
+    assert set(finished) == set(ids) - {running.request_id, waiting}
     for i, rid in enumerate(ids):
-        if rid in (running.request_id, waiting):
-            continue
-        assert llm.requests[rid].output_token_ids == alone[i].token_ids
+        if rid in finished:
+            assert finished[rid].token_ids == alone[i].token_ids
 
 
 @pytest.mark.parametrize("prompt,params,match", [
@@ -92,7 +92,7 @@ def test_abort_waiting_and_running_requests_leaves_others_unharmed(llm):
     ([1, -1], None, "outside the vocabulary"),
     (list(range(3, 3 + MAX_SEQ_LEN)), None, "leaves no room"),
     ("hello", None, "no tokenizer"),
-    ([1.5, 2], None, "token ids"),
+    ([1.5, 2], None, "token id"),
     ([1, 2], "greedy", "SamplingParams"),
 ])
 def test_bad_requests_are_rejected_clearly(llm, prompt, params, match):
