@@ -86,6 +86,17 @@ def _is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):
 # Traces per program, across engines: the body of a jitted function runs once per
 # compilation, so counting there counts compilations (tests assert it stops growing).
 TRACE_COUNTS: collections.Counter = collections.Counter()
+# Every XLA compilation in the process, the engine's or not (a stray jnp op on the host
+# side compiles too): what "zero compilations after warm-up" is checked against.
+BACKEND_COMPILES = [0]
+
+
+def _count_backend_compile(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        BACKEND_COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
 
 _STATIC = ("config", "max_len", "kv_len")
 
@@ -309,6 +320,7 @@ class Engine:
                 chunk = [PrefillRequest(0, [0] * bucket, start, True, greedy, 0)]
                 out = self._prefill_call(chunk * rows, bucket, kv_len)
             out.block_until_ready()
+        self.deactivate(0)  # abort and preemption
         self.reset()
         return len(progs)
 
@@ -336,3 +348,8 @@ class Engine:
     def num_compilations() -> int:
         """Traces of the engine's jitted steps so far, across all engines in this process."""
         return sum(TRACE_COUNTS.values())
+
+    @staticmethod
+    def num_backend_compilations() -> int:
+        """XLA compilations of anything in this process so far."""
+        return BACKEND_COMPILES[0]

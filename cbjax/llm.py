@@ -145,10 +145,13 @@ class LLM:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         self.engine.stop_ids_for(sampling)
         if self.pages is not None:
-            longest = min(len(ids) + sampling.max_tokens, max_len)
-            if self.pages.pages_needed(longest) > self.pages.num_pages:
-                raise ValueError(f"a request of up to {longest} tokens needs {self.pages.pages_needed(longest)} "
-                                 f"pages; the paged cache has {self.pages.num_pages}: it could never fit")
+            # Positions it can write: its last token is returned, never written back (the
+            # scheduler's decode reservations use the same cap).
+            written = min(len(ids) + sampling.max_tokens - 1, max_len)
+            if self.pages.pages_needed(written) > self.pages.num_pages:
+                raise ValueError(f"a request of up to {written + 1} tokens writes {written} to the cache, "
+                                 f"{self.pages.pages_needed(written)} pages; the paged cache has "
+                                 f"{self.pages.num_pages}: it could never fit")
 
     def _new_request_id(self) -> str:
         # Skip ids a user chose: auto ids share the namespace of live requests.
@@ -194,6 +197,17 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def warmup(self, max_prompt_len: int | None = None) -> int:
+        """Compile every program this configuration can reach (so timings exclude
+        compilation): prefill continuations at any attended length when prompts can be
+        chunked or resume from cached prefix pages. `max_prompt_len` drops prefill buckets
+        no prompt reaches. Returns the number of programs."""
+        chunked = self.scheduler_config.max_prefill_tokens is not None or (
+            self.pages is not None and self.pages.enable_prefix_caching)
+        if max_prompt_len is not None:
+            max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, 1)
+        return self.engine.warmup(chunked=chunked, max_prompt_len=max_prompt_len)
 
     # ---------------------------------------------------------------- step
     def _block_tables(self) -> np.ndarray:

@@ -30,17 +30,22 @@ def _window_nll(params, config, tokens, length):
     return jnp.sum(jnp.where(jnp.arange(tokens.shape[0] - 1) < length - 1, nll, 0.0))
 
 
-def negative_log_likelihood(model: Model, token_ids: list[int], window: int = 256) -> tuple[float, int]:
-    """(summed NLL in nats, number of predicted tokens) over the windows."""
-    total, count = 0.0, 0
+def window_nlls(model: Model, token_ids: list[int], window: int = 256) -> list[tuple[float, int]]:
+    """(summed NLL in nats, predicted tokens) of each window."""
+    out = []
     for w in windows(token_ids, window):
         padded = np.zeros(window, np.int32)
         padded[:len(w)] = w
-        total += float(_window_nll(model.params, model.config, jnp.asarray(padded), jnp.int32(len(w))))
-        count += len(w) - 1
-    if count == 0:
+        out.append((float(_window_nll(model.params, model.config, jnp.asarray(padded), jnp.int32(len(w)))), len(w) - 1))
+    if not out:
         raise ValueError("text too short: need at least 2 tokens")
-    return total, count
+    return out
+
+
+def negative_log_likelihood(model: Model, token_ids: list[int], window: int = 256) -> tuple[float, int]:
+    """(summed NLL in nats, number of predicted tokens) over the windows."""
+    per_window = window_nlls(model, token_ids, window)
+    return sum(n for n, _ in per_window), sum(c for _, c in per_window)
 
 
 def perplexity(model: Model, token_ids: list[int], window: int = 256) -> float:

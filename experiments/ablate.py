@@ -27,13 +27,16 @@ KNOBS = {  # knob -> (LLM keyword, parse)
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_enum("knob", "refill_interval", sorted(KNOBS), "The knob to sweep.")
 flags.DEFINE_list("values", ["1", "4", "16"], "Values of the knob.")
-flags.DEFINE_float("qps", 0.0, "Poisson arrival rate; 0 sends every request at once (offline).")
-flags.DEFINE_integer("num_slots", 8, "KV-cache slots (unless swept).")
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.")
-flags.DEFINE_float("waiting_served_ratio", 0.0, "TGI ratio (unless swept).")
+flags.DEFINE_float("qps", 0.0, "Poisson arrival rate; 0 sends every request at once (offline).",
+                   lower_bound=0.0)
+flags.DEFINE_integer("num_slots", 8, "KV-cache slots (unless swept).", lower_bound=1)
+flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.", lower_bound=1)
+flags.DEFINE_float("waiting_served_ratio", 0.0, "TGI ratio (unless swept).", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_dir", "results/ablate", "Where the JSON and the plot go.")
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
+flags.adopt_module_key_flags(common)
+flags.register_validator("values", lambda v: len(v) > 0, message="--values needs at least one value")
 
 
 def main(argv):
@@ -59,7 +62,7 @@ def main(argv):
                        waiting_served_ratio=FLAGS.waiting_served_ratio, dtype=FLAGS.dtype)
         options[keyword] = value
         llm = LLM(model, **options)
-        metrics = common.run_replay(llm, workload)
+        metrics = common.run_replay(llm, workload, desc=f"{FLAGS.knob}={value}")
         runs.append({"value": value, **metrics})
 
     cols = ("output_throughput", "median_e2el_ms", "p99_e2el_ms", "median_ttft_ms", "p99_ttft_ms", "mean_running")

@@ -18,23 +18,25 @@ import platform
 import tempfile
 import time
 
+import common  # noqa: F401  (quiets transformers and matplotlib)
+
 from absl import app, flags
 
-from hf_peers import continuous_generate_batch
+from hf_peers import configure_torch, continuous_generate_batch
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("shape", "small", ["tiny", "small", "smollm2"],
                   "Model shape: 'tiny' (2 layers, d=64), 'small' (4 layers, d=256) or 'smollm2' "
                   "(30 layers, d=576, the 135M shape).")
-flags.DEFINE_integer("num_requests", 64, "Requests in the workload.")
+flags.DEFINE_integer("num_requests", 64, "Requests in the workload.", lower_bound=1)
 flags.DEFINE_integer("num_slots", 32, "Concurrent sequences for both engines (transformers' "
-                     "max_requests_per_batch).")
-flags.DEFINE_integer("min_prompt", 16, "Shortest prompt (tokens).")
-flags.DEFINE_integer("max_prompt", 128, "Longest prompt (tokens).")
-flags.DEFINE_integer("min_output", 16, "Shortest output budget (tokens).")
-flags.DEFINE_integer("max_output", 128, "Longest output budget (tokens).")
-flags.DEFINE_integer("decode_steps", 1, "cbjax decode steps per device call.")
-flags.DEFINE_integer("scheduler_slots", 64, "Slots for the scheduler host-overhead measurement.")
+                     "max_requests_per_batch).", lower_bound=1)
+flags.DEFINE_integer("min_prompt", 16, "Shortest prompt (tokens).", lower_bound=1)
+flags.DEFINE_integer("max_prompt", 128, "Longest prompt (tokens).", lower_bound=1)
+flags.DEFINE_integer("min_output", 16, "Shortest output budget (tokens).", lower_bound=1)
+flags.DEFINE_integer("max_output", 128, "Longest output budget (tokens).", lower_bound=1)
+flags.DEFINE_integer("decode_steps", 1, "cbjax decode steps per device call.", lower_bound=1)
+flags.DEFINE_integer("scheduler_slots", 64, "Slots for the scheduler host-overhead measurement.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload and init seed.")
 flags.DEFINE_bool("skip_transformers", False, "Only run cbjax.")
 flags.DEFINE_string("output_json", "results/bench_engine.json", "Where to write the results.")
@@ -77,7 +79,7 @@ def run_cbjax(model, prompts, outputs, max_seq_len):
     llm = LLM(model, policy="continuous", num_slots=FLAGS.num_slots, max_seq_len=max_seq_len,
               decode_steps=FLAGS.decode_steps)
     t0 = time.perf_counter()
-    llm.engine.warmup()
+    llm.warmup()
     compile_s = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in outputs]
     t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def scheduler_overhead(slots: int) -> dict:
     from cbjax import LLM, SamplingParams
 
     llm = LLM("tiny-llama", num_slots=slots, max_seq_len=128)
-    llm.engine.warmup()
+    llm.warmup()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(4, 64, size=4 * slots)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in rng.integers(8, 64, size=4 * slots)]
@@ -114,6 +116,7 @@ def main(argv):
     from cbjax.checkpoint import load_hf_dir
 
     with tempfile.TemporaryDirectory() as tmp:
+        configure_torch()
         hf = build_model(FLAGS.shape, FLAGS.seed, tmp)
         model = load_hf_dir(tmp, with_tokenizer=False)
     prompts, outputs = workload(model.config.vocab_size)

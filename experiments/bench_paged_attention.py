@@ -18,19 +18,23 @@ import time
 
 from absl import app, flags
 
+import common
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "8", "32", "128"], "Sequences per call.")
 flags.DEFINE_list("context_lens", ["512", "2048", "8192"], "Tokens per sequence (all the same).")
 flags.DEFINE_list("page_sizes", ["16", "64"], "Tokens per page.")
-flags.DEFINE_integer("q_heads", 32, "Query heads.")
-flags.DEFINE_integer("kv_heads", 8, "KV heads.")
-flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+flags.DEFINE_integer("q_heads", 32, "Query heads.", lower_bound=1)
+flags.DEFINE_integer("kv_heads", 8, "KV heads.", lower_bound=1)
+flags.DEFINE_integer("head_dim", 128, "Head dimension.", lower_bound=1)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "K/V and q dtype.")
-flags.DEFINE_integer("pages_per_block", 8, "Our kernel: pages per inner step.")
-flags.DEFINE_integer("splits", 8, "Our kernel: sequence splits (flash-decoding).")
-flags.DEFINE_integer("iters", 20, "Timed calls per measurement.")
+flags.DEFINE_integer("pages_per_block", 8, "Our kernel: pages per inner step.", lower_bound=1)
+flags.DEFINE_integer("splits", 8, "Our kernel: sequence splits (flash-decoding).", lower_bound=1)
+flags.DEFINE_integer("iters", 20, "Timed calls per measurement.", lower_bound=1)
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode (CPU smoke test).")
 flags.DEFINE_string("output_json", "results/bench_paged_attention.json", "Where the results go.")
+for _name in ("batch_sizes", "context_lens", "page_sizes"):
+    common.validate_list(_name, int, 1, "positive integers")
 
 
 def timed(fn, *args) -> float:

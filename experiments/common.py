@@ -10,13 +10,49 @@ from absl import flags
 FLAGS = flags.FLAGS
 
 
+def quiet_libraries() -> None:
+    """Keep the scripts' output to their own progress bars and tables: transformers' INFO
+    lines and weight-conversion bars, and matplotlib's font-cache note, are silenced."""
+    import logging
+
+    for name in ("matplotlib", "jax._src.xla_bridge"):  # font cache, "Unable to initialize backend 'tpu'"
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+quiet_libraries()
+
+
+def validate_list(name: str, parse, low: float, what: str) -> None:
+    """Reject a list flag at parse time unless every item parses and is >= `low`."""
+    def ok(values) -> bool:
+        try:
+            return len(values) > 0 and all(parse(v) >= low for v in values)
+        except ValueError:
+            return False
+
+    flags.register_validator(name, ok, message=f"--{name} must be a comma-separated list of {what}")
+
+
 def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, output_cap=128, num_requests=40):
-    flags.DEFINE_integer("num_requests", num_requests, "Requests per run.")
-    flags.DEFINE_integer("prompt_low", prompt_low, "Shortest prompt (uniform lengths).")
-    flags.DEFINE_integer("prompt_high", prompt_high, "Longest prompt (uniform lengths).")
-    flags.DEFINE_float("output_mean", output_mean, "Mean of the capped-exponential output budget.")
-    flags.DEFINE_integer("output_cap", output_cap, "Cap of the output budget (the max generation length).")
-    flags.DEFINE_float("burstiness", 1.0, "Gamma shape of the arrival gaps; 1 is Poisson.")
+    """The workload flags every replay script shares; each script adopts them as its own
+    key flags so that its --help lists them."""
+    flags.DEFINE_integer("num_requests", num_requests, "Requests per run.", lower_bound=1)
+    flags.DEFINE_integer("prompt_low", prompt_low, "Shortest prompt (uniform lengths).", lower_bound=1)
+    flags.DEFINE_integer("prompt_high", prompt_high, "Longest prompt (uniform lengths).", lower_bound=1)
+    flags.DEFINE_float("output_mean", output_mean, "Mean of the capped-exponential output budget.", lower_bound=1.0)
+    flags.DEFINE_integer("output_cap", output_cap, "Cap of the output budget (the max generation length).",
+                         lower_bound=1)
+    flags.DEFINE_float("burstiness", 1.0, "Gamma shape of the arrival gaps; 1 is Poisson.", lower_bound=1e-3)
+    flags.register_multi_flags_validator(["prompt_low", "prompt_high"],
+                                         lambda v: v["prompt_high"] >= v["prompt_low"],
+                                         message="--prompt_high must be >= --prompt_low")
     flags.DEFINE_enum("workload", "synthetic", ["synthetic", "chat"],
                       "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
                       "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
@@ -48,14 +84,18 @@ def script_flags() -> dict:
     return {n: FLAGS[n].value for n in sorted(names)}
 
 
-def run_replay(llm, workload, slo=None) -> dict:
+def run_replay(llm, workload, slo=None, desc: str | None = None) -> dict:
     """Replay a workload on the wall clock through a warmed-up engine; serving metrics."""
+    from cbjax.engine import Engine
     from cbjax.metrics import summarize_outputs
 
-    llm.engine.warmup(max_prompt_len=max(len(w.prompt) for w in workload))
+    llm.warmup(max_prompt_len=max(len(w.prompt) for w in workload))
+    compiled = Engine.num_backend_compilations()
     t0 = time.perf_counter()
-    outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True)
+    outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=desc)
     wall = time.perf_counter() - t0
+    if Engine.num_backend_compilations() != compiled:
+        print(f"warning: {desc or 'replay'} compiled during the timed run; its latencies include compilation")
     metrics = summarize_outputs(outs, slo=slo)
     metrics["wall_s"] = wall
     metrics["mean_running"] = llm.stats.mean_running

@@ -24,28 +24,38 @@ from hf_peers import load_peer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
-flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens (the study used 512).")
+flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens (the study used 512).", lower_bound=1)
 flags.DEFINE_list("max_gen_lens", ["8", "32", "128"], "Max generation lengths, one table column each "
                   "(the study used 32,128,512,1536).")
-flags.DEFINE_float("output_mean", 32.0, "Mean of the capped-exponential output budget (the study used 128).")
-flags.DEFINE_integer("num_requests", 24, "Requests per column.")
+flags.DEFINE_float("output_mean", 32.0, "Mean of the capped-exponential output budget (the study used 128).",
+                   lower_bound=1.0)
+flags.DEFINE_integer("num_requests", 24, "Requests per column.", lower_bound=1)
 flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget; sets the number of slots per column. "
                      "Default: --num_slots at the largest max generation length.")
-flags.DEFINE_integer("num_slots", 8, "Slots at the largest max generation length when --kv_cache_bytes is unset.")
+flags.DEFINE_integer("num_slots", 8, "Slots at the largest max generation length when --kv_cache_bytes is unset.", lower_bound=1)
 flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "cbjax policies to run on the slot cache.")
 flags.DEFINE_list("paged_policies", ["continuous"], "cbjax policies to also run on the paged cache (rows "
                   "'<policy>-paged'), at the same KV memory.")
-flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged cache.")
+flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged cache.", lower_bound=1)
 flags.DEFINE_integer("paged_max_seqs", None, "Most sequences the paged cache decodes together (its slots). "
                      "Default: the pool's tokens over the mean sequence length (prompt + mean output); the "
                      "decode step computes every slot, so more slots than fit on average only cost time.")
 flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch.")
-flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.")
-flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.")
+flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.", lower_bound=0.0)
+flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
-flags.DEFINE_integer("seed", 0, "Workload seed.")
-flags.DEFINE_integer("repeats", 1, "Timed runs per cell; the best is kept (shared CPUs can vary by 30% run to run).")
+flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
+flags.DEFINE_integer("repeats", 1, "Timed runs per cell; the best is kept (shared CPUs can vary by 30% run to run).", lower_bound=1)
 flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON and the plot go.")
+
+
+common.validate_list("max_gen_lens", int, 1, "positive integers")
+common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
+                     "policies among static, dynamic, continuous")
+flags.register_validator("paged_policies", lambda v: all(p in ("static", "dynamic", "continuous") for p in v),
+                         message="--paged_policies must be policies among static, dynamic, continuous")
+flags.register_validator("kv_cache_bytes", lambda v: v is None or v >= 1, message="--kv_cache_bytes must be >= 1")
+flags.register_validator("paged_max_seqs", lambda v: v is None or v >= 1, message="--paged_max_seqs must be >= 1")
 
 
 def static_bound(budgets: list[int], batch: int) -> float:
@@ -62,7 +72,7 @@ def run_column(model, max_gen: int, peer) -> dict:
     from tqdm.auto import tqdm
 
     from cbjax import LLM
-    from cbjax.engine import TRACE_COUNTS
+    from cbjax.engine import Engine
     from cbjax.kv_cache import SlotCache
     from cbjax.workload import LengthDist, synthetic
 
@@ -96,19 +106,19 @@ def run_column(model, max_gen: int, peer) -> dict:
             seq_len = max_seq_len
         llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
                   decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options)
-        llm.engine.warmup(max_prompt_len=FLAGS.prompt_len)
-        compiled = sum(TRACE_COUNTS.values())
+        row = policy if layout == "slots" else f"{policy}-paged"
+        llm.warmup(max_prompt_len=FLAGS.prompt_len)
+        compiled = Engine.num_backend_compilations()
         elapsed = float("inf")
         for _ in range(FLAGS.repeats):
             llm.stats = type(llm.stats)()
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True)
+            outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True, desc=f"{row} gen<={max_gen}")
             elapsed = min(elapsed, time.perf_counter() - t0)
         tokens = sum(len(o.token_ids) for o in outs)
         assert tokens == sum(budgets), "EOS is ignored: every request makes its budget"
-        if sum(TRACE_COUNTS.values()) != compiled:
-            print(f"warning: {policy}/{layout} compiled during the timed run; its time includes compilation")
-        row = policy if layout == "slots" else f"{policy}-paged"
+        if Engine.num_backend_compilations() != compiled:
+            print(f"warning: {row} compiled during the timed run; its time includes compilation")
         column["rows"][row] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
                                "mean_running": llm.stats.mean_running, "decode_steps": llm.stats.decode_steps,
                                "preemptions": llm.scheduler.num_preemptions}
@@ -118,7 +128,7 @@ def run_column(model, max_gen: int, peer) -> dict:
         from hf_peers import continuous_generate_batch, static_generate
 
         for name, fn in (("hf_generate_static", static_generate), ("hf_generate_batch", continuous_generate_batch)):
-            with tqdm(total=len(prompts), desc=name) as bar:
+            with tqdm(total=len(prompts), desc=f"{name} gen<={max_gen}") as bar:
                 tokens, elapsed = fn(peer, prompts, budgets, slots, progress=bar.update)
             column["rows"][name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
     return column
@@ -126,23 +136,20 @@ def run_column(model, max_gen: int, peer) -> dict:
 
 def print_table(columns: list[dict]) -> str:
     rows = list(columns[0]["rows"])
-    head = f"{'policy':<22}" + "".join(f"{'gen<=' + str(c['max_gen_len']):>16}" for c in columns)
-    lines = [head, "-" * len(head)]
-    lines.append(f"{'slots (equal KV mem)':<22}" + "".join(f"{c['slots']:>16}" for c in columns))
-    for r in rows:
-        lines.append(f"{r + ' tok/s':<22}" + "".join(f"{c['rows'][r]['tokens_per_s']:>16.1f}" for c in columns))
+    labeled: list[tuple[str, list[str]]] = [("slots (equal KV mem)", [str(c["slots"]) for c in columns])]
+    labeled += [(f"{r} tok/s", [f"{c['rows'][r]['tokens_per_s']:.1f}" for c in columns]) for r in rows]
     if "static" in rows:
-        for r in rows:
-            if r == "static":
-                continue
-            lines.append(f"{r + ' / static':<22}" + "".join(
-                f"{c['rows'][r]['tokens_per_s'] / c['rows']['static']['tokens_per_s']:>15.2f}x" for c in columns))
-        lines.append(f"{'bound cont./static':<22}" + "".join(
-            f"{c['bound_continuous_over_static']:>15.2f}x" for c in columns))
-    for r in rows:
-        if "mean_running" in columns[0]["rows"][r]:
-            lines.append(f"{r + ' mean running':<22}" + "".join(
-                f"{c['rows'][r]['mean_running']:>16.2f}" for c in columns))
+        labeled += [(f"{r} / static", [f"{c['rows'][r]['tokens_per_s'] / c['rows']['static']['tokens_per_s']:.2f}x"
+                                       for c in columns]) for r in rows if r != "static"]
+        labeled.append(("bound cont./static", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
+    labeled += [(f"{r} mean running", [f"{c['rows'][r]['mean_running']:.2f}" for c in columns])
+                for r in rows if "mean_running" in columns[0]["rows"][r]]
+    width = max(len("policy"), *(len(label) for label, _ in labeled)) + 2
+    cells = [f"gen<={c['max_gen_len']}" for c in columns]
+    cell = max(12, *(len(x) for x in cells), *(len(v) for _, vals in labeled for v in vals)) + 2
+    head = f"{'policy':<{width}}" + "".join(f"{x:>{cell}}" for x in cells)
+    lines = [head, "-" * len(head)]
+    lines += [f"{label:<{width}}" + "".join(f"{v:>{cell}}" for v in vals) for label, vals in labeled]
     return "\n".join(lines)
 
 
@@ -175,6 +182,12 @@ def main(argv):
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
     peer = load_peer(FLAGS.model) if FLAGS.peers else None  # transformers' twin of the same checkpoint
+    peer_settings = {}
+    if peer is not None:
+        from hf_peers import configure_torch
+
+        peer_settings = configure_torch()
+        print(f"transformers peers: {peer_settings}, generate_batch KV cache sized to the batch (16-token pages)")
     if FLAGS.peers and peer is None:
         print(f"no transformers twin for {FLAGS.model}: peers skipped")
     columns = [run_column(model, int(g), peer) for g in FLAGS.max_gen_lens]
@@ -182,7 +195,7 @@ def main(argv):
     print("\n" + table)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     write_json(os.path.join(FLAGS.output_dir, "compare_batching.json"),
-               {"flags": common.script_flags(),
+               {"flags": common.script_flags(), "peer_settings": peer_settings,
                 "columns": columns, "table": table, "wall_s": time.perf_counter() - start})
     plot(columns, os.path.join(FLAGS.output_dir, "compare_batching.png"))
     print(f"\nwrote {FLAGS.output_dir}/compare_batching.json and .png in {time.perf_counter() - start:.0f}s")

@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+import common  # noqa: F401  (quiets transformers and matplotlib)
+
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -17,25 +19,46 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .g
                     "(an orbax directory is compared against the checkpoint it was converted from).")
 flags.DEFINE_string("text", os.path.join(os.path.dirname(__file__), "data", "public_domain.txt"),
                     "Text file to score.")
-flags.DEFINE_integer("window", 256, "Tokens per independently scored window.")
+flags.DEFINE_integer("window", 256, "Tokens per independently scored window.", lower_bound=2)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype for cbjax.")
 flags.DEFINE_bool("transformers", True, "Also compute transformers' perplexity on the same windows.")
 flags.DEFINE_string("output_json", "results/eval_perplexity.json", "Where the result goes.")
 
 
-def transformers_nll(peer, token_ids, window):
+def transformers_nlls(peer, token_ids, window) -> list[tuple[float, int]]:
+    """(summed NLL, predicted tokens) per window, as `cbjax.perplexity.window_nlls`."""
     import torch
 
     from cbjax.perplexity import windows
 
-    total, count = 0.0, 0
+    out = []
     for w in windows(token_ids, window):
         ids = torch.tensor([w])
         with torch.no_grad():
             logits = peer(ids).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-        count += len(w) - 1
-    return total, count
+        out.append((float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")), len(w) - 1))
+    return out
+
+
+def plot(per_window: dict[str, list[tuple[float, int]]], path: str) -> None:
+    """Perplexity of each window, one bar per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    width = 0.8 / len(per_window)
+    for k, (name, nlls) in enumerate(per_window.items()):
+        ppl = [np.exp(n / c) for n, c in nlls]
+        ax.bar(np.arange(len(ppl)) + k * width, ppl, width, label=name)
+    ax.set_xlabel(f"window ({FLAGS.window} tokens each)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"{FLAGS.model} on {os.path.basename(FLAGS.text)}")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    common.savefig(fig, path)
 
 
 def main(argv):
@@ -44,7 +67,7 @@ def main(argv):
 
     from cbjax.checkpoint import is_orbax_dir, load_model
     from cbjax.metrics import write_json
-    from cbjax.perplexity import negative_log_likelihood
+    from cbjax.perplexity import window_nlls
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype)
@@ -53,7 +76,8 @@ def main(argv):
     with open(FLAGS.text) as f:
         text = f.read()
     ids = [int(t) for t in model.tokenizer(text)["input_ids"]]
-    total, count = negative_log_likelihood(model, ids, FLAGS.window)
+    per_window = {"cbjax": window_nlls(model, ids, FLAGS.window)}
+    total, count = (sum(x) for x in zip(*per_window["cbjax"]))
     ours = float(np.exp(total / count))
     result = {"model": FLAGS.model, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
               "window": FLAGS.window, "cbjax_ppl": ours}
@@ -70,14 +94,18 @@ def main(argv):
         if peer is None:
             print(f"no transformers twin for {FLAGS.model}: comparison skipped")
         else:
-            t_total, t_count = transformers_nll(peer, ids, FLAGS.window)
+            per_window["transformers"] = transformers_nlls(peer, ids, FLAGS.window)
+            t_total, t_count = (sum(x) for x in zip(*per_window["transformers"]))
             theirs = float(np.exp(t_total / t_count))
             rel = abs(ours - theirs) / theirs
             result.update(transformers_ppl=theirs, relative_difference=rel)
             print(f"transformers perplexity {theirs:.4f}   relative difference {100 * rel:.4f}%")
     result["wall_s"] = time.perf_counter() - start
+    result["per_window_nll"] = per_window
     write_json(FLAGS.output_json, result)
-    print(f"wrote {FLAGS.output_json} in {result['wall_s']:.0f}s")
+    png = os.path.splitext(FLAGS.output_json)[0] + ".png"
+    plot(per_window, png)
+    print(f"wrote {FLAGS.output_json} and {png} in {result['wall_s']:.0f}s")
 
 
 if __name__ == "__main__":

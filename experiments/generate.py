@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import time
 
+import common  # noqa: F401  (quiets transformers and matplotlib)
+
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -17,14 +19,14 @@ flags.DEFINE_multi_string("prompt", ["What is the capital of France?", "Name thr
                                      "Write a haiku about the sea."],
                           "User message(s), chat-templated when the tokenizer has a template. Repeat the flag "
                           "for several prompts.")
-flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per prompt.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
-flags.DEFINE_integer("top_k", 0, "Top-k cut (0: off).")
-flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1: off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per prompt.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", 0, "Top-k cut (0: off).", lower_bound=0)
+flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1: off).", lower_bound=1e-9, upper_bound=1.0)
+flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
 flags.DEFINE_enum("policy", "continuous", ["static", "dynamic", "continuous"], "Batching policy.")
-flags.DEFINE_integer("num_slots", 4, "KV-cache slots (sequences decoded together).")
-flags.DEFINE_integer("max_seq_len", 256, "Prompt plus output tokens per slot.")
+flags.DEFINE_integer("num_slots", 4, "KV-cache slots (sequences decoded together).", lower_bound=1)
+flags.DEFINE_integer("max_seq_len", 256, "Prompt plus output tokens per slot.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_json", None, "Optional path for the outputs as JSON.")
 
@@ -45,8 +47,10 @@ def main(argv):
     params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                             top_p=FLAGS.top_p, seed=FLAGS.seed)
     t0 = time.perf_counter()
-    llm.engine.warmup()
-    print(f"compiled {len(llm.engine.programs())} programs in {time.perf_counter() - t0:.1f}s")
+    print(f"compiling the engine's programs for {FLAGS.num_slots} slots up to {FLAGS.max_seq_len} tokens "
+          "(once per process; a minute or so on a CPU)...", flush=True)
+    num_programs = llm.warmup()
+    print(f"compiled {num_programs} programs in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0

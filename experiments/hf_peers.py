@@ -6,6 +6,11 @@
 
 Both are greedy with EOS ignored, so every request makes exactly its budget; both
 return (useful output tokens, seconds).
+
+What is set for them, so their rows are honest: PyTorch uses one intra-op thread per
+core and a single inter-op thread (`configure_torch`), and `generate_batch` gets a KV
+cache of pages of `page_size` tokens holding exactly the tokens the batch can need
+(`peer_cache_config`), instead of its default of most of the free memory.
 """
 
 from __future__ import annotations
@@ -14,6 +19,32 @@ import os
 import time
 
 import numpy as np
+
+
+def configure_torch() -> dict:
+    """One intra-op thread per core, one inter-op thread; returns what was set."""
+    import torch
+
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # only settable before the first parallel work
+        pass
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads()}
+
+
+def peer_cache_config(prompts: list[list[int]], budgets: list[int], max_batch: int, page_size: int = 16):
+    """transformers' continuous batching with a KV cache sized for `max_batch` of the
+    longest requests (in pages of `page_size`), and a per-step token budget of one
+    prompt per running request."""
+    from transformers import ContinuousBatchingConfig
+
+    longest = max(len(p) + b for p, b in zip(prompts, budgets))
+    pages_per_request = -(-longest // page_size)
+    return ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=max_batch * pages_per_request + 1, max_requests_per_batch=max_batch,
+        max_batch_tokens=max(max_batch, max(len(p) for p in prompts) * max_batch))
 
 
 def load_peer(spec: str):
@@ -32,6 +63,7 @@ def load_peer(spec: str):
         spec = smollm2_gguf_path()
     elif spec in PRESETS:
         return None
+    configure_torch()
     if spec.endswith(".gguf"):
         return transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(os.path.abspath(spec)), gguf_file=os.path.basename(spec), dtype=torch.float32).eval()
@@ -66,10 +98,10 @@ def static_generate(model, prompts: list[list[int]], budgets: list[int], batch_s
 def continuous_generate_batch(model, prompts: list[list[int]], budgets: list[int], max_batch: int,
                               progress=None, return_tokens: bool = False):
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(budgets))
-    cb = ContinuousBatchingConfig(max_requests_per_batch=max_batch)
+    cb = peer_cache_config(prompts, budgets, max_batch)
     model.generate_batch(prompts[:1], generation_config=gen, continuous_batching_config=cb, max_new_tokens=2)
     results = {}
     with torch.no_grad(), model.continuous_batching_context_manager(

@@ -20,15 +20,19 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second).")
 flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "Policies to compare.")
-flags.DEFINE_integer("num_slots", 8, "KV-cache slots (and static/dynamic batch size).")
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.")
-flags.DEFINE_float("window_ms", 100.0, "Dynamic batching window.")
-flags.DEFINE_float("ttft_ms", None, "SLO on time to first token, for goodput.")
-flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput.")
-flags.DEFINE_float("e2e_ms", None, "SLO on end-to-end latency, for goodput.")
+flags.DEFINE_integer("num_slots", 8, "KV-cache slots (and static/dynamic batch size).", lower_bound=1)
+flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.", lower_bound=1)
+flags.DEFINE_float("window_ms", 100.0, "Dynamic batching window.", lower_bound=0.0)
+flags.DEFINE_float("ttft_ms", None, "SLO on time to first token, for goodput.", lower_bound=0.0)
+flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput.", lower_bound=0.0)
+flags.DEFINE_float("e2e_ms", None, "SLO on end-to-end latency, for goodput.", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_dir", "results/latency_sweep", "Where the JSON and the plot go.")
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
+flags.adopt_module_key_flags(common)
+common.validate_list("qps", float, 1e-6, "positive request rates")
+common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
+                     "policies among static, dynamic, continuous")
 
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
         "output_throughput")
@@ -56,7 +60,7 @@ def main(argv):
         for policy in FLAGS.policies:
             llm = LLM(model, policy=policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
                       window_ms=FLAGS.window_ms, dtype=FLAGS.dtype)
-            results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo)}
+            results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo, desc=f"{policy}@{qps:g}")}
 
     header = f"{'policy @ qps':<18}" + "".join(f"{k:>18}" for k in KEYS) + f"{'goodput req/s':>15}"
     lines = [header, "-" * len(header)]

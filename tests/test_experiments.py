@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,3 +64,89 @@ def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
                "--pages_per_block=2", "--splits=2", f"--output_json={out}")
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and all("us" in rows[0][n] for n in ("ours", "xla_reference", "dense"))
+
+
+def experiments_module(name: str):
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("script,flag", [
+    ("compare_batching.py", "--num_slots=0"),
+    ("compare_batching.py", "--max_gen_lens=8,-3"),
+    ("compare_batching.py", "--policies=static,fastest"),
+    ("latency_sweep.py", "--qps=0"),
+    ("latency_sweep.py", "--num_requests=0"),
+    ("latency_sweep.py", "--prompt_low=40 --prompt_high=20"),
+    ("ablate.py", "--num_slots=-1"),
+    ("generate.py", "--top_p=1.5"),
+    ("eval_perplexity.py", "--window=1"),
+    ("bench_paged_attention.py", "--page_sizes=0"),
+])
+def test_bad_flag_values_are_refused_at_parse_time(script, flag):
+    """A one-line message naming the flag, before anything loads (no traceback)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flag.split()], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    name = flag.split()[-1].split("=")[0]
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
+    assert len(errors) == 1 and name in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py"])
+def test_help_lists_the_workload_flags(script):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    for name in ("--num_requests", "--prompt_low", "--output_cap", "--burstiness", "--workload"):
+        assert name in proc.stdout, f"{script} --help does not show {name}"
+
+
+def test_compare_batching_table_columns_line_up():
+    cb = experiments_module("compare_batching")
+    rows = {"static": {"tokens_per_s": 12.5, "mean_running": 3.0},
+            "continuous-paged": {"tokens_per_s": 1234.5, "mean_running": 12.25},
+            "hf_generate_batch": {"tokens_per_s": 7.0}}
+    columns = [{"max_gen_len": g, "slots": 8, "bound_continuous_over_static": 1.5, "rows": rows} for g in (8, 1536)]
+    lines = cb.print_table(columns).splitlines()
+    assert len({len(line) for line in lines}) == 1, "every line as wide as the header"
+    assert any(line.startswith("continuous-paged mean running ") for line in lines)
+
+
+def test_transformers_peers_threads_and_bounded_cache(tmp_path):
+    """The peers run with one thread per core and a generate_batch cache sized to the batch
+    (transformers' default takes most of the free memory), and still produce the same greedy
+    tokens as plain generate."""
+    import torch
+
+    from tests.hf_models import make_hf_model
+
+    peers = experiments_module("hf_peers")
+    settings = peers.configure_torch()
+    assert settings["torch_threads"] == len(os.sched_getaffinity(0)) == torch.get_num_threads()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 150, size=int(n)).tolist() for n in (5, 9, 12)]
+    budgets = [6, 3, 8]
+    config = peers.peer_cache_config(prompts, budgets, max_batch=2, page_size=16)
+    assert config.num_blocks * config.page_size <= 2 * 32 + 16 and config.max_requests_per_batch == 2
+    hf = make_hf_model("llama", seed=1)
+    tokens, _ = peers.continuous_generate_batch(hf, prompts, budgets, 2, return_tokens=True)
+    for p, b, got in zip(prompts, budgets, tokens):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=b, min_new_tokens=b, do_sample=False, pad_token_id=0)
+        assert got == ref[0, len(p):].tolist()
+
+
+def test_eval_perplexity_writes_json_and_png(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    out = tmp_path / "ppl.json"
+    run_script("eval_perplexity.py", "--model=smollm2-135m", "--notransformers", "--window=32", f"--text={text}",
+               f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert result["cbjax_ppl"] > 1 and len(result["per_window_nll"]["cbjax"]) >= 2
+    assert (tmp_path / "ppl.png").stat().st_size > 0
