@@ -27,6 +27,7 @@ import numpy as np
 from cbjax import checks
 from cbjax.checkpoint import Model
 from cbjax.kv_cache import PagedCache, SlotCache
+from cbjax.mixed_step import MixedRow, mixed_step, pack, row_bucket, token_buckets
 from cbjax.models import forward
 from cbjax.request import SamplingParams
 from cbjax.sampling import sample
@@ -78,7 +79,7 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):
+def is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):
     is_stop = jnp.any(token[..., None] == stop_ids, axis=-1)
     return is_stop | (num_generated >= max_tokens) | (total_len >= max_len)
 
@@ -119,7 +120,7 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
     # A request resumed after preemption has `generated` tokens already: its next token
     # is sampled as output index `generated`, so seeded sampling continues where it was.
     token = sample(logits, temperature, top_k, top_p, seed, generated)
-    done = _is_done(token, stop_ids, generated + 1, max_tokens, start + length + 1, max_len)
+    done = is_done(token, stop_ids, generated + 1, max_tokens, start + length + 1, max_len)
     # Rows that insert nothing scatter to an out-of-range slot, which is dropped.
     target = jnp.where(is_last, slot, cache.num_slots)
 
@@ -146,7 +147,7 @@ def _decode_steps(params, cache, state, *, config, max_len, kv_len, steps, paged
                                 logits_index=jnp.zeros_like(state.tokens), paged_kernel=paged_kernel)
         token = sample(logits, state.temperature, state.top_k, state.top_p, state.seeds, state.num_generated)
         generated = state.num_generated + state.active
-        done = state.active & _is_done(token, state.stop_ids, generated, state.max_tokens, cache.lengths + 1,
+        done = state.active & is_done(token, state.stop_ids, generated, state.max_tokens, cache.lengths + 1,
                                        max_len)
         out = jnp.where(state.active, token, -1)
         state = dataclasses.replace(state, tokens=jnp.where(state.active, token, state.tokens),
@@ -175,6 +176,9 @@ class PrefillRequest:
     generated: int = 0  # tokens generated before a preemption (recompute)
 
 
+MERGE_MODES = ("prefill_first", "fused", "chunked")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     num_slots: int = 8
@@ -190,6 +194,10 @@ class EngineConfig:
     # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
     # so not the default there.
     attention: str = "reference"
+    # "prefill_first": bucketed prefill calls, then decode calls. "fused" / "chunked": one mixed
+    # step (cbjax/mixed_step.py) per round over at most `max_num_batched_tokens` tokens.
+    merge_mode: str = "prefill_first"
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
@@ -205,6 +213,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
         if self.attention == "pallas" and self.kv_cache != "paged":
             raise ValueError("attention='pallas' needs kv_cache='paged'")
+        if self.merge_mode not in MERGE_MODES:
+            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.kv_cache == "paged":
             if self.max_seq_len % self.page_size:
                 raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
@@ -282,6 +294,28 @@ class Engine:
                                                     kv_len=kv_len)
         return out
 
+    @property
+    def mixed(self) -> bool:
+        return self.config.merge_mode != "prefill_first"
+
+    def _mixed_token_buckets(self) -> list[int]:
+        return token_buckets(self.config.max_num_batched_tokens or self.max_len + self.num_slots)
+
+    def mixed_step(self, rows: list[MixedRow]) -> jax.Array:
+        """One mixed step over `rows` (prefill chunks and decodes, any order); returns the
+        device array `[rows bucket, 2]` of (sampled token or -1, done), row i first."""
+        total = sum(r.num_tokens for r in rows)
+        num_tokens = bucket_for(total, self._mixed_token_buckets())
+        kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))
+        return self._mixed_call(pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.stop_ids_for),
+                                kv_len)
+
+    def _mixed_call(self, packed: tuple[np.ndarray, ...], kv_len: int) -> jax.Array:
+        out, self.cache, self.state = mixed_step(self.params, self.cache, self.state, *packed,
+                                                 config=self.model.config, max_len=self.max_len, kv_len=kv_len,
+                                                 paged_kernel=self.config.attention == "pallas")
+        return out
+
     def decode(self, longest: int) -> jax.Array:
         """`decode_steps` steps for every active slot; `longest` is the largest sequence length
         (prompt + generated) among active slots, which sets the attended-length bucket."""
@@ -296,6 +330,8 @@ class Engine:
         """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
         and ("decode", attended length). `max_prompt_len` leaves out prefill buckets no
         prompt of the workload reaches."""
+        if self.mixed:
+            return [("mixed", t, kv) for t in self._mixed_token_buckets() for kv in self.buckets]
         if self.config.kv_cache == "paged":
             max_prompt_len = None  # a request resumed after preemption prefills prompt + output
         top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
@@ -312,7 +348,11 @@ class Engine:
         greedy = SamplingParams(max_tokens=1)
         progs = self.programs(chunked, max_prompt_len)
         for prog in progs:
-            if prog[0] == "decode":
+            if prog[0] == "mixed":
+                _, num_tokens, kv_len = prog
+                out = self._mixed_call(pack([], num_tokens, row_bucket(num_tokens, self.num_slots),
+                                            self.stop_ids_for), kv_len)
+            elif prog[0] == "decode":
                 out = self.decode(max(prog[1] - self.config.decode_steps, 0))
             else:
                 _, rows, bucket, kv_len = prog

@@ -20,6 +20,7 @@ from cbjax import checks
 from cbjax.checkpoint import Model, load_model
 from cbjax.block_manager import BlockManager
 from cbjax.engine import Engine, EngineConfig, PrefillRequest
+from cbjax.mixed_step import MixedRow
 from cbjax.kv_cache import PagedCache, SlotCache
 from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
@@ -80,16 +81,23 @@ class LLM:
         num_pages: int | None = None,
         enable_prefix_caching: bool = False,
         attention: str = "reference",
+        merge_mode: str = "prefill_first",
+        max_num_batched_tokens: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        if merge_mode in ("fused", "chunked") and max_num_batched_tokens is None:
+            # Sarathi-style budget for chunks; a whole longest prompt beside every decode for fused.
+            max_num_batched_tokens = max(256, 2 * num_slots) if merge_mode == "chunked" else max_seq_len + num_slots
         # Both configs check their knobs before the model loads, so a bad one fails fast.
         scheduler_options = dict(
+            merge_mode=merge_mode, max_num_batched_tokens=max_num_batched_tokens,
             policy=policy, batch_size=batch_size, window_ms=window_ms, refill_interval=refill_interval,
             waiting_served_ratio=waiting_served_ratio, max_waiting_steps=max_waiting_steps,
             max_prefill_tokens=max_prefill_tokens, ordering=ordering, length_aware=length_aware,
             decode_steps=decode_steps)
         engine_options = dict(max_seq_len=max_seq_len, prefill_floor=prefill_floor, decode_steps=decode_steps,
-                              kv_cache=kv_cache, page_size=page_size, attention=attention)
+                              kv_cache=kv_cache, page_size=page_size, attention=attention, merge_mode=merge_mode,
+                              max_num_batched_tokens=max_num_batched_tokens)
         SchedulerConfig(num_slots=num_slots, **scheduler_options)
         EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
         if kv_cache_bytes is not None:
@@ -244,6 +252,8 @@ class LLM:
             engine.deactivate(slot)
         if self.pages is not None:
             engine.set_block_tables(self._block_tables())
+        if plan.mixed:
+            return self._mixed_round(plan, t1)
         calls = engine.prefill([PrefillRequest(c.slot, c.tokens, c.start, c.is_last, c.request.sampling,
                                                self._request_seed(c.request), len(c.request.output_token_ids))
                                 for c in plan.prefills])
@@ -284,6 +294,39 @@ class LLM:
                 touched[r.request_id] = r
             stats.decode_steps += len(host_decode)
             stats.active_slot_steps += int((host_decode >= 0).sum())
+        stats.rounds += 1
+        stats.prefill_chunks += len(plan.prefills)
+        stats.process_s += time.perf_counter() - t3
+        return list(touched.values())
+
+    def _mixed_round(self, plan: Plan, t_dispatch: float) -> list[Request]:
+        """The round as one mixed step: the plan's chunks, then a decode row per running request."""
+        sched, stats = self.scheduler, self.stats
+        decoding = [r for r in sched.running if r.state == RequestState.RUNNING]
+        rows = [MixedRow(c.slot, c.tokens, c.start, c.is_last, c.request.sampling, self._request_seed(c.request),
+                         len(c.request.output_token_ids)) for c in plan.prefills]
+        rows += [MixedRow(r.slot, [], r.num_tokens - 1) for r in decoding]
+        out = self.engine.mixed_step(rows)
+        t2 = time.perf_counter()
+        host = jax.device_get(out)  # the one host copy of the round
+        now = self.clock()
+        t3 = time.perf_counter()
+        stats.dispatch_s += t2 - t_dispatch
+        stats.device_wait_s += t3 - t2
+        touched: dict[str, Request] = {}
+        for chunk, (token, device_done) in zip(plan.prefills, host[:len(plan.prefills)].tolist()):
+            finished = sched.on_prefill(chunk, token if chunk.is_last else -1, now)
+            if chunk.is_last:
+                self._check_sync(chunk.request, bool(device_done), finished)
+                touched[chunk.request.request_id] = chunk.request
+        if decoding:
+            per_slot = [-1] * self.engine.num_slots
+            for r, (token, _) in zip(decoding, host[len(plan.prefills):].tolist()):
+                per_slot[r.slot] = token
+            sched.on_decode([per_slot], now)
+            touched.update((r.request_id, r) for r in decoding)
+            stats.decode_steps += 1
+            stats.active_slot_steps += len(decoding)
         stats.rounds += 1
         stats.prefill_chunks += len(plan.prefills)
         stats.process_s += time.perf_counter() - t3

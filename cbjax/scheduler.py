@@ -25,6 +25,7 @@ from cbjax.request import FinishReason, Request, RequestState
 
 POLICIES = ("static", "dynamic", "continuous")
 ORDERINGS = ("fcfs", "priority")
+MERGE_MODES = ("prefill_first", "fused", "chunked")
 
 
 @dataclasses.dataclass
@@ -40,6 +41,11 @@ class SchedulerConfig:
     ordering: str = "fcfs"
     length_aware: bool = False
     decode_steps: int = 1
+    # How prefill meets decode: "prefill_first" (prefill calls, then a decode call), "fused"
+    # (Orca: whole new prompts in the same step as the decodes) or "chunked" (Sarathi-Serve:
+    # decodes first, then prompt chunks, within `max_num_batched_tokens` tokens per step).
+    merge_mode: str = "prefill_first"
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -58,6 +64,22 @@ class SchedulerConfig:
             self.max_prefill_tokens = checks.integer("max_prefill_tokens (or None)", self.max_prefill_tokens, 1)
         if not isinstance(self.length_aware, bool):
             raise ValueError(f"length_aware must be a bool, got {self.length_aware!r}")
+        if self.merge_mode not in MERGE_MODES:
+            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.merge_mode != "prefill_first":
+            if self.policy != "continuous":
+                raise ValueError(f"merge_mode={self.merge_mode!r} is iteration-level: it needs policy='continuous'")
+            if self.decode_steps != 1 or self.max_prefill_tokens is not None:
+                raise ValueError(f"merge_mode={self.merge_mode!r} decodes one token per step under its token "
+                                 "budget: leave decode_steps at 1 and max_prefill_tokens unset "
+                                 "(max_num_batched_tokens is its budget)")
+            if self.max_num_batched_tokens is None:
+                raise ValueError(f"merge_mode={self.merge_mode!r} needs max_num_batched_tokens")
+            if self.merge_mode == "chunked" and self.max_num_batched_tokens <= self.num_slots:
+                raise ValueError(f"chunked prefill needs max_num_batched_tokens > num_slots ({self.num_slots}), "
+                                 "or prefills could starve behind the decodes")
 
 
 @dataclasses.dataclass
@@ -86,6 +108,7 @@ class Plan:
     # without a new arrival (a dynamic window closing), else None.
     wake_time: float | None = None
     preempted_slots: list[int] = dataclasses.field(default_factory=list)  # to deactivate on the device
+    mixed: bool = False  # prefills and decodes go in one mixed step
 
     @property
     def idle(self) -> bool:
@@ -150,6 +173,8 @@ class Scheduler:
 
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float) -> Plan:
+        if self.config.merge_mode != "prefill_first":
+            return self._schedule_mixed(now)
         admitted, wake = self._admit(now)
         # Paged: admit only what leaves room for this round's decode reservations (those of
         # the running requests and the newcomer's own first decode call), the same look-ahead
@@ -163,18 +188,70 @@ class Scheduler:
                     break
                 r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
                 reserved += self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
-            slot = self.free_slots[0]
-            self.slots[slot] = r
-            r.slot = slot
-            r.state = RequestState.PREFILLING
-            r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
-            self.waiting.remove(r)
+            self._place(r, now)
         prefills = self._prefill_chunks()
         preempted = self._reserve_decode_pages(prefills) if self.pages is not None else []
         prefills = [c for c in prefills if c.request.slot is not None]
         decode = self._should_decode(prefills)
         return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None,
                     preempted_slots=preempted)
+
+    def _schedule_mixed(self, now: float) -> Plan:
+        """One mixed step under the token budget, stall-free as in Sarathi-Serve: every
+        running decode first, then the chunks of prompts already started, then new prompts.
+        "chunked" cuts prompts to what the budget leaves; "fused" takes whole prompts only
+        (one beyond the budget when it is alone, so a long prompt is never shut out)."""
+        cfg = self.config
+        chunked = cfg.merge_mode == "chunked"
+        budget = cfg.max_num_batched_tokens - sum(
+            1 for r in self.slots if r is not None and r.state == RequestState.RUNNING)
+        chunks: list[PrefillChunk] = []
+
+        def take(r: Request) -> bool:
+            nonlocal budget
+            n = r.prefill_len - r.num_prefilled
+            if chunked:
+                n = min(n, budget)
+            elif n > budget and (chunks or self.running != [r]):
+                return False
+            if n <= 0:
+                return False
+            chunks.append(PrefillChunk(r, r.slot, r.num_prefilled, n))
+            budget -= n
+            return True
+
+        for r in sorted((r for r in self.slots if r is not None and r.state == RequestState.PREFILLING),
+                        key=self._order_key):
+            if not take(r):
+                break
+        admitted, wake = self._admit(now) if budget > 0 else ([], None)
+        reserved = self._pages_to_grow() if self.pages is not None else 0
+        for r in admitted:
+            fits_alone = not chunks and not self.running
+            if budget <= 0 or (not chunked and r.prefill_len > budget and not fits_alone):
+                break
+            if self.pages is not None:
+                first_decode = self._decode_need(r, r.prefill_len + 1)
+                if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+                    break
+                r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
+                reserved += self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
+            self._place(r, now)
+            take(r)
+        preempted = self._reserve_decode_pages(chunks) if self.pages is not None else []
+        chunks = [c for c in chunks if c.request.slot is not None]
+        decode = any(r.state == RequestState.RUNNING for r in self.running)
+        return Plan(chunks, decode, wake_time=wake if not chunks and not decode else None,
+                    preempted_slots=preempted, mixed=True)
+
+    def _place(self, r: Request, now: float) -> None:
+        """Give a waiting request a free slot: it starts prefilling."""
+        slot = self.free_slots[0]
+        self.slots[slot] = r
+        r.slot = slot
+        r.state = RequestState.PREFILLING
+        r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
+        self.waiting.remove(r)
 
     def _admit(self, now: float) -> tuple[list[Request], float | None]:
         cfg = self.config

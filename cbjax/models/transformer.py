@@ -26,7 +26,7 @@ from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv
 
 
 def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, layer, window,
-                     slot_ids, starts, num_valid, kv_len, all_slots, paged_kernel):
+                     slot_ids, starts, num_valid, kv_len, all_slots, paged_kernel, ragged):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -42,7 +42,17 @@ def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, l
 
     k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
     v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
-    if paged_kernel and t == 1:
+    if paged_kernel and ragged is not None:
+        # A flat mixed batch (one token per row): the ragged kernel attends each sequence's
+        # new tokens over its pages, loading each page once per query tile, not per token.
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        cu_q_lens, kv_lens, row_slots = ragged
+        out = ragged_paged_attention(q[:, 0], jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False),
+                                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False), kv_lens,
+                                     cache.block_tables[row_slots], cu_q_lens, scale=hd ** -0.5,
+                                     interpret=jax.default_backend() == "cpu")[:, None]
+    elif paged_kernel and t == 1:
         # Decode over the page pool with the Pallas kernel: each query sees its slot's
         # first starts + 1 positions (interpret mode where there is no GPU).
         from pallas_kernels.paged_attention import paged_attention
@@ -72,6 +82,8 @@ def forward(
     kv_len: int | None = None,  # static; default cache.max_len
     logits_index: jax.Array | None = None,  # [B]: return logits only at these chunk offsets
     paged_kernel: bool = False,  # static: decode attention by the Pallas kernel (paged cache)
+    logits_rows: jax.Array | None = None,  # [R]: return logits only of these rows (T == 1)
+    ragged: tuple | None = None,  # flat mixed batch for the ragged kernel: (cu_q_lens, kv_lens, row slots)
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
@@ -104,7 +116,7 @@ def forward(
         p, layer, window = xs
         x, k_all, v_all = _attention_block(
             x, p, config, cache, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid,
-            kv_len, all_slots, paged_kernel)
+            kv_len, all_slots, paged_kernel, ragged)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
         return (x, k_all, v_all), None
 
@@ -112,7 +124,9 @@ def forward(
     (x, k_all, v_all), _ = jax.lax.scan(
         layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids, windows))
 
-    if logits_index is not None:
+    if logits_rows is not None:
+        x = x[logits_rows, 0]
+    elif logits_index is not None:
         x = x[jnp.arange(b), logits_index]
     x = norm(x, params["final_norm"], config)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
