@@ -1,0 +1,47 @@
+"""Pure-JAX ragged paged attention: the reference the kernel is checked against.
+
+The layout of JAX's TPU `ragged_paged_attention`: a flat buffer of query tokens in
+which sequence `s` owns rows `[cu_q_lens[s], cu_q_lens[s + 1])`, its new tokens; its
+keys and values, new ones included (already written), are the first `kv_lens[s]`
+positions of its pages `page_indices[s]`. Query i of sequence s sits at position
+`kv_lens[s] - q_len[s] + i` and sees keys up to there (causal). Rows past the last
+sequence are padding and come out as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def reference(
+    q: jax.Array,  # [T, q_heads, head_dim]
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    scale: float,
+) -> jax.Array:
+    """`[T, q_heads, head_dim]` in q's dtype, computed in float32."""
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs = kv_lens.shape[0]
+    group = q_heads // kv_heads
+    t = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)
+    valid = t < cu_q_lens[-1]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    position = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
+    pages = jnp.clip(page_indices[seq], 0, num_pages - 1)  # [T, pages_per_seq]
+    k = k_pages[:, pages].reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
+    v = v_pages[:, pages].reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32)
+    logits = jnp.einsum("tkgd,tksd->tkgs", qg, k) * scale
+    visible = (jnp.arange(k.shape[2])[None, :] <= position[:, None]) & valid[:, None]  # [T, keys]
+    logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.where(visible[:, None, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    out = jnp.einsum("tkgs,tksd->tkgd", p, v) / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(num_tokens, q_heads, head_dim).astype(q.dtype)

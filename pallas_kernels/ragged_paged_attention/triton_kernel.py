@@ -1,0 +1,103 @@
+"""Ragged paged attention as a Pallas kernel for the Triton lowering (GPU; interpret mode on CPU).
+
+Grid `(sequences, kv_heads, query tiles)`: program (s, h, i) takes query rows
+`[cu_q_lens[s] + i * block_q, ...)` of sequence s (up to `block_q` of them, with every
+query head of KV head h: GQA groups share each page they load) and walks the pages
+the tile's last query can see, `pages_per_block` at a time, with an online softmax.
+A decode row is a tile of one query; a prefill chunk of 40 tokens is three tiles of
+16 that each read the pages once, instead of 40 single-query reads. Programs whose
+tile starts past their sequence's rows do nothing (the grid is sized for the worst
+case, one sequence holding every row). The normalized tile is stored with a row
+mask, straight into the flat output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MIN_DOT = 16  # Triton's dot wants every dimension >= 16
+_MASKED = -1e30  # finite: a row that sees nothing in a block stays finite (and is discarded)
+
+
+def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, o_ref, *, scale, block_q,
+            pages_per_block):
+    tile = pl.program_id(2)
+    _, block_g, head_dim = q_ref.shape
+    num_pages, page_size = k_ref.shape[0], k_ref.shape[1]
+    block_tokens = pages_per_block * page_size
+    seq_start, seq_end, kv_len = q_start_ref[0], q_end_ref[0], kv_len_ref[0]
+    row0 = seq_start + tile * block_q
+
+    @pl.when(row0 < seq_end)
+    def _():
+        rows = row0 + jnp.arange(block_q)
+        position = kv_len - (seq_end - seq_start) + (rows - seq_start)  # [block_q]
+        q = q_ref[pl.ds(row0, block_q)].astype(jnp.float32) * scale  # [block_q, block_g, hd]
+        q = q.reshape(block_q * block_g, head_dim)
+        row_position = jnp.repeat(position, block_g)  # the row of q above, for each of its heads
+        last = jnp.minimum(jnp.minimum(row0 + block_q, seq_end) - 1 - seq_start + kv_len - (seq_end - seq_start),
+                           kv_len - 1)
+
+        def body(j, carry):
+            o, m, l = carry
+            pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)]
+            pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be anything
+            k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+            v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+            logits = jnp.dot(q, k.T)  # [block_q * block_g, block_tokens]
+            key = j * block_tokens + jnp.arange(block_tokens)
+            logits = jnp.where(key[None, :] <= row_position[:, None], logits, _MASKED)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            correction = jnp.exp(m - m_new)
+            p = jnp.exp(logits - m_new[:, None])
+            return correction[:, None] * o + jnp.dot(p, v), m_new, correction * l + p.sum(axis=-1)
+
+        steps = pl.cdiv(last + 1, block_tokens)
+        init = (jnp.zeros((block_q * block_g, head_dim), jnp.float32),
+                jnp.full((block_q * block_g,), _MASKED, jnp.float32), jnp.zeros((block_q * block_g,), jnp.float32))
+        o, m, l = jax.lax.fori_loop(0, steps, body, init)
+        out = (o / jnp.where(l > 0, l, 1.0)[:, None]).reshape(block_q, block_g, head_dim)
+        mask = jnp.broadcast_to((rows < seq_end)[:, None, None], out.shape)
+        plgpu.store(o_ref.at[pl.ds(row0, block_q)], out.astype(o_ref.dtype), mask=mask)
+
+
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
+              interpret):
+    """`[T, q_heads, hd]` float32 (see `reference` for the contract)."""
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_indices.shape
+    group = q_heads // kv_heads
+    block_g = pl.next_power_of_2(group)
+    block_q = max(block_q, pl.cdiv(_MIN_DOT, block_g))
+    tiles = pl.cdiv(num_tokens, block_q)
+    padded_pages = pl.cdiv(pages_per_seq, pages_per_block) * pages_per_block
+    # Pad so that every tile read and page-block read stays in bounds (the padding is masked).
+    table = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
+    qg = jnp.pad(q.reshape(num_tokens, kv_heads, group, head_dim),
+                 ((0, block_q), (0, 0), (0, block_g - group), (0, 0)))
+    rows = num_tokens + block_q
+    kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, kv_heads, block_g, head_dim), jnp.float32),
+        grid=(num_seqs, kv_heads, tiles),
+        in_specs=[
+            pl.BlockSpec((rows, None, block_g, head_dim), lambda s, h, i: (0, h, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, i: (h, 0, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, i: (h, 0, 0, 0)),
+            pl.BlockSpec((1,), lambda s, h, i: (s,)),
+            pl.BlockSpec((1,), lambda s, h, i: (s,)),
+            pl.BlockSpec((1,), lambda s, h, i: (s,)),
+            pl.BlockSpec((None, padded_pages), lambda s, h, i: (s, 0)),
+        ],
+        out_specs=pl.BlockSpec((rows, None, block_g, head_dim), lambda s, h, i: (0, h, 0, 0)),
+        interpret=interpret,
+        name="cbjax_ragged_paged_attention",
+    )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table)
+    return out[:num_tokens, :, :group].reshape(num_tokens, q_heads, head_dim)

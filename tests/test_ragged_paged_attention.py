@@ -1,0 +1,98 @@
+"""The ragged paged-attention kernel (interpret mode) against its pure-JAX reference, and the
+reference against a plain per-token loop: odd head dims, MHA/GQA/MQA, empty rows, lengths
+0/1/page boundaries, decodes beside prefill chunks, f32 and bf16."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference
+
+PAGE = 8
+
+
+def make_batch(rng, seqs, q_heads, kv_heads, head_dim, dtype, pages_per_seq=8, extra_rows=5):
+    """`seqs`: (q_len, kv_len) per sequence. Pages are shuffled across sequences; table
+    entries past a sequence's pages are junk."""
+    num_pages = len(seqs) * pages_per_seq + 3
+    k = rng.normal(size=(kv_heads, num_pages, PAGE, head_dim)).astype(np.float32)
+    v = rng.normal(size=(kv_heads, num_pages, PAGE, head_dim)).astype(np.float32)
+    order = rng.permutation(num_pages)
+    table = np.full((len(seqs), pages_per_seq), 10 ** 6, np.int32)  # junk beyond each sequence
+    for s, (_, kv_len) in enumerate(seqs):
+        used = -(-kv_len // PAGE)
+        table[s, :used] = order[s * pages_per_seq:s * pages_per_seq + used]
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.normal(size=(int(cu[-1]) + extra_rows, q_heads, head_dim)).astype(np.float32)
+    kv_lens = np.array([kv for _, kv in seqs], np.int32)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
+
+
+def loop_attention(q, k, v, kv_lens, table, cu, scale):
+    """The contract, token by token in numpy."""
+    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+    out = np.zeros_like(q)
+    kv_heads, group = k.shape[0], q.shape[1] // k.shape[0]
+    for s in range(len(kv_lens)):
+        q_len = int(cu[s + 1] - cu[s])
+        keys = k[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // PAGE)]].reshape(kv_heads, -1, k.shape[-1])
+        vals = v[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // PAGE)]].reshape(kv_heads, -1, k.shape[-1])
+        for i in range(q_len):
+            position = int(kv_lens[s]) - q_len + i
+            for h in range(q.shape[1]):
+                logits = keys[h // group, :position + 1] @ q[cu[s] + i, h] * scale
+                p = np.exp(logits - logits.max())
+                out[cu[s] + i, h] = p @ vals[h // group, :position + 1] / p.sum()
+    return out
+
+
+MIXES = {
+    "decodes": [(1, 1), (1, 8), (1, 9), (1, 37)],
+    "prefills": [(8, 8), (13, 13), (1, 1), (16, 16)],
+    "mixed": [(1, 30), (7, 7), (0, 0), (5, 21), (1, 16), (17, 40), (0, 12)],
+    "chunk_at_page_boundary": [(8, 16), (9, 24), (1, 64)],
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("head_dim", [32, 40])
+def test_kernel_matches_reference_f32(mix, heads, head_dim):
+    rng = np.random.default_rng(hash((mix, heads, head_dim)) % 2 ** 32)
+    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], *heads, head_dim, jnp.float32)
+    scale = head_dim ** -0.5
+    valid = int(cu[-1])
+    ref = reference(q, k, v, kv_lens, table, cu, scale)
+    np.testing.assert_allclose(np.asarray(ref)[:valid], loop_attention(q, k, v, kv_lens, table, cu, scale)[:valid],
+                               rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(ref)[valid:] == 0), "padding rows are zeros in the reference"
+    for block_q, pages_per_block in ((16, 2), (4, 1), (32, 8)):
+        out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=scale, block_q=block_q,
+                                     pages_per_block=pages_per_block, interpret=True)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_allclose(np.asarray(out)[:valid], np.asarray(ref)[:valid], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mix", ["mixed", "chunk_at_page_boundary"])
+def test_kernel_matches_reference_bf16(mix):
+    rng = np.random.default_rng(7)
+    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], 8, 2, 64, jnp.bfloat16)
+    valid = int(cu[-1])
+    ref = reference(q, k, v, kv_lens, table, cu, 0.125)
+    out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=0.125, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:valid], np.asarray(ref, np.float32)[:valid],
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_rejects_mismatched_metadata():
+    rng = np.random.default_rng(8)
+    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES["decodes"], 4, 2, 32, jnp.float32)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        ragged_paged_attention(q, k, v, kv_lens, table, cu[:-1], scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="multiple"):
+        ragged_paged_attention(q[:, :3], k, v, kv_lens, table, cu, scale=1.0, interpret=True)
