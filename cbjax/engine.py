@@ -299,7 +299,10 @@ class Engine:
         return self.config.merge_mode != "prefill_first"
 
     def _mixed_token_buckets(self) -> list[int]:
-        return token_buckets(self.config.max_num_batched_tokens or self.max_len + self.num_slots)
+        most = self.config.max_num_batched_tokens or self.max_len + self.num_slots
+        if self.config.merge_mode == "fused":  # a whole prompt alone may exceed the budget
+            most = max(most, self.max_len)
+        return token_buckets(most)
 
     def mixed_step(self, rows: list[MixedRow]) -> jax.Array:
         """One mixed step over `rows` (prefill chunks and decodes, any order); returns the

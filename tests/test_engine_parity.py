@@ -30,6 +30,15 @@ POLICIES = {
     "paged-preempt": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14, decode_steps=2),
     "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
     "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
+    # Mixed steps. A budget of 13 tokens cuts prompts at odd offsets (13 minus the running decodes).
+    "fused": dict(policy="continuous", merge_mode="fused"),
+    "fused-budget-paged": dict(policy="continuous", merge_mode="fused", max_num_batched_tokens=40,
+                               kv_cache="paged", page_size=8),
+    "chunked-13": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13),
+    "chunked-13-paged-prefix-preempt": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13,
+                                            kv_cache="paged", page_size=8, num_pages=14, enable_prefix_caching=True),
+    "chunked-11-paged-pallas": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=11,
+                                    kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
 }
 
 
