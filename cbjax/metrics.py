@@ -74,7 +74,7 @@ def _summary(name: str, values_s: Iterable[float]) -> dict[str, float]:
     if v.size == 0:
         v = np.zeros(1)
     out = {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
-           f"std_{name}_ms": float(v.std())}
+           f"std_{name}_ms": float(v.std()), f"max_{name}_ms": float(v.max())}
     for p in PERCENTILES:
         out[f"p{p}_{name}_ms"] = float(np.percentile(v, p))
     return out
