@@ -10,6 +10,7 @@ writes JSON and a plot of RSS against requests served. Not part of the test suit
 
     python experiments/soak.py                               # 10,000 requests, paged + prefix cache
     python experiments/soak.py --kv_cache=slots --max_prefill_tokens=32
+    python experiments/soak.py --merge_mode=chunked --max_num_batched_tokens=64
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ flags.DEFINE_integer("num_pages", 96, "Paged cache: pages in the pool (small eno
 flags.DEFINE_bool("prefix_caching", True, "Paged cache: share prefix pages.")
 flags.DEFINE_integer("max_prefill_tokens", None, "Chunked prefill budget per round (None: whole prompts).",
                      lower_bound=1)
-flags.DEFINE_integer("decode_steps", 2, "Decode steps per device call.", lower_bound=1)
+flags.DEFINE_integer("decode_steps", 2, "Decode steps per device call (prefill_first only).", lower_bound=1)
+flags.DEFINE_enum("merge_mode", "prefill_first", ["prefill_first", "fused", "chunked"],
+                  "How prefill meets decode (mixed modes decode one token per step).")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget per mixed step (default: the LLM's).",
+                     lower_bound=1)
 flags.DEFINE_integer("max_tokens", 24, "Largest output budget (budgets are uniform in [1, this]).", lower_bound=1)
 flags.DEFINE_integer("report_every", 1000, "Requests between memory readings.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
@@ -42,6 +47,23 @@ def rss_mb() -> float:
     """Resident memory of this process now (not the peak)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def plot(readings: list[tuple[int, float]], title: str, path: str) -> None:
+    """RSS against requests served, from zero so that flat looks flat."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot([r for r, _ in readings], [m for _, m in readings], marker="o")
+    ax.set_ylim(0, 1.2 * max(m for _, m in readings))
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title(f"RSS over a soak: {title}")
+    ax.grid(alpha=0.3)
+    common.savefig(fig, path)
 
 
 def main(argv):
@@ -59,7 +81,9 @@ def main(argv):
     llm = LLM(FLAGS.model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
               page_size=16, num_pages=FLAGS.num_pages if FLAGS.kv_cache == "paged" else None,
               enable_prefix_caching=FLAGS.prefix_caching and FLAGS.kv_cache == "paged",
-              max_prefill_tokens=FLAGS.max_prefill_tokens, decode_steps=FLAGS.decode_steps, seed=FLAGS.seed)
+              max_prefill_tokens=FLAGS.max_prefill_tokens, seed=FLAGS.seed, merge_mode=FLAGS.merge_mode,
+              decode_steps=FLAGS.decode_steps if FLAGS.merge_mode == "prefill_first" else 1,
+              max_num_batched_tokens=FLAGS.max_num_batched_tokens)
     print(f"warming up ({llm.warmup()} programs)")
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(FLAGS.seed)
@@ -91,13 +115,14 @@ def main(argv):
                     continue
                 rid = llm.add_request(*request())
                 if rng.random() < 0.02:
-                    llm.step()
+                    served += sum(1 for out in llm.step() if out.finished)
                     if rid in llm.requests and not llm.requests[rid].finished:
                         llm.abort(rid)
                         aborted += 1
                         served += 1
-            done = sum(1 for out in llm.step() if out.finished)
-            served += done
+            served += sum(1 for out in llm.step() if out.finished)
+            if submitted == FLAGS.num_requests and not llm.has_unfinished_requests() and served < FLAGS.num_requests:
+                raise RuntimeError(f"lost requests: {served} of {FLAGS.num_requests} accounted for")
             bar.update(served - bar.n)
             if served >= next_report:
                 gc.collect()
@@ -115,19 +140,9 @@ def main(argv):
     if llm.pages is not None:
         print(f"prefix hit rate {llm.pages.stats.hit_rate:.2f}, preemptions {llm.scheduler.num_preemptions}")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    ax.plot([r for r, _ in readings], [m for _, m in readings], marker="o")
-    ax.set_xlabel("requests served")
-    ax.set_ylabel("resident memory (MB)")
-    ax.set_title(f"{FLAGS.model}, {FLAGS.kv_cache} cache: RSS over a soak")
-    ax.grid(alpha=0.3)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    common.savefig(fig, os.path.join(FLAGS.output_dir, "soak_rss.png"))
+    plot(readings, f"{FLAGS.model}, {FLAGS.kv_cache} cache, {FLAGS.merge_mode}",
+         os.path.join(FLAGS.output_dir, "soak_rss.png"))
     write_json(os.path.join(FLAGS.output_dir, "soak.json"),
                {"flags": common.script_flags(), "rss_mb": readings, "rss_growth_mb": growth,
                 "rss_mb_per_1000_requests": per_1000, "compilations_after_warmup": recompiled,

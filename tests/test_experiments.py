@@ -85,6 +85,10 @@ def experiments_module(name: str):
     ("generate.py", "--top_p=1.5"),
     ("eval_perplexity.py", "--window=1"),
     ("bench_paged_attention.py", "--page_sizes=0"),
+    ("merge_modes.py", "--modes=prefill_first,eager"),
+    ("merge_modes.py", "--long_prompt_len=600"),
+    ("bench_decode_slots.py", "--slots=0,4"),
+    ("soak.py", "--num_requests=0"),
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
@@ -94,7 +98,7 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     name = flag.split()[-1].split("=")[0]
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
-    assert len(errors) == 1 and name in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1 and name.lstrip("-") in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
@@ -151,3 +155,23 @@ def test_eval_perplexity_writes_json_and_png(tmp_path):
     result = json.loads(out.read_text())
     assert result["cbjax_ppl"] > 1 and len(result["per_window_nll"]["cbjax"]) >= 2
     assert (tmp_path / "ppl.png").stat().st_size > 0
+
+
+def test_merge_modes_writes_table_json_and_plot(tmp_path):
+    run_script("merge_modes.py", "--model=tiny-llama", "--num_decoders=2", "--decoder_output_len=12", "--num_long=2",
+               "--long_prompt_len=30", "--long_output_len=3", "--long_qps=50", "--long_start_s=0.02",
+               "--num_slots=4", "--max_seq_len=64", "--modes=prefill_first,chunked", "--chunked_budgets=12",
+               f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "merge_modes.json").read_text())
+    assert [r["name"] for r in result["runs"]] == ["prefill_first", "chunked@12"]
+    for r in result["runs"]:
+        assert r["completed"] == 4 and r["decoder_max_itl_ms"] >= r["decoder_p99_itl_ms"] > 0
+    assert (tmp_path / "merge_modes.png").stat().st_size > 0
+
+
+def test_bench_decode_slots_smoke(tmp_path):
+    out = tmp_path / "slots.json"
+    run_script("bench_decode_slots.py", "--model=tiny-llama", "--slots=2,8", "--steps=3", "--repeats=1",
+               "--prompt_len=4", "--max_seq_len=32", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert set(result["seconds_per_step"]) == {"prefill_first", "chunked"}
