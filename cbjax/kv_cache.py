@@ -162,3 +162,19 @@ class PagedCache:
 
 
 KVCache = SlotCache | PagedCache
+
+
+def kv_capacity(config, kv_cache: str, kv_cache_bytes: int, max_seq_len: int, page_size: int, dtype: str,
+                num_slots: int) -> tuple[int, int | None]:
+    """(num_slots, num_pages) that fit `kv_cache_bytes`: the slot layout reserves `max_seq_len`
+    per sequence; the paged layout gets as many pages as fit and keeps `num_slots` as its
+    limit on concurrent sequences."""
+    if kv_cache == "paged":
+        num_pages = kv_cache_bytes // PagedCache.bytes_per_page(config, page_size, dtype)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens")
+        return num_slots, int(num_pages)
+    slots = kv_cache_bytes // SlotCache.bytes_per_slot(config, max_seq_len, dtype)
+    if slots < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_seq_len={max_seq_len}")
+    return int(slots), None

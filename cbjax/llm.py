@@ -7,7 +7,6 @@ Offline: `generate(prompts, sampling_params)`. Online: `add_request` / `step` /
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 import zlib
@@ -21,38 +20,12 @@ from cbjax.checkpoint import Model, load_model
 from cbjax.block_manager import BlockManager
 from cbjax.engine import Engine, EngineConfig, PrefillRequest
 from cbjax.mixed_step import MixedRow
-from cbjax.kv_cache import PagedCache, SlotCache
+from cbjax.kv_cache import kv_capacity
 from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
+from cbjax.step_stats import StepStats
 
 Prompt = str | Sequence[int]
-
-
-@dataclasses.dataclass
-class StepStats:
-    """Where the host loop's time goes (seconds, summed over rounds)."""
-
-    rounds: int = 0
-    decode_steps: int = 0
-    prefill_chunks: int = 0
-    schedule_s: float = 0.0  # Scheduler.schedule
-    dispatch_s: float = 0.0  # enqueueing the jitted steps (async)
-    device_wait_s: float = 0.0  # waiting for the round's one host copy
-    process_s: float = 0.0  # recording tokens, stop checks, building outputs
-    active_slot_steps: int = 0  # sum over decode steps of slots that produced a token
-
-    @property
-    def mean_running(self) -> float:
-        """Mean number of sequences decoding per decode step (batch utilization)."""
-        return self.active_slot_steps / max(self.decode_steps, 1)
-
-    @property
-    def host_s(self) -> float:
-        """Scheduler and bookkeeping time: what the device would idle for without overlap."""
-        return self.schedule_s + self.process_s
-
-    def host_ms_per_decode_step(self) -> float:
-        return 1000 * self.host_s / max(self.decode_steps, 1)
 
 
 class LLM:
@@ -466,19 +439,3 @@ def _is_int_list(x) -> bool:
             and not isinstance(x, str)
     except TypeError:
         return False
-
-
-def kv_capacity(config, kv_cache: str, kv_cache_bytes: int, max_seq_len: int, page_size: int, dtype: str,
-                num_slots: int) -> tuple[int, int | None]:
-    """(num_slots, num_pages) that fit `kv_cache_bytes`: the slot layout reserves `max_seq_len`
-    per sequence; the paged layout gets as many pages as fit and keeps `num_slots` as its
-    limit on concurrent sequences."""
-    if kv_cache == "paged":
-        num_pages = kv_cache_bytes // PagedCache.bytes_per_page(config, page_size, dtype)
-        if num_pages < 1:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens")
-        return num_slots, int(num_pages)
-    slots = kv_cache_bytes // SlotCache.bytes_per_slot(config, max_seq_len, dtype)
-    if slots < 1:
-        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_seq_len={max_seq_len}")
-    return int(slots), None
