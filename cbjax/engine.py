@@ -16,7 +16,6 @@ workload never recompiles (`TRACE_COUNTS` counts traces).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
@@ -27,36 +26,11 @@ import numpy as np
 from cbjax import checks
 from cbjax.checkpoint import Model
 from cbjax.kv_cache import PagedCache, SlotCache
+from cbjax.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState, is_done  # noqa: F401 (re-exported)
 from cbjax.mixed_step import MixedRow, mixed_step, pack, row_bucket, token_buckets
 from cbjax.models import forward
 from cbjax.request import SamplingParams
 from cbjax.sampling import sample
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotState:
-    """Per-slot decode state on the device."""
-
-    tokens: jax.Array  # [S] int32: last sampled token, the next decode input
-    active: jax.Array  # [S] bool
-    num_generated: jax.Array  # [S] int32
-    max_tokens: jax.Array  # [S] int32
-    temperature: jax.Array  # [S] float32
-    top_k: jax.Array  # [S] int32
-    top_p: jax.Array  # [S] float32
-    seeds: jax.Array  # [S] int32
-    stop_ids: jax.Array  # [S, max_stop_tokens] int32, -1 padded
-
-    @classmethod
-    def init(cls, num_slots: int, max_stop_tokens: int) -> "SlotState":
-        # Distinct buffers per field: the state is donated, and XLA refuses to donate one buffer twice.
-        def zeros(dtype=jnp.int32):
-            return jnp.zeros((num_slots,), dtype)
-
-        return cls(tokens=zeros(), active=zeros(bool), num_generated=zeros(), max_tokens=zeros(),
-                   temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
-                   seeds=zeros(), stop_ids=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32))
 
 
 # Layout of the packed int32 row that carries one prefill's scalars to the device (one
@@ -79,25 +53,6 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):
-    is_stop = jnp.any(token[..., None] == stop_ids, axis=-1)
-    return is_stop | (num_generated >= max_tokens) | (total_len >= max_len)
-
-
-# Traces per program, across engines: the body of a jitted function runs once per
-# compilation, so counting there counts compilations (tests assert it stops growing).
-TRACE_COUNTS: collections.Counter = collections.Counter()
-# Every XLA compilation in the process, the engine's or not (a stray jnp op on the host
-# side compiles too): what "zero compilations after warm-up" is checked against.
-BACKEND_COMPILES = [0]
-
-
-def _count_backend_compile(event: str, duration: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        BACKEND_COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
 
 _STATIC = ("config", "max_len", "kv_len")
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax.device_state import TRACE_COUNTS, SlotState, is_done
 from cbjax.models import forward
 from cbjax.request import SamplingParams
 from cbjax.sampling import sample
@@ -101,8 +102,6 @@ def pack(rows: list[MixedRow], num_tokens: int, num_rows: int, stop_ids_for) -> 
 def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats, cu_q, *, config, max_len, kv_len,
                paged_kernel=False):
     """Returns `[S, 2]` int32 (sampled token or -1, done) per row, the cache, the state."""
-    from cbjax.engine import TRACE_COUNTS, SlotState, is_done
-
     num_rows, num_tokens = ints.shape[0], tokens.shape[0]
     TRACE_COUNTS[("mixed", config, num_tokens, kv_len, cache.num_slots)] += 1
     slot, start, q_len, is_decode, is_last, generated = (
