@@ -35,6 +35,21 @@ class SlotState:
                    temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
                    seeds=zeros(), stop_ids=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32))
 
+    def set_rows(self, target, *, token, done, num_generated, max_tokens, temperature, top_k, top_p, seeds,
+                 stop_ids) -> "SlotState":
+        """The state after row b's sample: slot `target[b]` gets its token, stays active unless
+        `done`, and takes the row's sampling parameters. Rows whose target is out of range
+        (`num_slots`) change nothing."""
+        def put(field, value):
+            return field.at[target].set(value, mode="drop")
+
+        return SlotState(tokens=put(self.tokens, token), active=put(self.active, ~done),
+                         num_generated=put(self.num_generated, num_generated),
+                         max_tokens=put(self.max_tokens, max_tokens),
+                         temperature=put(self.temperature, temperature), top_k=put(self.top_k, top_k),
+                         top_p=put(self.top_p, top_p), seeds=put(self.seeds, seeds),
+                         stop_ids=put(self.stop_ids, stop_ids))
+
 
 def is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):
     is_stop = jnp.any(token[..., None] == stop_ids, axis=-1)

@@ -77,17 +77,9 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
     token = sample(logits, temperature, top_k, top_p, seed, generated)
     done = is_done(token, stop_ids, generated + 1, max_tokens, start + length + 1, max_len)
     # Rows that insert nothing scatter to an out-of-range slot, which is dropped.
-    target = jnp.where(is_last, slot, cache.num_slots)
-
-    def put(field, value):
-        return field.at[target].set(value, mode="drop")
-
-    state = SlotState(
-        tokens=put(state.tokens, token), active=put(state.active, ~done),
-        num_generated=put(state.num_generated, generated + 1),
-        max_tokens=put(state.max_tokens, max_tokens), temperature=put(state.temperature, temperature),
-        top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seeds=put(state.seeds, seed),
-        stop_ids=state.stop_ids.at[target].set(stop_ids, mode="drop"))
+    state = state.set_rows(jnp.where(is_last, slot, cache.num_slots), token=token, done=done,
+                           num_generated=generated + 1, max_tokens=max_tokens, temperature=temperature,
+                           top_k=top_k, top_p=top_p, seeds=seed, stop_ids=stop_ids)
     return jnp.stack([token, (done & is_last).astype(jnp.int32)], axis=-1), cache, state
 
 

@@ -243,17 +243,11 @@ class LLM:
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t1
         stats.device_wait_s += t3 - t2
-        touched: dict[str, Request] = {}
         firsts: dict[int, tuple[int, int]] = {}
         for out, rows in zip(host_prefill, (rows for _, rows in calls)):
             for r, i in enumerate(rows):
                 firsts[i] = (int(out[r, 0]), int(out[r, 1]))
-        for i, chunk in enumerate(plan.prefills):
-            token, device_done = firsts[i]
-            finished = sched.on_prefill(chunk, token if chunk.is_last else -1, now)
-            if chunk.is_last:
-                self._check_sync(chunk.request, bool(device_done), finished)
-                touched[chunk.request.request_id] = chunk.request
+        touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
         if host_decode is not None:
             before = {r.request_id: len(r.output_token_ids) for r in sched.running if r.state == RequestState.RUNNING}
             slot_requests = list(sched.slots)
@@ -286,12 +280,7 @@ class LLM:
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
-        touched: dict[str, Request] = {}
-        for chunk, (token, device_done) in zip(plan.prefills, host[:len(plan.prefills)].tolist()):
-            finished = sched.on_prefill(chunk, token if chunk.is_last else -1, now)
-            if chunk.is_last:
-                self._check_sync(chunk.request, bool(device_done), finished)
-                touched[chunk.request.request_id] = chunk.request
+        touched = self._record_prefills(plan.prefills, host[:len(plan.prefills)].tolist(), now)
         if decoding:
             per_slot = [-1] * self.engine.num_slots
             for r, (token, _) in zip(decoding, host[len(plan.prefills):].tolist()):
@@ -304,6 +293,17 @@ class LLM:
         stats.prefill_chunks += len(plan.prefills)
         stats.process_s += time.perf_counter() - t3
         return list(touched.values())
+
+    def _record_prefills(self, chunks, results, now: float) -> dict[str, Request]:
+        """Hand each chunk's device result `(first token, done)` to the scheduler; returns the
+        requests whose prompt ended (they got their first token), by id."""
+        touched: dict[str, Request] = {}
+        for chunk, (token, device_done) in zip(chunks, results):
+            finished = self.scheduler.on_prefill(chunk, token if chunk.is_last else -1, now)
+            if chunk.is_last:
+                self._check_sync(chunk.request, bool(device_done), finished)
+                touched[chunk.request.request_id] = chunk.request
+        return touched
 
     def _check_sync(self, request: Request, device_done: bool, host_done: bool) -> None:
         if device_done != host_done:

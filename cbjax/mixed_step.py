@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.device_state import TRACE_COUNTS, SlotState, is_done
+from cbjax.device_state import TRACE_COUNTS, is_done
 from cbjax.models import forward
 from cbjax.request import SamplingParams
 from cbjax.sampling import sample
@@ -132,16 +132,8 @@ def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats,
     token = sample(logits, temperature, top_k, top_p, seeds, before)
     samples = is_decode | is_last
     done = is_done(token, stop_ids, before + 1, max_tokens, start + q_len + 1, max_len) & samples
-    target = jnp.where(samples, slot, cache.num_slots)
-
-    def put(field, value):
-        return field.at[target].set(value, mode="drop")
-
-    state = SlotState(
-        tokens=put(state.tokens, token), active=put(state.active, ~done), num_generated=put(state.num_generated,
-                                                                                              before + 1),
-        max_tokens=put(state.max_tokens, max_tokens), temperature=put(state.temperature, temperature),
-        top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seeds=put(state.seeds, seeds),
-        stop_ids=state.stop_ids.at[target].set(stop_ids, mode="drop"))
+    state = state.set_rows(jnp.where(samples, slot, cache.num_slots), token=token, done=done,
+                           num_generated=before + 1, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seeds=seeds, stop_ids=stop_ids)
     out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
     return out, cache, state

@@ -182,12 +182,10 @@ class Scheduler:
         reserved = self._pages_to_grow() if self.pages is not None else 0
         for i, r in enumerate(admitted):
             if self.pages is not None:
-                first_decode = self._decode_need(r, r.prefill_len + 1)
-                if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+                reserved = self._take_pages(r, reserved)
+                if reserved is None:
                     self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
                     break
-                r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
-                reserved += self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
             self._place(r, now)
         prefills = self._prefill_chunks()
         preempted = self._reserve_decode_pages(prefills) if self.pages is not None else []
@@ -231,11 +229,9 @@ class Scheduler:
             if budget <= 0 or (not chunked and r.prefill_len > budget and not fits_alone):
                 break
             if self.pages is not None:
-                first_decode = self._decode_need(r, r.prefill_len + 1)
-                if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+                reserved = self._take_pages(r, reserved)
+                if reserved is None:
                     break
-                r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
-                reserved += self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
             self._place(r, now)
             take(r)
         preempted = self._reserve_decode_pages(chunks) if self.pages is not None else []
@@ -243,6 +239,16 @@ class Scheduler:
         decode = any(r.state == RequestState.RUNNING for r in self.running)
         return Plan(chunks, decode, wake_time=wake if not chunks and not decode else None,
                     preempted_slots=preempted, mixed=True)
+
+    def _take_pages(self, r: Request, reserved: int) -> int | None:
+        """Allocate a newcomer's prompt pages if they, its first decode call's growth and the
+        `reserved` pages of others' coming decodes all fit; returns the new reservation, or
+        None (nothing taken) when they do not."""
+        first_decode = self._decode_need(r, r.prefill_len + 1)
+        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+            return None
+        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
+        return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
     def _place(self, r: Request, now: float) -> None:
         """Give a waiting request a free slot: it starts prefilling."""
