@@ -57,3 +57,39 @@ def save_hf_model(model: torch.nn.Module, path: str, **save_kwargs) -> str:
 def hf_logits(model: torch.nn.Module, tokens) -> "torch.Tensor":
     with torch.no_grad():
         return model(torch.as_tensor(tokens)).logits.float().numpy()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Continuous batching refills slots as requests end.",
+           "Paged attention keeps the KV cache in fixed-size pages.", "Hello, world! How are you today?",
+           "Static batching waits; dynamic batching waits a little; continuous batching never waits."]
+
+
+def save_byte_level_tokenizer(path: str, vocab_size: int = 300) -> "transformers.PreTrainedTokenizerFast":
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML-like special tokens
+    and a chat template: any text encodes, and nothing is downloaded. Returns it; the model
+    that goes with it needs `len(tokenizer)` vocabulary rows."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def save_chat_model(path: str, family: str = "llama", seed: int = 0) -> str:
+    """A tiny random model with the tokenizer above, as a Hugging Face directory."""
+    tokenizer = save_byte_level_tokenizer(path)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = make_hf_model(family, seed=seed, vocab_size=len(tokenizer), eos_token_id=eos,
+                          bos_token_id=tokenizer.bos_token_id)
+    return save_hf_model(model, path)

@@ -1,0 +1,292 @@
+"""The HTTP front: an aiohttp application over one `EngineLoop`.
+
+Why aiohttp: one dependency that is both the server and (for tests and benchmarks) a
+client, with the request handler's own coroutine writing each SSE event, so a stream
+is a plain loop and a client that goes away is an exception in that loop (or, while
+the request is still queued, a cancelled handler: `handler_cancellation=True`). Either
+way the handler's `finally` aborts what the request still holds in the engine, which
+frees its slot and pages. FastAPI/uvicorn would add pydantic models and an ASGI layer
+for the same thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import traceback
+
+from aiohttp import web
+
+from cbjax.llm import LLM
+from cbjax.serve import protocol
+from cbjax.serve.detokenizer import TextStream
+from cbjax.serve.engine_loop import EngineLoop
+from cbjax.serve.prometheus import CONTENT_TYPE, ServerMetrics
+from cbjax.serve.protocol import APIError
+
+log = logging.getLogger("cbjax.serve")
+
+
+def _dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(text=_dumps(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler):
+    """Every failure leaves as OpenAI's error body: ours, aiohttp's own (404, 405, 413), and
+    any bug (500, logged) — the server goes on serving."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return _json_response(e.body(), e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json_response(APIError(e.status, e.reason or e.text or "error", type=_http_type(e.status)).body(),
+                              e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.error("internal error on %s %s:\n%s", request.method, request.path, traceback.format_exc())
+        return _json_response(APIError(500, f"internal error: {e}").body(), 500)
+
+
+def _http_type(status: int) -> str:
+    return {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
+        status, "invalid_request_error")
+
+
+class Server:
+    """`Server(llm, model_name).start()` serves on a background thread (tests, benchmarks);
+    `await server.serve()` / `server.run()` serve on the caller's loop (the CLI)."""
+
+    def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                 max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False):
+        self.llm = llm
+        self.model_name = model_name
+        self.host = host
+        self.port = port
+        self.max_pending = max_pending
+        self.max_body_bytes = max_body_bytes
+        self.access_log = access_log
+        self.metrics = ServerMetrics(model_name)
+        self.engine = EngineLoop(llm, on_output=self.metrics.observe)
+        self.pending = 0  # requests accepted and not finished (touched on the event loop only)
+        self.created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- life
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors_as_json], client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    async def _start_site(self) -> None:
+        self.engine.start()
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True,
+                                    access_log=log if self.access_log else None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]  # the bound port when asked for 0
+
+    async def _shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def serve(self) -> None:
+        """Serve until cancelled (Ctrl-C under `asyncio.run`)."""
+        await self._start_site()
+        print(f"cbjax serving {self.model_name!r} on {self.url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self._shutdown()
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self.serve())
+        except KeyboardInterrupt:
+            pass
+
+    def start(self) -> "Server":
+        """Serve on a background thread; returns once the port is bound."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self._start_site())
+            except BaseException as e:  # e.g. the port is taken
+                failure.append(e)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+            self._loop.run_until_complete(self._shutdown())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="cbjax-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self.engine.stop()
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ------------------------------------------------------------ routes
+    async def models(self, request: web.Request) -> web.Response:
+        return _json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "cbjax",
+             "max_model_len": self.llm.engine.max_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            raise APIError(503, self.engine.error or "the engine loop is not running")
+        return _json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = self.metrics.render(self.engine.load)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.parse_chat)
+
+    # -------------------------------------------------------- generation
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        received = self.llm.clock()
+        job = parse(await self._body(request), self.model_name, self.llm.tokenizer, self.llm.engine.max_len)
+        if not self.engine.alive:
+            raise APIError(503, self.engine.error or "the engine loop is not running")
+        n = len(job.prompts)
+        if self.max_pending is not None and self.pending + n > self.max_pending:
+            raise APIError(429, f"the server holds {self.pending} requests (limit {self.max_pending}); "
+                                "retry later", code="queue_full")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        # The front names the requests, so it can abort one whose submission is still queued.
+        response_id = protocol.new_id(job)
+        ids = [f"{response_id}-{i}" for i in range(n)]
+        live = set(ids)
+        self.pending += n
+        try:
+            futures = [self.engine.submit(prompt, job.sampling, self._sink(loop, outputs, i), arrival_time=received,
+                                          request_id=rid)
+                       for i, (prompt, rid) in enumerate(zip(job.prompts, ids))]
+            for rid, future in zip(ids, futures):
+                try:
+                    await asyncio.wrap_future(future)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="prompt") from None
+                except RuntimeError as e:
+                    raise APIError(503, str(e)) from None
+            streams = [TextStream(self.llm.tokenizer, job.stop) for _ in ids]
+            if job.stream:
+                return await self._stream(request, job, response_id, outputs, ids, live, streams)
+            return await self._collect(job, response_id, outputs, ids, live, streams)
+        finally:
+            for rid in live:  # a client that went away, or a refused sibling: free what it holds
+                self.engine.abort(rid)
+            self.pending -= n
+
+    @staticmethod
+    def _sink(loop, outputs: asyncio.Queue, index: int):
+        def put(output):
+            loop.call_soon_threadsafe(outputs.put_nowait, (index, output))
+        return put
+
+    async def _outputs(self, outputs: asyncio.Queue, ids: list[str], live: set[str], streams: list[TextStream]):
+        """Yield `(index, text delta, finish reason, new token ids)` until every choice ends;
+        a stop string ends a choice at once (and aborts its request)."""
+        while live:
+            index, out = await outputs.get()
+            rid = ids[index]
+            if rid not in live:  # the abort that followed a stop string
+                continue
+            if out.finish_reason == "error":
+                live.discard(rid)
+                raise APIError(503 if self.engine.error is None else 500, out.error or "request failed")
+            stream = streams[index]
+            delta = stream.push(out.new_token_ids, final=out.finished)
+            reason = out.finish_reason
+            if stream.stopped:
+                reason = "stop"
+                self.engine.abort(rid)
+            if reason is not None:
+                live.discard(rid)
+            yield index, delta, reason, out.new_token_ids
+
+    async def _collect(self, job, response_id, outputs, ids, live, streams) -> web.Response:
+        reasons: list[str | None] = [None] * len(ids)
+        async for index, _, reason, _ in self._outputs(outputs, ids, live, streams):
+            reasons[index] = reason
+        choices = [protocol.choice(job, i, s.text, reasons[i], s.token_ids) for i, s in enumerate(streams)]
+        completion_tokens = sum(len(s.token_ids) for s in streams)
+        usage = protocol.usage(sum(map(len, job.prompts)), completion_tokens)
+        return _json_response(protocol.response(job, response_id, choices, usage))
+
+    async def _stream(self, request, job, response_id, outputs, ids, live, streams) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(body: dict) -> None:
+            await response.write(f"data: {_dumps(body)}\n\n".encode())
+
+        if job.kind == "chat":
+            for i in range(len(ids)):
+                await send(protocol.chunk(job, response_id, i, None, None, [], first=True))
+        try:
+            async for index, delta, reason, new_ids in self._outputs(outputs, ids, live, streams):
+                if delta or new_ids or reason:
+                    await send(protocol.chunk(job, response_id, index, delta, reason, new_ids))
+        except APIError as e:  # the status line is gone: the error travels as an event
+            await send(e.body())
+        except Exception as e:
+            log.error("internal error in a stream:\n%s", traceback.format_exc())
+            await send(APIError(500, f"internal error: {e}").body())
+        if job.include_usage:
+            await send(protocol.usage_chunk(job, response_id, protocol.usage(
+                sum(map(len, job.prompts)), sum(len(s.token_ids) for s in streams))))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+

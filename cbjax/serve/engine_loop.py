@@ -1,0 +1,193 @@
+"""The engine loop: one thread owns the `LLM` and steps it; other threads talk to it by message.
+
+The HTTP front runs on an asyncio loop in another thread. Nothing but this thread
+touches the LLM (its scheduler, caches and request table are plain Python, not
+thread-safe), so the front sends commands (submit, abort, stop) through a queue that
+the loop drains between rounds, and gets results back through callbacks it supplies.
+A bad request is refused by `add_request` here and its future carries the error; the
+round goes on for everyone else.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from cbjax.llm import LLM, Prompt
+from cbjax.request import RequestOutput, SamplingParams
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the engine holds after its latest round (read by /metrics and the queue limit)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class _Submit:
+    prompt: Prompt
+    sampling: SamplingParams
+    sink: Sink
+    arrival_time: float
+    request_id: str | None
+    future: concurrent.futures.Future
+
+
+class EngineLoop:
+    """Steps `llm` on a thread of its own. `on_output(output)` sees every output the loop
+    hands to a sink (the metrics hook), on the engine thread."""
+
+    def __init__(self, llm: LLM, on_output: Sink | None = None, idle_poll_s: float = 0.05):
+        self.llm = llm
+        self.on_output = on_output
+        self.idle_poll_s = idle_poll_s
+        self.load = Load()
+        self.error: str | None = None  # set if a round raised: the engine is no longer trusted
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread = threading.Thread(target=self._run, name="cbjax-engine-loop", daemon=True)
+        if llm.scheduler_config.policy == "static":
+            # A server never knows that no more requests are coming: a static batch forms
+            # from whatever waits when the previous one ends, instead of waiting to be full.
+            llm.scheduler.drain(True)
+
+    # ------------------------------------------------------ other threads
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt: Prompt, sampling: SamplingParams, sink: Sink,
+               arrival_time: float | None = None, request_id: str | None = None) -> concurrent.futures.Future:
+        """Queue a request; the future gives its id, or the ValueError that refused it.
+        `sink(output)` is then called on the engine thread with each output of the request,
+        the last one finished."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError(self.error or "the engine loop is not running"))
+            return future
+        arrival = self.llm.clock() if arrival_time is None else arrival_time
+        self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future)))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still live (a no-op once it has finished)."""
+        self._commands.put(("abort", request_id))
+
+    # -------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.llm.has_unfinished_requests()):
+                if self.llm.has_unfinished_requests():
+                    self._dispatch(self.llm.step())
+                    self._note_load()
+                    plan = self.llm.last_plan
+                    if plan is not None and plan.idle:  # e.g. a dynamic batch's window is open
+                        self._handle_commands(block=True, timeout=self._idle_wait(plan.wake_time))
+        except Exception:  # a bug in a round: fail everything in flight, refuse new work
+            self.error = "the engine loop stopped on an internal error:\n" + traceback.format_exc()
+            self._fail_all(self.error)
+            return
+        self._fail_all("the server is shutting down")
+
+    def _idle_wait(self, wake_time: float | None) -> float:
+        if wake_time is None:
+            return self.idle_poll_s
+        return min(max(wake_time - self.llm.clock(), 0.0), self.idle_poll_s)
+
+    def _handle_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run every queued command (waiting for the first one if `block`); False on stop."""
+        try:
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command[0] == "stop":
+                return False
+            if command[0] == "submit":
+                self._add(command[1])
+            elif command[0] == "abort":
+                self._abort(command[1])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, submit: _Submit) -> None:
+        if not submit.future.set_running_or_notify_cancel():
+            return
+        try:
+            request_id = self.llm.add_request(submit.prompt, submit.sampling, arrival_time=submit.arrival_time,
+                                              request_id=submit.request_id)
+        except ValueError as e:
+            submit.future.set_exception(e)
+            return
+        self._sinks[request_id] = submit.sink
+        submit.future.set_result(request_id)
+        self._note_load()
+
+    def _abort(self, request_id: str) -> None:
+        request = self.llm.requests.get(request_id)
+        if request is None or request.finished:
+            return
+        self._deliver(self.llm.abort(request_id))
+        self._note_load()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+        if self.on_output is not None:
+            self.on_output(output)
+        if sink is not None:
+            try:
+                sink(output)
+            except Exception:  # a closed front must not stop the loop
+                traceback.print_exc()
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            request = self.llm.requests.get(request_id)
+            metrics = request.metrics if request is not None else None
+            try:
+                sink(RequestOutput(request_id, [], [], None, "error", metrics, error=message))
+            except Exception:
+                traceback.print_exc()
+        self._sinks.clear()
+        while True:  # refuse what is still queued
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "submit" and command[1].future.set_running_or_notify_cancel():
+                command[1].future.set_exception(RuntimeError(message))
+
+    def _note_load(self) -> None:
+        scheduler = self.llm.scheduler
+        running = sum(r is not None for r in scheduler.slots)
+        if self.llm.pages is not None:
+            usage = 1.0 - self.llm.pages.num_free / self.llm.pages.num_pages
+        else:
+            usage = running / len(scheduler.slots)
+        self.load = Load(running, len(scheduler.waiting), usage, scheduler.num_preemptions)
+

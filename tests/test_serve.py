@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over loopback.
+
+A tiny random llama with a byte-level tokenizer and a chat template (tests/hf_models.py):
+its outputs are gibberish with broken UTF-8, which is what the streaming detokenizer
+must survive. Every greedy result is checked against `LLM.generate` on the same engine,
+run before the server took it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cbjax import LLM, SamplingParams
+from cbjax.serve import Server
+from cbjax.tokenization import chat_prompt_ids
+from tests.hf_models import save_chat_model
+
+MODEL = "tiny-chat"
+TEXT_PROMPTS = ["Hello, world!", "Continuous batching", "ünïcödé ✓ 漢字 and more", "The lazy dog"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paged attention?"}]
+NUM_STREAMS = 64
+MAX_TOKENS = 12
+
+
+def _greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def _stream_prompts() -> list[list[int]]:
+    return [[1 + (7 * i + 3 * j) % 250 for j in range(3 + i % 11)] for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_chat_model(str(tmp_path_factory.mktemp("chat_model")))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(server, references): the references come from LLM.generate before serving."""
+    llm = LLM(model_dir, num_slots=8, max_seq_len=96)
+    ref = {
+        "text": llm.generate(TEXT_PROMPTS, _greedy(), use_tqdm=False),
+        "chat": llm.generate([chat_prompt_ids(llm.tokenizer, CHAT[1]["content"], CHAT[0]["content"])],
+                             _greedy(20), use_tqdm=False)[0],
+        "streams": llm.generate(_stream_prompts(), _greedy(), use_tqdm=False),
+        "seeded": llm.generate(TEXT_PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9,
+                                                                 top_k=50, seed=7), use_tqdm=False)[0],
+    }
+    with Server(llm, MODEL, port=0) as server:
+        yield server, ref
+
+
+def _client(server, cls=openai.OpenAI):
+    return cls(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return values
+
+
+def _wait_idle(server, timeout=60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 \
+                and m["vllm:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"the server never went idle: {m}"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- results
+def test_completion_equals_llm_generate(served):
+    server, ref = served
+    client = _client(server)
+    for prompt, expected in zip(TEXT_PROMPTS, ref["text"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        c = r.choices[0]
+        assert c.token_ids == expected.token_ids
+        assert c.text == expected.text
+        assert c.finish_reason == expected.finish_reason
+        assert r.usage.completion_tokens == len(expected.token_ids)
+        assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_completion_equals_llm_generate(served):
+    server, ref = served
+    client = _client(server)
+    for prompt, expected in zip(TEXT_PROMPTS, ref["text"]):
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        body = [c for c in chunks if c.choices]
+        assert sum((c.choices[0].token_ids for c in body), []) == expected.token_ids
+        assert "".join(c.choices[0].text for c in body) == expected.text
+        assert [c.choices[0].finish_reason for c in body][-1] == expected.finish_reason
+        assert all(c.choices[0].finish_reason is None for c in body[:-1])
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_token_id_prompts_and_batches(served):
+    server, ref = served
+    client = _client(server)
+    prompts = [o.prompt_token_ids for o in ref["text"]]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == list(range(len(prompts)))
+    assert [c.token_ids for c in r.choices] == [o.token_ids for o in ref["text"]]
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_chat_equals_llm_generate(served):
+    server, ref = served
+    client = _client(server)
+    expected = ref["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    assert r.choices[0].token_ids == expected.token_ids
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert sum((c.choices[0].token_ids for c in chunks), []) == expected.token_ids
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_seeded_sampling_equals_llm_generate(served):
+    server, ref = served
+    r = _client(server).completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS,
+                                           temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 50})
+    assert r.choices[0].token_ids == ref["seeded"].token_ids
+
+
+def test_stop_strings_cut_the_text(served):
+    server, ref = served
+    expected = ref["text"][0]
+    text = expected.text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i
+                and "\ufffd" not in text[i:i + 2])
+    cut = text[:text.index(stop)]
+    client = _client(server)
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _wait_idle(server)
+
+
+def test_concurrent_streams_lose_nothing(served):
+    server, ref = served
+    client = _client(server, openai.AsyncOpenAI)
+
+    async def one(prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True)
+        ids, reasons = [], []
+        async for chunk in stream:
+            ids += chunk.choices[0].token_ids
+            reasons.append(chunk.choices[0].finish_reason)
+        return ids, reasons[-1]
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(p) for p in _stream_prompts()))
+        finally:
+            await client.close()
+
+    before = _metrics(server)
+    results = asyncio.run(main())
+    assert [ids for ids, _ in results] == [o.token_ids for o in ref["streams"]]
+    assert [r for _, r in results] == [o.finish_reason for o in ref["streams"]]
+    after = _wait_idle(server)
+    finished = sum(v for k, v in after.items() if k.startswith("vllm:request_success_total")) - \
+        sum(v for k, v in before.items() if k.startswith("vllm:request_success_total"))
+    assert finished == NUM_STREAMS
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == \
+        sum(len(o.token_ids) for o in ref["streams"])
+    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] \
+        == NUM_STREAMS
+
+
+# ------------------------------------------------------------ endpoints
+def test_models_health_and_metrics(served):
+    server, _ = served
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert json.loads(urllib.request.urlopen(server.url + "/health").read()) == {"status": "ok"}
+    m = _metrics(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total"):
+        assert name in m, name
+
+
+# -------------------------------------------------------- bad requests
+def _post(server, path: str, body, raw: bytes | None = None, method: str = "POST") -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data if method == "POST" else None, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+MALFORMED = {
+    "not json": dict(raw=b"{'prompt': "),
+    "body not an object": dict(body=["prompt"]),
+    "model missing": dict(body={"prompt": "hi"}),
+    "unknown model": dict(body={"model": "gpt-4", "prompt": "hi"}, status=404),
+    "prompt missing": dict(body={"model": MODEL}),
+    "empty prompt": dict(body={"model": MODEL, "prompt": ""}),
+    "token id outside the vocabulary": dict(body={"model": MODEL, "prompt": [1, 2, 10 ** 6]}),
+    "negative max_tokens": dict(body={"model": MODEL, "prompt": "hi", "max_tokens": -3}),
+    "max_tokens as a string": dict(body={"model": MODEL, "prompt": "hi", "max_tokens": "5"}),
+    "negative temperature": dict(body={"model": MODEL, "prompt": "hi", "temperature": -1}),
+    "top_p zero": dict(body={"model": MODEL, "prompt": "hi", "top_p": 0}),
+    "stream not a bool": dict(body={"model": MODEL, "prompt": "hi", "stream": "yes"}),
+    "prompt past the context": dict(body={"model": MODEL, "prompt": [5] * 200}),
+    "prompt plus max_tokens past the context": dict(body={"model": MODEL, "prompt": [5] * 90, "max_tokens": 50}),
+    "n > 1": dict(body={"model": MODEL, "prompt": "hi", "n": 3}),
+    "logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 5}),
+    "stop not strings": dict(body={"model": MODEL, "prompt": "hi", "stop": [1, 2]}),
+    "huge seed": dict(body={"model": MODEL, "prompt": "hi", "seed": 2 ** 70}),
+    "chat: no messages": dict(path="/v1/chat/completions", body={"model": MODEL, "messages": []}),
+    "chat: unknown role": dict(path="/v1/chat/completions",
+                               body={"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),
+    "chat: content not text": dict(path="/v1/chat/completions",
+                                   body={"model": MODEL, "messages": [{"role": "user", "content": 5}]}),
+    "chat: tools": dict(path="/v1/chat/completions",
+                        body={"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}),
+    "unknown route": dict(path="/v1/embeddings", body={"model": MODEL, "input": "hi"}, status=404),
+    "wrong method": dict(path="/v1/completions", method="GET", status=405),
+}
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served):
+    server, ref = served
+    for name, case in MALFORMED.items():
+        status, body = _post(server, case.get("path", "/v1/completions"), case.get("body"), raw=case.get("raw"),
+                             method=case.get("method", "POST"))
+        assert status == case.get("status", 400), (name, status, body)
+        assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["message"], name
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        _client(server).completions.create(model=MODEL, prompt=[5] * 200)
+    r = _client(server).completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS,
+                                           temperature=0)
+    assert r.choices[0].token_ids == ref["text"][0].token_ids
+    _wait_idle(server)
+
+
+# ----------------------------------------------------- disconnects, limits
+@pytest.fixture(scope="module")
+def paged_server(model_dir):
+    llm = LLM(model_dir, num_slots=4, max_seq_len=256, kv_cache="paged", page_size=8)
+    with Server(llm, MODEL, port=0, max_pending=6) as server:
+        yield server
+
+
+def test_disconnects_free_slots_and_pages(paged_server):
+    server = paged_server
+    pages = server.llm.pages
+
+    async def main():
+        long = {"model": MODEL, "prompt": "Hello, world!", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            streams = []
+            for _ in range(4):  # every slot busy, each stream read to its first token then dropped
+                response = await session.post(server.url + "/v1/completions", json={**long, "stream": True})
+                assert response.status == 200
+                await response.content.readline()
+                streams.append(response)
+            # A fifth request queues behind them; its client gives up while it waits.
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(server.url + "/v1/completions", json=long,
+                                   timeout=aiohttp.ClientTimeout(total=0.3))
+            waiting = _metrics(server)
+            for response in streams:
+                response.close()
+            return waiting
+
+    before = _metrics(server)
+    during = asyncio.run(main())
+    assert during["vllm:num_requests_running"] == 4
+    after = _wait_idle(server)
+    aborted = after.get("vllm:request_success_total{finished_reason=abort}", 0) - \
+        before.get("vllm:request_success_total{finished_reason=abort}", 0)
+    assert aborted == 5
+    assert pages.num_free == pages.num_pages
+    assert server.pending == 0
+
+
+def test_queue_limit_gives_429(paged_server):
+    server = paged_server
+    client = _client(server, openai.AsyncOpenAI)
+
+    async def one():
+        try:
+            await client.completions.create(model=MODEL, prompt="Hello", max_tokens=60, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            return "ok"
+        except openai.RateLimitError as e:
+            assert e.status_code == 429
+            return "429"
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one() for _ in range(10)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert results.count("ok") == 6 and results.count("429") == 4
+    _wait_idle(server)
