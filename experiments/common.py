@@ -15,7 +15,8 @@ def quiet_libraries() -> None:
     lines and weight-conversion bars, and matplotlib's font-cache note, are silenced."""
     import logging
 
-    for name in ("matplotlib", "jax._src.xla_bridge"):  # font cache, "Unable to initialize backend 'tpu'"
+    # font cache, "Unable to initialize backend 'tpu'", one INFO line per HTTP request
+    for name in ("matplotlib", "jax._src.xla_bridge", "httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         import transformers

@@ -89,6 +89,8 @@ def experiments_module(name: str):
     ("merge_modes.py", "--long_prompt_len=600"),
     ("bench_decode_slots.py", "--slots=0,4"),
     ("soak.py", "--num_requests=0"),
+    ("serve_bench.py", "--qps=1,0"),
+    ("serve_bench.py", "--num_slots=0"),
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
@@ -102,7 +104,7 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py"])
+@pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py", "serve_bench.py"])
 def test_help_lists_the_workload_flags(script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
@@ -175,3 +177,17 @@ def test_bench_decode_slots_smoke(tmp_path):
                "--prompt_len=4", "--max_seq_len=32", f"--output_json={out}")
     result = json.loads(out.read_text())
     assert set(result["seconds_per_step"]) == {"prefill_first", "chunked"}
+
+
+def test_serve_bench_against_a_started_server(tmp_path):
+    run_script("serve_bench.py", "--model=tiny-llama", "--qps=40", "--num_requests=6", "--prompt_high=20",
+               "--output_cap=6", "--max_seq_len=64", "--num_slots=4", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert set(result["results"]) == {"server@40", "in-process@40"}
+    for r in result["results"].values():
+        assert r["completed"] == 6 and r["median_ttft_ms"] > 0
+    served, local = result["results"]["server@40"], result["results"]["in-process@40"]
+    assert served["total_output_tokens"] == local["total_output_tokens"]
+    assert set(result["ratios"]["40"]) >= {"median_ttft_ms", "output_throughput"}
+    assert (tmp_path / "serve_vs_replay_cdf.png").stat().st_size > 0
+    assert "cbjax serving" in (tmp_path / "server.log").read_text()

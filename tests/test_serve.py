@@ -333,3 +333,57 @@ def test_queue_limit_gives_429(paged_server):
     results = asyncio.run(main())
     assert results.count("ok") == 6 and results.count("429") == 4
     _wait_idle(server)
+
+
+# ------------------------------------------------------------ failures
+def test_an_engine_failure_fails_requests_cleanly_and_health_says_so(model_dir):
+    llm = LLM(model_dir, num_slots=2, max_seq_len=64)
+    real_step, calls = llm.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device failure")
+        return real_step()
+
+    llm.step = failing_step
+    with Server(llm, MODEL, port=0) as server:
+        client = _client(server)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        status, body = _post(server, "/health", None, method="GET")
+        assert status == 503 and "injected device failure" in body["error"]["message"]
+        status, body = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello"})
+        assert status == 503 and "internal error" in body["error"]["message"]
+        assert server.pending == 0
+
+
+def test_cli_serves_and_refuses_bad_flags(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cbjax.serve", "--num_slots=0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "Flags parsing error" in proc.stderr and "num_slots" in proc.stderr
+    server = subprocess.Popen([sys.executable, "-m", "cbjax.serve", "--model=tiny-llama", "--port=0",
+                               "--max_seq_len=64", "--num_slots=2", "--nowarmup"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in server.stdout:
+            if line.startswith("cbjax serving"):
+                url = line.split(" on ")[-1].strip()
+                break
+        assert url is not None, "the server never said where it listens"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert len(r.choices[0].token_ids) == 4 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="tokenizer"):  # tiny-llama has none
+            client.completions.create(model="tiny-llama", prompt="text needs a tokenizer")
+    finally:
+        server.terminate()
+        server.wait(60)

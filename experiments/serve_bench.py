@@ -1,0 +1,194 @@
+"""Poisson load against the OpenAI-compatible server through the official `openai` client,
+next to the same workload replayed in process (`LLM.replay`) at the same QPS.
+
+The server runs as its own process (`python -m cbjax.serve`, started here with the same
+engine flags), so client and engine do not share an interpreter; it is stopped before the
+in-process replays start, so the two never share the cores. Latencies are measured where
+each side sees them: the client's clock for the server (HTTP, JSON, SSE and detokenizing
+included), the engine's for the replay. Same metric definitions (cbjax.metrics).
+
+    python experiments/serve_bench.py
+    python experiments/serve_bench.py --qps=1,4 --num_slots=16 --kv_cache=paged
+    python experiments/serve_bench.py --url=http://localhost:8000 --served_model_name=smollm2-135m --noin_process
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from absl import app, flags
+
+import common
+from cbjax.serve import flags as engine_flags
+from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_string("url", None, "Benchmark a server already running here (e.g. http://localhost:8000) instead "
+                                 "of starting one; its engine flags are then its own.")
+flags.DEFINE_string("served_model_name", None, "The 'model' field to send (default: --model).")
+flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second), Poisson arrivals.")
+flags.DEFINE_bool("in_process", True, "Also replay each workload in process for the side-by-side rows.")
+flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the started server's /health.",
+                   lower_bound=1.0)
+flags.DEFINE_string("output_dir", "results/serve_bench", "Where the JSON, the plot and the server log go.")
+define_engine_flags(num_slots=8, max_seq_len=256)
+common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(engine_flags)
+common.validate_list("qps", float, 1e-6, "positive request rates")
+
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms",
+        "output_throughput")
+RATIO_KEYS = ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "output_throughput")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start_server(model_name: str, max_prompt_len: int, log_path: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "cbjax.serve", f"--model={FLAGS.model}", f"--served_model_name={model_name}",
+               f"--port={port}", f"--warmup_max_prompt_len={max_prompt_len}", *engine_argv()]
+    print("starting:", " ".join(command[1:]), flush=True)
+    log = open(log_path, "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + FLAGS.startup_timeout_s
+    while not _healthy(url):
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the server was not healthy after {FLAGS.startup_timeout_s:.0f}s; see {log_path}")
+        time.sleep(1.0)
+    return process, url
+
+
+async def run_load(url: str, model_name: str, workload, desc: str):
+    """Send each request at its arrival offset as a streamed completion; per-request times
+    on the client's clock."""
+    import openai
+    from tqdm.auto import tqdm
+
+    from cbjax.metrics import RequestTimes
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="cbjax", max_retries=0, timeout=3600)
+    bar = tqdm(total=len(workload), desc=desc, unit="req")
+    start = time.perf_counter()
+
+    async def one(item):
+        await asyncio.sleep(max(0.0, start + item.arrival - time.perf_counter()))
+        arrival = time.perf_counter()
+        stream = await client.completions.create(
+            model=model_name, prompt=list(item.prompt), max_tokens=item.sampling.max_tokens,
+            temperature=item.sampling.temperature, stream=True,
+            extra_body={"ignore_eos": item.sampling.ignore_eos})
+        token_times: list[float] = []
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                ids = getattr(chunk.choices[0], "token_ids", None)  # our extension; else a chunk per token
+                token_times += [now] * (len(ids) if ids is not None else int(bool(chunk.choices[0].text)))
+        bar.update(1)
+        return RequestTimes(arrival, token_times[0], time.perf_counter(), token_times, len(item.prompt),
+                            len(token_times))
+
+    try:
+        return await asyncio.gather(*(one(item) for item in workload))
+    finally:
+        bar.close()
+        await client.close()
+
+
+def main(argv):
+    del argv
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from cbjax import LLM
+    from cbjax.checkpoint import load_model
+    from cbjax.metrics import summarize, write_json
+
+    start = time.perf_counter()
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    model_name = FLAGS.served_model_name or FLAGS.model
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    qps_list = [float(q) for q in FLAGS.qps]
+    workloads = {qps: common.make_workload(model, "poisson", qps) for qps in qps_list}
+    max_prompt_len = max(len(w.prompt) for wl in workloads.values() for w in wl)
+
+    results = {}
+    process, url = (None, FLAGS.url) if FLAGS.url else start_server(
+        model_name, max_prompt_len, os.path.join(FLAGS.output_dir, "server.log"))
+    try:
+        for qps in qps_list:
+            times = asyncio.run(run_load(url, model_name, workloads[qps], f"server@{qps:g}"))
+            metrics = summarize(times)
+            metrics["e2el_s"] = sorted(t.e2el for t in times)
+            results[f"server@{qps:g}"] = {"side": "server", "qps": qps, **metrics}
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
+    if FLAGS.in_process:
+        llm = LLM(model, **engine_options())
+        for qps in qps_list:
+            results[f"in-process@{qps:g}"] = {"side": "in-process", "qps": qps,
+                                              **common.run_replay(llm, workloads[qps], desc=f"in-process@{qps:g}")}
+
+    header = f"{'side @ qps':<18}" + "".join(f"{k:>20}" for k in KEYS)
+    lines = [header, "-" * len(header)]
+    for name, m in results.items():
+        lines.append(f"{name:<18}" + "".join(f"{m[k]:>20.1f}" for k in KEYS))
+    ratios = {}
+    for qps in qps_list:
+        served, local = results.get(f"server@{qps:g}"), results.get(f"in-process@{qps:g}")
+        if served and local:
+            ratios[f"{qps:g}"] = {k: served[k] / local[k] for k in RATIO_KEYS if local[k] > 0}
+            lines.append(f"server / in-process @ {qps:g} req/s: " + ", ".join(
+                f"{k} {v:.2f}x" for k, v in ratios[f"{qps:g}"].items()))
+    table = "\n".join(lines)
+    print("\n" + table)
+
+    fig, axes = plt.subplots(1, len(qps_list), figsize=(5.2 * len(qps_list), 4), squeeze=False)
+    for ax, qps in zip(axes[0], qps_list):
+        for side in ("server", "in-process"):
+            if f"{side}@{qps:g}" in results:
+                e2e = np.asarray(results[f"{side}@{qps:g}"]["e2el_s"]) * 1000
+                ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=side)
+        ax.set_title(f"{model_name}, Poisson {qps:g} req/s")
+        ax.set_xlabel("end-to-end latency (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    common.savefig(fig, os.path.join(FLAGS.output_dir, "serve_vs_replay_cdf.png"))
+    write_json(os.path.join(FLAGS.output_dir, "serve_bench.json"),
+               {"flags": common.script_flags(), "engine": engine_options(), "url": FLAGS.url,
+                "results": results, "ratios": ratios, "table": table, "wall_s": time.perf_counter() - start})
+    print(f"\nwrote {FLAGS.output_dir}/serve_bench.json and serve_vs_replay_cdf.png "
+          f"in {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)
