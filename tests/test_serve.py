@@ -252,6 +252,7 @@ MALFORMED = {
                         body={"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}),
     "unknown route": dict(path="/v1/embeddings", body={"model": MODEL, "input": "hi"}, status=404),
     "wrong method": dict(path="/v1/completions", method="GET", status=405),
+    "body over the size limit": dict(raw=b'{"prompt": "' + b"x" * (9 << 20) + b'"}', status=413),
 }
 
 
