@@ -57,7 +57,11 @@ class LLM:
         merge_mode: str = "prefill_first",
         max_num_batched_tokens: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        simulate=None,
     ):
+        """`simulate`: run on the scheduling simulator instead of the device, an accelerator
+        name (roofline) or a calibration file or cost model (cbjax.simulator); time is then
+        simulated, and `model` may name a shape from cbjax.simulator.MODEL_SHAPES."""
         if merge_mode in ("fused", "chunked") and max_num_batched_tokens is None:
             # Sarathi-style budget for chunks; a whole longest prompt beside every decode for fused.
             max_num_batched_tokens = max(256, 2 * num_slots) if merge_mode == "chunked" else max_seq_len + num_slots
@@ -75,13 +79,26 @@ class LLM:
         EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
         if kv_cache_bytes is not None:
             kv_cache_bytes = checks.integer("kv_cache_bytes", kv_cache_bytes, 1, 2 ** 62)
+        if simulate is not None:
+            from cbjax import simulator
+
+            if not isinstance(model, Model):
+                model = simulator.model_for_simulation(model, dtype=dtype)
+            if isinstance(simulate, str):
+                simulate = simulator.load_cost_model(simulate, model.config, 2 if dtype == "bfloat16" else 4)
+            if clock is time.perf_counter:
+                clock = simulator.SimClock()
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         if kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
             num_slots, num_pages = kv_capacity(self.model.config, kv_cache, kv_cache_bytes, max_seq_len,
                                                page_size, dtype, num_slots)
         self.scheduler_config = SchedulerConfig(num_slots=num_slots, **scheduler_options)
-        self.engine = Engine(self.model, EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options))
+        engine_config = EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
+        if simulate is not None:
+            self.engine = simulator.SimulatedEngine(self.model, engine_config, simulate, clock)
+        else:
+            self.engine = Engine(self.model, engine_config)
         self.pages = None
         if kv_cache == "paged":
             self.pages = BlockManager(self.engine.config.num_pages, page_size, enable_prefix_caching)
@@ -395,6 +412,9 @@ class LLM:
 
     def _sleep_until(self, wake_time: float | None, cap: float = 0.05) -> None:
         now = self.clock()
+        if hasattr(self.clock, "advance"):  # simulated time jumps straight to the wake-up
+            self.clock.advance(cap if wake_time is None else wake_time - now)
+            return
         delay = cap if wake_time is None else min(max(wake_time - now, 0.0), cap)
         if delay > 0:
             time.sleep(delay)

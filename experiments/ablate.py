@@ -34,6 +34,7 @@ flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.", lower_bound=1)
 flags.DEFINE_float("waiting_served_ratio", 0.0, "TGI ratio (unless swept).", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_dir", "results/ablate", "Where the JSON and the plot go.")
+common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
 flags.adopt_module_key_flags(common)
 flags.register_validator("values", lambda v: len(v) > 0, message="--values needs at least one value")
@@ -47,11 +48,10 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
     arrival = "all_at_once" if FLAGS.qps <= 0 else "poisson"
     workload = common.make_workload(model, arrival, max(FLAGS.qps, 1e-9))
     keyword, parse = KNOBS[FLAGS.knob]
@@ -61,7 +61,7 @@ def main(argv):
         options = dict(policy="continuous", num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
                        waiting_served_ratio=FLAGS.waiting_served_ratio, dtype=FLAGS.dtype)
         options[keyword] = value
-        llm = LLM(model, **options)
+        llm = LLM(model, **options, **common.llm_options())
         metrics = common.run_replay(llm, workload, desc=f"{FLAGS.knob}={value}")
         runs.append({"value": value, **metrics})
 

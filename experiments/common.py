@@ -61,6 +61,44 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
     flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
+def _simulate_ok(value) -> bool:
+    if value is None:
+        return True
+    if value.endswith(".json"):
+        import os
+
+        return os.path.isfile(value)
+    from cbjax.simulator.hardware import ACCELERATORS
+
+    return value.lower() in ACCELERATORS
+
+
+def define_simulate_flag() -> None:
+    """`--simulate`: run the script's LLMs on the scheduling simulator (cbjax.simulator)."""
+    flags.DEFINE_string("simulate", None, "Run on the scheduling simulator instead of the device: an accelerator "
+                        "(h100, h200, a100-40gb, a100-80gb, tpu-v5e: roofline) or a calibration .json from "
+                        "experiments/calibrate_simulator.py. Time is simulated; --model may then also name a "
+                        "shape (opt-13b, llama2-13b, llama3-8b, llama3.2-1b); transformers peers are skipped.")
+    flags.register_validator("simulate", _simulate_ok, message="--simulate must name an accelerator (h100, h200, "
+                             "a100-40gb, a100-80gb, tpu-v5e) or an existing calibration .json file")
+
+
+def load_model(name: str, dtype: str, with_tokenizer: bool = False):
+    """The model to run, or under --simulate the one to simulate (a shape needs no weights)."""
+    if "simulate" in FLAGS and FLAGS.simulate:
+        from cbjax.simulator import model_for_simulation
+
+        return model_for_simulation(name, dtype)
+    from cbjax.checkpoint import load_model as load
+
+    return load(name, dtype=dtype, with_tokenizer=with_tokenizer)
+
+
+def llm_options() -> dict:
+    """Extra `LLM(...)` arguments the common flags ask for."""
+    return {"simulate": FLAGS.simulate} if "simulate" in FLAGS and FLAGS.simulate else {}
+
+
 def make_workload(model, arrival: str, qps: float = 1.0):
     from cbjax.workload import LengthDist, chat, synthetic
 

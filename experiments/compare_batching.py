@@ -40,7 +40,12 @@ flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged cache.", low
 flags.DEFINE_integer("paged_max_seqs", None, "Most sequences the paged cache decodes together (its slots). "
                      "Default: the pool's tokens over the mean sequence length (prompt + mean output); the "
                      "decode step computes every slot, so more slots than fit on average only cost time.")
-flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch.")
+flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch "
+                  "(not under --simulate).")
+flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
+                  "Attention of the paged rows (pallas: the Pallas kernels, GPU; under --simulate, reads live "
+                  "pages only, as vLLM's kernel does).")
+common.define_simulate_flag()
 flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.", lower_bound=0.0)
 flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
@@ -101,20 +106,20 @@ def run_column(model, max_gen: int, peer) -> dict:
             fit = int(pool_tokens // (FLAGS.prompt_len + FLAGS.output_mean))
             paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), FLAGS.num_requests)
             layout_options = dict(kv_cache="paged", kv_cache_bytes=int(budget), page_size=page,
-                                  num_slots=paged_slots, batch_size=paged_slots)
+                                  num_slots=paged_slots, batch_size=paged_slots, attention=FLAGS.paged_attention)
         else:
             seq_len = max_seq_len
         llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
-                  decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options)
+                  decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options, **common.llm_options())
         row = policy if layout == "slots" else f"{policy}-paged"
         llm.warmup(max_prompt_len=FLAGS.prompt_len)
         compiled = Engine.num_backend_compilations()
         elapsed = float("inf")
         for _ in range(FLAGS.repeats):
             llm.stats = type(llm.stats)()
-            t0 = time.perf_counter()
+            t0 = llm.clock()  # the wall clock, or simulated time under --simulate
             outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True, desc=f"{row} gen<={max_gen}")
-            elapsed = min(elapsed, time.perf_counter() - t0)
+            elapsed = min(elapsed, llm.clock() - t0)
         tokens = sum(len(o.token_ids) for o in outs)
         assert tokens == sum(budgets), "EOS is ignored: every request makes its budget"
         if Engine.num_backend_compilations() != compiled:
@@ -176,19 +181,19 @@ def plot(columns: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.checkpoint import load_model
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
-    peer = load_peer(FLAGS.model) if FLAGS.peers else None  # transformers' twin of the same checkpoint
+    model = common.load_model(FLAGS.model, FLAGS.dtype)
+    peers = FLAGS.peers and not FLAGS.simulate
+    peer = load_peer(FLAGS.model) if peers else None  # transformers' twin of the same checkpoint
     peer_settings = {}
     if peer is not None:
         from hf_peers import configure_torch
 
         peer_settings = configure_torch()
         print(f"transformers peers: {peer_settings}, generate_batch KV cache sized to the batch (16-token pages)")
-    if FLAGS.peers and peer is None:
+    if peers and peer is None:
         print(f"no transformers twin for {FLAGS.model}: peers skipped")
     columns = [run_column(model, int(g), peer) for g in FLAGS.max_gen_lens]
     table = print_table(columns)

@@ -28,14 +28,36 @@ flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput."
 flags.DEFINE_float("e2e_ms", None, "SLO on end-to-end latency, for goodput.", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_dir", "results/latency_sweep", "Where the JSON and the plot go.")
+common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
 flags.adopt_module_key_flags(common)
 common.validate_list("qps", float, 1e-6, "positive request rates")
-common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
-                     "policies among static, dynamic, continuous")
+POLICIES = ("static", "dynamic", "continuous", "continuous-paged")
+common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0,
+                     "policies among static, dynamic, continuous, continuous-paged")
+flags.DEFINE_integer("kv_cache_bytes", None, "KV memory of every row (default: --num_slots sequences of "
+                     "--max_seq_len); the paged row holds as many sequences as fit on average.", lower_bound=1)
+flags.DEFINE_integer("page_size", 16, "Tokens per page of the continuous-paged row.", lower_bound=1)
+flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
+                  "Attention of the paged row (pallas: the Pallas kernels, GPU; under --simulate, reads live "
+                  "pages only).")
 
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
         "output_throughput")
+
+
+def layout_options(model, policy: str) -> dict:
+    """The slot cache sized by --num_slots or --kv_cache_bytes; the paged row gets the same
+    memory, with as many sequences as fit at the workload's mean length."""
+    from cbjax.kv_cache import SlotCache
+
+    per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
+    budget = FLAGS.kv_cache_bytes or FLAGS.num_slots * FLAGS.max_seq_len * per_token
+    if policy != "continuous-paged":
+        return dict(policy=policy, num_slots=max(1, budget // (FLAGS.max_seq_len * per_token)))
+    mean_len = (FLAGS.prompt_low + FLAGS.prompt_high) / 2 + FLAGS.output_mean
+    return dict(policy="continuous", kv_cache="paged", kv_cache_bytes=int(budget), page_size=FLAGS.page_size,
+                num_slots=max(1, int(budget // per_token // mean_len)), attention=FLAGS.paged_attention)
 
 
 def main(argv):
@@ -47,19 +69,18 @@ def main(argv):
     import numpy as np
 
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
     from cbjax.metrics import SLO, write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
     slo = SLO(ttft_ms=FLAGS.ttft_ms, tpot_ms=FLAGS.tpot_ms, e2el_ms=FLAGS.e2e_ms)
     results = {}
     qps_list = [float(q) for q in FLAGS.qps]
     for qps in qps_list:
         workload = common.make_workload(model, "poisson", qps)
         for policy in FLAGS.policies:
-            llm = LLM(model, policy=policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
-                      window_ms=FLAGS.window_ms, dtype=FLAGS.dtype)
+            llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
+                      **layout_options(model, policy), **common.llm_options())
             results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo, desc=f"{policy}@{qps:g}")}
 
     header = f"{'policy @ qps':<18}" + "".join(f"{k:>18}" for k in KEYS) + f"{'goodput req/s':>15}"

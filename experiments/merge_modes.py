@@ -22,6 +22,7 @@ from absl import app, flags
 import common
 
 FLAGS = flags.FLAGS
+common.define_simulate_flag()
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_integer("num_decoders", 6, "Short-prompt requests that decode from the start.", lower_bound=1)
 flags.DEFINE_integer("decoder_prompt_len", 16, "Their prompt length.", lower_bound=1)
@@ -72,7 +73,7 @@ def run(model, items, mode: str, budget: int | None) -> dict:
     from cbjax.metrics import summarize_outputs
 
     llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
-              dtype=FLAGS.dtype, merge_mode=mode, max_num_batched_tokens=budget)
+              dtype=FLAGS.dtype, merge_mode=mode, max_num_batched_tokens=budget, **common.llm_options())
     name = mode if budget is None or mode == "fused" else f"{mode}@{budget}"
     llm.warmup(max_prompt_len=FLAGS.long_prompt_len)
     compiled = Engine.num_backend_compilations()
@@ -113,11 +114,10 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.checkpoint import load_model
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
+    model = common.load_model(FLAGS.model, FLAGS.dtype)
     items = workload(model.config.vocab_size)
     runs = []
     for mode in FLAGS.modes:

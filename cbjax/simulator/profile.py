@@ -1,0 +1,97 @@
+"""Calibration: time the rounds of a real engine and fit a cost model to them.
+
+`ShadowedEngine` forwards every call to the real engine and to a `SimulatedEngine`
+whose cost model only records the calls, so each measured round comes with exactly
+the calls the simulator would charge for it (and the shadow's answers are checked
+against the device's: the simulator's state mirror is tested on every profiled call).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from cbjax.simulator.cost_model import CalibratedCost, Call
+from cbjax.simulator.sim_engine import SimClock, SimulatedEngine
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls: list[Call] = []
+
+    def seconds(self, call: Call) -> float:
+        self.calls.append(call)
+        return 0.0
+
+
+class ShadowedEngine:
+    def __init__(self, real, check: bool = True):
+        self.real = real
+        self.check = check
+        self.recorder = _Recorder()
+        self.shadow = SimulatedEngine(real.model, real.config, self.recorder, SimClock())
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _compare(self, what: str, device, shadow) -> None:
+        if self.check and not np.array_equal(np.asarray(jax.device_get(device)), np.asarray(shadow)):
+            raise AssertionError(f"the simulator's {what} disagrees with the device's")
+
+    def prefill(self, chunks):
+        shadow = self.shadow.prefill(chunks)
+        calls = self.real.prefill(chunks)
+        for (device, _), (sim, _) in zip(calls, shadow):
+            self._compare("prefill done flags", np.asarray(jax.device_get(device))[:, 1], sim[:, 1])
+        return calls
+
+    def decode(self, longest: int):
+        shadow = self.shadow.decode(longest)
+        out = self.real.decode(longest)
+        self._compare("decode activity", np.asarray(jax.device_get(out)) >= 0, shadow >= 0)
+        return out
+
+    def mixed_step(self, rows):
+        shadow = self.shadow.mixed_step(rows)
+        out = self.real.mixed_step(rows)
+        self._compare("mixed-step done flags", np.asarray(jax.device_get(out))[:len(rows), 1], shadow[:, 1])
+        return out
+
+    def deactivate(self, slot: int) -> None:
+        self.shadow.deactivate(slot)
+        self.real.deactivate(slot)
+
+    def take_calls(self) -> list[Call]:
+        calls, self.recorder.calls = self.recorder.calls, []
+        return calls
+
+
+def profile_rounds(llm, workload, check: bool = True) -> list[tuple[list[Call], float]]:
+    """Run `workload` (`(prompt, sampling)` pairs, all queued at once) on `llm`'s real,
+    warmed-up engine; returns each round's calls and wall seconds."""
+    shadowed = ShadowedEngine(llm.engine, check)
+    llm.engine = shadowed
+    try:
+        for prompt, sampling in workload:
+            llm.add_request(prompt, sampling)
+        llm.scheduler.drain(True)
+        rounds = []
+        while llm.has_unfinished_requests():
+            t0 = time.perf_counter()
+            llm._round()
+            seconds = time.perf_counter() - t0
+            calls = shadowed.take_calls()
+            if calls:
+                rounds.append((calls, seconds))
+        for request in [r for r in llm.requests.values() if r.finished]:
+            llm._release(request, None)
+    finally:
+        llm.engine = shadowed.real
+        llm.scheduler.drain(False)
+    return rounds
+
+
+def calibrate(rounds: list[tuple[list[Call], float]], info: dict | None = None) -> CalibratedCost:
+    return CalibratedCost.fit(rounds, info)

@@ -1,0 +1,145 @@
+"""An engine that computes nothing: it keeps the per-slot decode state the device would
+(lengths, tokens generated, stop conditions), answers each call with what the device
+would answer, and advances a simulated clock by what the call would cost.
+
+It is an `Engine` with the device programs replaced, so the `LLM` front, the scheduler,
+the prefill grouping and bucketing, and the metrics all run unchanged. The sampled
+token is a filler id outside the request's stop set: requests end on `max_tokens` or
+the context (the workloads ignore EOS), exactly where the real engine's would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cbjax.checkpoint import Model
+from cbjax.engine import Engine, EngineConfig, PrefillRequest, bucket_for, prefill_buckets
+from cbjax.mixed_step import MixedRow
+from cbjax.request import SamplingParams
+from cbjax.simulator.cost_model import Call
+
+
+class SimClock:
+    """Simulated seconds; `LLM` reads it as its clock and sleeps on it."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += max(float(seconds), 0.0)
+
+
+class SimulatedEngine(Engine):
+    def __init__(self, model: Model, config: EngineConfig, cost, clock: SimClock):
+        mc = model.config
+        if config.max_seq_len > mc.max_position_embeddings:
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{mc.max_position_embeddings}")
+        self.model = model
+        self.config = config
+        self.cost = cost
+        self.clock = clock
+        self.max_len = config.max_seq_len
+        self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
+        self.eos_ids = tuple(mc.eos_token_ids)
+        # The Pallas kernels read each sequence's own pages; the reference paths read every
+        # slot (or, in a mixed step, every token's keys) up to the attended-length bucket.
+        self.reads_live_pages = config.attention == "pallas"
+        self.busy_s = 0.0  # simulated device time (vs the clock, which also counts idle waits)
+        self.reset()
+
+    def reset(self) -> None:
+        s = self.config.num_slots
+        self.active = np.zeros(s, bool)
+        self.length = np.zeros(s, np.int64)  # tokens in the slot's cache
+        self.generated = np.zeros(s, np.int64)
+        self.max_tokens = np.zeros(s, np.int64)
+        self.filler = np.zeros(s, np.int64)
+
+    def _charge(self, call: Call) -> None:
+        seconds = self.cost.seconds(call)
+        self.busy_s += seconds
+        self.clock.advance(seconds)
+
+    def _filler(self, sampling: SamplingParams) -> int:
+        stops = set(self.stop_ids_for(sampling).tolist())
+        return next(t for t in range(self.model.config.vocab_size) if t not in stops)
+
+    def _start(self, slot: int, length: int, sampling: SamplingParams, generated: int) -> tuple[int, bool]:
+        """A prompt's last chunk: the slot's first (next) token and whether that ends it."""
+        token = self._filler(sampling)
+        done = generated + 1 >= sampling.max_tokens or length + 1 >= self.max_len
+        self.active[slot] = not done
+        self.generated[slot] = generated + 1
+        self.max_tokens[slot] = sampling.max_tokens
+        self.filler[slot] = token
+        return token, done
+
+    # ------------------------------------------------------------ programs
+    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> np.ndarray:
+        rows = 1 << (len(chunks) - 1).bit_length()
+        out = np.full((rows, 2), (-1, 0), np.int32)
+        for r, c in enumerate(chunks):
+            self.length[c.slot] = c.start + len(c.tokens)
+            if c.is_last:
+                out[r] = self._start(c.slot, int(self.length[c.slot]), c.sampling, c.generated)
+        self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * kv_len, kv_read=rows * kv_len,
+                          rows=len(chunks)))
+        return out
+
+    def decode(self, longest: int) -> np.ndarray:
+        steps = self.config.decode_steps
+        kv_len = self._attended_len(longest + steps)
+        slots = self.config.num_slots
+        out = np.full((steps, slots), -1, np.int32)
+        rows = int(self.active.sum())
+        live_keys = 0
+        for step in range(steps):
+            act = self.active
+            self.length[act] += 1
+            self.generated[act] += 1
+            live_keys += int(self.length[act].sum())
+            out[step, act] = self.filler[act]
+            done = act & ((self.generated >= self.max_tokens) | (self.length + 1 >= self.max_len))
+            self.active = act & ~done
+        read = live_keys if self.reads_live_pages else steps * slots * kv_len
+        self._charge(Call("decode", tokens=steps * slots, attended=read, kv_read=read, rows=rows, steps=steps))
+        return out
+
+    def mixed_step(self, rows: list[MixedRow]) -> np.ndarray:
+        total = sum(r.num_tokens for r in rows)
+        num_tokens = bucket_for(total, self._mixed_token_buckets())
+        kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))
+        out = np.full((len(rows), 2), (-1, 0), np.int32)
+        pairs = keys = 0
+        for i, r in enumerate(rows):
+            end = r.start + r.num_tokens
+            pairs += r.num_tokens * end
+            keys += end
+            self.length[r.slot] = end
+            if r.is_decode:
+                if self.active[r.slot]:
+                    self.generated[r.slot] += 1
+                    done = self.generated[r.slot] >= self.max_tokens[r.slot] or end + 1 >= self.max_len
+                    self.active[r.slot] = not done
+                    out[i] = (self.filler[r.slot], done)
+            elif r.is_last:
+                out[i] = self._start(r.slot, end, r.sampling, r.generated)
+        if self.reads_live_pages:
+            attended, read = pairs, keys
+        else:  # the reference path gathers every token's keys up to the bucket
+            attended = read = num_tokens * kv_len
+        self._charge(Call("mixed", tokens=num_tokens, attended=attended, kv_read=read, rows=len(rows)))
+        return out
+
+    def deactivate(self, slot: int) -> None:
+        self.active[slot] = False
+
+    def set_block_tables(self, tables: np.ndarray) -> None:
+        pass  # pages only change which memory is read, not how much
+
+    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
+        return 0  # nothing to compile
