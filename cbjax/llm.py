@@ -125,6 +125,8 @@ class LLM:
         if isinstance(prompt, (bytes, bytearray, memoryview)) or not hasattr(prompt, "__iter__"):
             raise ValueError(f"a prompt must be a string or a sequence of integer token ids, "
                              f"got {type(prompt).__name__}")
+        if type(prompt) is list and all(type(t) is int for t in prompt):  # the common case, without a call per id
+            return list(prompt), None
         return [checks.integer("a prompt token id", t) for t in prompt], None
 
     def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -132,7 +134,7 @@ class LLM:
         max_len = self.engine.max_len
         if not ids:
             raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         if len(ids) >= max_len:
@@ -240,7 +242,7 @@ class LLM:
             return []
         for slot in plan.preempted_slots:
             engine.deactivate(slot)
-        if self.pages is not None:
+        if self.pages is not None and engine.reads_block_tables:
             engine.set_block_tables(self._block_tables())
         if plan.mixed:
             return self._mixed_round(plan, t1)
@@ -250,8 +252,9 @@ class LLM:
         decoded = None
         if plan.decode:
             finishing = {c.request.request_id for c in plan.prefills if c.is_last}
-            longest = max(r.num_tokens + (1 if r.request_id in finishing else 0)
-                          for r in sched.running if r.state == RequestState.RUNNING or r.request_id in finishing)
+            running = RequestState.RUNNING
+            longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
+                          for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing))
             decoded = engine.decode(longest)
         # The one host copy of the round: every prefill's (token, done) and the decode tokens.
         t2 = time.perf_counter()
@@ -266,16 +269,13 @@ class LLM:
                 firsts[i] = (int(out[r, 0]), int(out[r, 1]))
         touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
         if host_decode is not None:
-            before = {r.request_id: len(r.output_token_ids) for r in sched.running if r.state == RequestState.RUNNING}
-            slot_requests = list(sched.slots)
+            decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
+            mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
+            for slot in np.flatnonzero(mask & (host_decode[0] < 0)):  # every running slot samples at once
+                raise RuntimeError(f"engine and scheduler out of sync: slot {slot} produced no token "
+                                   f"for running request {decoding[slot].request_id!r}")
             sched.on_decode(host_decode.tolist(), now)
-            for slot, r in enumerate(slot_requests):
-                if r is None or r.request_id not in before:
-                    continue
-                if len(r.output_token_ids) == before[r.request_id] and not r.finished:
-                    raise RuntimeError(f"engine and scheduler out of sync: slot {slot} produced no token "
-                                       f"for running request {r.request_id!r}")
-                touched[r.request_id] = r
+            touched.update((r.request_id, r) for r in decoding if r is not None)
             stats.decode_steps += len(host_decode)
             stats.active_slot_steps += int((host_decode >= 0).sum())
         stats.rounds += 1

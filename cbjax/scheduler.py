@@ -17,6 +17,7 @@ whether to decode), runs it on the engine, and hands the results back through
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from cbjax import checks
@@ -123,7 +124,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.eos_tokens = frozenset(stop_tokens)
         self.max_seq_len = max_seq_len
-        self.waiting: list[Request] = []
+        self.waiting: list[Request] = []  # in admission order (_order_key)
+        self._requeued: set[str] = set()  # preempted and waiting again
         self.slots: list[Request | None] = [None] * config.num_slots
         self.batch: set[str] = set()  # static/dynamic: ids of the batch in flight
         self.steps_since_refill = 0
@@ -137,7 +139,12 @@ class Scheduler:
         request.seq_index = self._admitted
         self._admitted += 1
         request.state = RequestState.WAITING
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        # The queue is kept in admission order, so a round never sorts it (a simulated
+        # study can hold 10^5 waiting requests).
+        bisect.insort(self.waiting, request, key=self._order_key)
 
     def drain(self, draining: bool = True) -> None:
         """No more arrivals are coming (offline generation): static may run a partial batch."""
@@ -179,7 +186,7 @@ class Scheduler:
         # Paged: admit only what leaves room for this round's decode reservations (those of
         # the running requests and the newcomer's own first decode call), the same look-ahead
         # `_reserve_decode_pages` takes, so an admission is never undone in its own round.
-        reserved = self._pages_to_grow() if self.pages is not None else 0
+        reserved = self._pages_to_grow() if self.pages is not None and admitted else 0
         for i, r in enumerate(admitted):
             if self.pages is not None:
                 reserved = self._take_pages(r, reserved)
@@ -223,7 +230,7 @@ class Scheduler:
             if not take(r):
                 break
         admitted, wake = self._admit(now) if budget > 0 else ([], None)
-        reserved = self._pages_to_grow() if self.pages is not None else 0
+        reserved = self._pages_to_grow() if self.pages is not None and admitted else 0
         for r in admitted:
             fits_alone = not chunks and not self.running
             if budget <= 0 or (not chunked and r.prefill_len > budget and not fits_alone):
@@ -258,22 +265,26 @@ class Scheduler:
         r.state = RequestState.PREFILLING
         r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
         self.waiting.remove(r)
+        self._requeued.discard(r.request_id)
 
     def _admit(self, now: float) -> tuple[list[Request], float | None]:
         cfg = self.config
         if not self.waiting or not self.free_slots:
             return [], None
-        ordered = sorted(self.waiting, key=self._order_key)
+        ordered = self.waiting  # kept sorted by _order_key
         if cfg.policy == "continuous":
             return self._admit_continuous(ordered), None
         if self.batch:  # static and dynamic never mix batches; preempted members come back
+            if not self._requeued:  # only preempted members can be waiting
+                return [], None
             return [r for r in ordered if r.request_id in self.batch][:len(self.free_slots)], None
         full = len(ordered) >= cfg.batch_size
         if cfg.policy == "static":
             ready = full or self.draining
             wake = None
         else:
-            deadline = min(r.arrival_time for r in ordered) + cfg.window_ms / 1000.0
+            first = ordered[0].arrival_time if cfg.ordering == "fcfs" else min(r.arrival_time for r in ordered)
+            deadline = first + cfg.window_ms / 1000.0
             ready = full or self.draining or now >= deadline
             wake = None if ready else deadline
         if not ready:
@@ -340,10 +351,10 @@ class Scheduler:
         When the pool runs dry, preempt (recompute) the least important request holding a
         slot: lowest priority, latest arrival. Returns the freed slots."""
         finishing = {c.request.request_id for c in prefills if c.is_last}
-        decoding = sorted((r for r in self.slots if r is not None and
-                           (r.state == RequestState.RUNNING or r.request_id in finishing)), key=self._order_key)
+        growing = self._growing([r for r in self.slots if r is not None and
+                                 (r.state == RequestState.RUNNING or r.request_id in finishing)])
         preempted: list[int] = []
-        for r in decoding:
+        for r in sorted(growing, key=self._order_key):
             if r.slot is None:
                 continue  # preempted below for a more important request
             need = self._decode_need(r, r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1)
@@ -364,13 +375,28 @@ class Scheduler:
         need = min(num_tokens + self.config.decode_steps - 1, r.prompt_len + r.sampling.max_tokens - 1)
         return min(need, self.max_seq_len) if self.max_seq_len is not None else need
 
+    def _positions_to_grow(self, r: Request) -> int:
+        """The cache positions a request holding a slot needs for its next decode call, when
+        they exceed the pages it holds; else 0."""
+        done = len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != RequestState.RUNNING)
+        capacity = len(self.pages.tables[r.request_id]) * self.pages.page_size
+        need = self._decode_need(r, done)
+        return need if need > capacity else 0
+
+    def _growing(self, holders: list[Request]) -> list[Request]:
+        """The requests among `holders` whose next decode call needs more pages. Most rounds
+        only those about to cross a page boundary: the cheap test (held tokens + steps within
+        the pages held) runs per slot and per round, inline."""
+        running, tables, page_size = RequestState.RUNNING, self.pages.tables, self.pages.page_size
+        reach = self.config.decode_steps - 1
+        return [r for r in holders if len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
+                + reach > len(tables[r.request_id]) * page_size and self._positions_to_grow(r)]
+
     def _pages_to_grow(self) -> int:
         """Pages the requests holding slots will take for their next decode call."""
-        def need(r: Request) -> int:
-            done = r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1
-            return self.pages.pages_needed(self._decode_need(r, done)) - len(self.pages.table(r.request_id))
-
-        return sum(max(0, need(r)) for r in self.slots if r is not None)
+        pages = self.pages
+        return sum(pages.pages_needed(self._positions_to_grow(r)) - len(pages.tables[r.request_id])
+                   for r in self._growing([r for r in self.slots if r is not None]))
 
     def _preempt(self, r: Request) -> int:
         slot = r.slot
@@ -379,7 +405,8 @@ class Scheduler:
         r.slot, r.num_prefilled, r.state = None, 0, RequestState.WAITING
         r.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(r)
+        self._requeued.add(r.request_id)
+        self._enqueue(r)
         return slot
 
     def _should_decode(self, prefills: list[PrefillChunk]) -> bool:
@@ -417,35 +444,45 @@ class Scheduler:
         self.steps_since_refill += steps
         if self.waiting:
             self.waiting_steps += steps
+        running = RequestState.RUNNING
         for step_tokens in tokens_per_step:
-            for slot, token in enumerate(step_tokens):
-                r = self.slots[slot]
-                if token < 0 or r is None or r.state != RequestState.RUNNING:
+            for r, token in zip(self.slots, step_tokens):
+                if token < 0 or r is None or r.state != running:
                     continue
                 if self._append(r, int(token), now):
                     finished.append(r)
         return finished
 
-    def stop_reason(self, r: Request, token: int) -> FinishReason | None:
+    def stop_reason(self, r: Request, token: int, num_tokens: int | None = None) -> FinishReason | None:
         s = r.sampling
         if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_tokens):
             return FinishReason.STOP
         if len(r.output_token_ids) >= s.max_tokens:
             return FinishReason.LENGTH
-        if self.max_seq_len is not None and r.num_tokens >= self.max_seq_len:
+        num_tokens = r.num_tokens if num_tokens is None else num_tokens
+        if self.max_seq_len is not None and num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 
     def _append(self, r: Request, token: int, now: float) -> bool:
+        # Once per generated token (10^7 times in a simulated study): kept lean.
         r.output_token_ids.append(token)
-        computed = r.num_tokens - 1  # the newest token is not in the cache yet
-        if self.pages is not None and self.pages.enable_prefix_caching and computed % self.pages.page_size == 0:
-            # A page filled during decode: offer it to follow-ups (prompt + answer + more).
-            self.pages.register(r.request_id, r.prefill_token_ids, computed)
-        if r.metrics.first_token_time is None:
-            r.metrics.first_token_time = now
-        r.metrics.token_times.append(now)
-        reason = self.stop_reason(r, token)
+        num_tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
+        pages = self.pages
+        if pages is not None and pages.enable_prefix_caching and (num_tokens - 1) % pages.page_size == 0:
+            # A page filled during decode (the newest token is not in the cache yet): offer it
+            # to follow-ups (prompt + answer + more).
+            pages.register(r.request_id, r.prefill_token_ids, num_tokens - 1)
+        metrics = r.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        s = r.sampling
+        if (token not in s.stop_token_ids and (s.ignore_eos or token not in self.eos_tokens)
+                and len(r.output_token_ids) < s.max_tokens
+                and (self.max_seq_len is None or num_tokens < self.max_seq_len)):
+            return False  # the common case, without a call (stop_reason says why otherwise)
+        reason = self.stop_reason(r, token, num_tokens)
         if reason is None:
             return False
         self._finish(r, reason, now)

@@ -33,6 +33,7 @@ class SimClock:
 
 
 class SimulatedEngine(Engine):
+    reads_block_tables = False  # pages only change which memory is read, not how much
     def __init__(self, model: Model, config: EngineConfig, cost, clock: SimClock):
         mc = model.config
         if config.max_seq_len > mc.max_position_embeddings:
@@ -137,9 +138,6 @@ class SimulatedEngine(Engine):
 
     def deactivate(self, slot: int) -> None:
         self.active[slot] = False
-
-    def set_block_tables(self, tables: np.ndarray) -> None:
-        pass  # pages only change which memory is read, not how much
 
     def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
         return 0  # nothing to compile
