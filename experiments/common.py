@@ -142,6 +142,28 @@ def run_replay(llm, workload, slo=None, desc: str | None = None) -> dict:
     return metrics
 
 
+def plot_e2e_cdfs(results: dict, qps_list: list[float], labels, title: str, path: str) -> None:
+    """One panel per QPS: the E2E latency CDF of each `results[f"{label}@{qps:g}"]`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(qps_list), figsize=(5.2 * len(qps_list), 4), squeeze=False)
+    for ax, qps in zip(axes[0], qps_list):
+        for label in labels:
+            if f"{label}@{qps:g}" in results:
+                e2e = np.asarray(results[f"{label}@{qps:g}"]["e2el_s"]) * 1000
+                ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=label)
+        ax.set_title(f"{title}, Poisson {qps:g} req/s")
+        ax.set_xlabel("end-to-end latency (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    savefig(fig, path)
+
+
 def savefig(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -62,12 +62,6 @@ def layout_options(model, policy: str) -> dict:
 
 def main(argv):
     del argv
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     from cbjax import LLM
     from cbjax.metrics import SLO, write_json
 
@@ -90,18 +84,9 @@ def main(argv):
     table = "\n".join(lines)
     print("\n" + table)
 
-    fig, axes = plt.subplots(1, len(qps_list), figsize=(5.2 * len(qps_list), 4), squeeze=False)
-    for ax, qps in zip(axes[0], qps_list):
-        for policy in FLAGS.policies:
-            e2e = np.asarray(results[f"{policy}@{qps:g}"]["e2el_s"]) * 1000
-            ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=policy)
-        ax.set_title(f"{FLAGS.model}, Poisson {qps:g} req/s")
-        ax.set_xlabel("end-to-end latency (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend()
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    common.savefig(fig, os.path.join(FLAGS.output_dir, "latency_cdf.png"))
+    common.plot_e2e_cdfs(results, qps_list, FLAGS.policies, FLAGS.model,
+                         os.path.join(FLAGS.output_dir, "latency_cdf.png"))
     write_json(os.path.join(FLAGS.output_dir, "latency_sweep.json"),
                {"flags": common.script_flags(), "results": results, "table": table,
                 "wall_s": time.perf_counter() - start})

@@ -120,12 +120,6 @@ async def run_load(url: str, model_name: str, workload, desc: str):
 
 def main(argv):
     del argv
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     from cbjax import LLM
     from cbjax.checkpoint import load_model
     from cbjax.metrics import summarize, write_json
@@ -171,18 +165,8 @@ def main(argv):
     table = "\n".join(lines)
     print("\n" + table)
 
-    fig, axes = plt.subplots(1, len(qps_list), figsize=(5.2 * len(qps_list), 4), squeeze=False)
-    for ax, qps in zip(axes[0], qps_list):
-        for side in ("server", "in-process"):
-            if f"{side}@{qps:g}" in results:
-                e2e = np.asarray(results[f"{side}@{qps:g}"]["e2el_s"]) * 1000
-                ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=side)
-        ax.set_title(f"{model_name}, Poisson {qps:g} req/s")
-        ax.set_xlabel("end-to-end latency (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    common.savefig(fig, os.path.join(FLAGS.output_dir, "serve_vs_replay_cdf.png"))
+    common.plot_e2e_cdfs(results, qps_list, ("server", "in-process"), model_name,
+                         os.path.join(FLAGS.output_dir, "serve_vs_replay_cdf.png"))
     write_json(os.path.join(FLAGS.output_dir, "serve_bench.json"),
                {"flags": common.script_flags(), "engine": engine_options(), "url": FLAGS.url,
                 "results": results, "ratios": ratios, "table": table, "wall_s": time.perf_counter() - start})
