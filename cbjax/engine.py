@@ -175,6 +175,7 @@ class EngineConfig:
 
 class Engine:
     reads_block_tables = True  # the paged cache's tables are copied to the device each round
+
     def __init__(self, model: Model, config: EngineConfig):
         self.model = model
         self.config = config

@@ -271,9 +271,10 @@ class LLM:
         if host_decode is not None:
             decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
             mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
-            for slot in np.flatnonzero(mask & (host_decode[0] < 0)):  # every running slot samples at once
-                raise RuntimeError(f"engine and scheduler out of sync: slot {slot} produced no token "
-                                   f"for running request {decoding[slot].request_id!r}")
+            idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
+            if idle.size:
+                raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
+                                   f"for running request {decoding[idle[0]].request_id!r}")
             sched.on_decode(host_decode.tolist(), now)
             touched.update((r.request_id, r) for r in decoding if r is not None)
             stats.decode_steps += len(host_decode)

@@ -357,7 +357,7 @@ class Scheduler:
         for r in sorted(growing, key=self._order_key):
             if r.slot is None:
                 continue  # preempted below for a more important request
-            need = self._decode_need(r, r.num_tokens if r.state == RequestState.RUNNING else r.prefill_len + 1)
+            need = self._positions_to_grow(r)
             while not self.pages.can_grow(r.request_id, need):
                 victim = max((x for x in self.slots if x is not None), key=self._order_key)
                 preempted.append(self._preempt(victim))
@@ -477,11 +477,6 @@ class Scheduler:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.token_times.append(now)
-        s = r.sampling
-        if (token not in s.stop_token_ids and (s.ignore_eos or token not in self.eos_tokens)
-                and len(r.output_token_ids) < s.max_tokens
-                and (self.max_seq_len is None or num_tokens < self.max_seq_len)):
-            return False  # the common case, without a call (stop_reason says why otherwise)
         reason = self.stop_reason(r, token, num_tokens)
         if reason is None:
             return False

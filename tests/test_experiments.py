@@ -91,6 +91,10 @@ def experiments_module(name: str):
     ("soak.py", "--num_requests=0"),
     ("serve_bench.py", "--qps=1,0"),
     ("serve_bench.py", "--num_slots=0"),
+    ("simulate_study.py", "--accelerator=gtx-480"),
+    ("calibrate_simulator.py", "--slots=0,4"),
+    ("validate_simulator.py", "--calibration=/nonexistent/cost.json"),
+    ("ablate.py", "--simulate=nowhere.json"),
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
