@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax import checks
+from cbjax import checks, sharding
 from cbjax.checkpoint import Model
 from cbjax.kv_cache import PagedCache, SlotCache
 from cbjax.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState, is_done  # noqa: F401 (re-exported)
@@ -176,14 +176,23 @@ class EngineConfig:
 class Engine:
     reads_block_tables = True  # the paged cache's tables are copied to the device each round
 
-    def __init__(self, model: Model, config: EngineConfig):
+    def __init__(self, model: Model, config: EngineConfig, mesh=None):
+        """`mesh`: a tensor-parallel `jax.sharding.Mesh` (cbjax/sharding.py) to shard the params
+        and the KV cache over; None keeps everything on the default device."""
         self.model = model
         self.config = config
         mc = model.config
         if config.max_seq_len > mc.max_position_embeddings:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
-        self.params = model.params
+        self.mesh = mesh
+        if mesh is not None:
+            sharding.check_divisible(mc, mesh)
+            if config.attention == "pallas" and sharding.tp_size(mesh) > 1:
+                raise ValueError("attention='pallas' does not run tensor-parallel yet: use attention='reference'")
+            self.params = sharding.shard_params(model.params, mc, mesh)
+        else:
+            self.params = model.params
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.reset()
@@ -321,20 +330,42 @@ class Engine:
         dtype = jax.tree.leaves(self.params)[0].dtype
         c = self.config
         if c.kv_cache == "paged":
-            self.cache = PagedCache.init(self.model.config, c.num_slots, self.max_len, c.num_pages, c.page_size, dtype)
+            def init_cache():
+                return PagedCache.init(self.model.config, c.num_slots, self.max_len, c.num_pages, c.page_size, dtype)
         else:
-            self.cache = SlotCache.init(self.model.config, c.num_slots, self.max_len, dtype)
-        self.state = SlotState.init(self.num_slots, c.max_stop_tokens)
+            def init_cache():
+                return SlotCache.init(self.model.config, c.num_slots, self.max_len, dtype)
+
+        def init_state():
+            return SlotState.init(self.num_slots, c.max_stop_tokens)
+
+        if self.mesh is None:
+            self.cache, self.state = init_cache(), init_state()
+        else:
+            # Made in place on the mesh (a jitted init with output shardings), never whole on one device.
+            rep = sharding.replicated(self.mesh)
+            shape = jax.eval_shape(init_cache)
+            kv = sharding.kv_sharding(self.model.config, self.mesh, shape.head_axis, shape.k.ndim)
+            layout = jax.tree.map(lambda _: rep, shape)
+            layout = dataclasses.replace(layout, k=kv, v=kv)
+            self.cache = dataclasses.replace(jax.jit(init_cache, out_shardings=layout)(), kv_sharding=kv)
+            self.state = jax.jit(init_state, out_shardings=rep)()
         self._tables = None
 
     def set_block_tables(self, tables: np.ndarray) -> None:
         """Paged cache: the host's block tables `[slots, pages_per_seq]` (copied only on change)."""
         if self._tables is None or not np.array_equal(tables, self._tables):
             self._tables = tables.copy()
-            self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(tables, jnp.int32))
+            self.cache = dataclasses.replace(self.cache, block_tables=self._put(tables.astype(np.int32)))
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """A small host array onto the device(s): replicated over the mesh when there is one."""
+        if self.mesh is None:
+            return jnp.asarray(host)
+        return sharding.place(host, sharding.replicated(self.mesh))
 
     def deactivate(self, slot: int) -> None:
-        self.state = _deactivate(self.state, jnp.int32(slot))
+        self.state = _deactivate(self.state, np.int32(slot))
 
     @staticmethod
     def num_compilations() -> int:

@@ -26,6 +26,9 @@ class SlotCache:
     k: jax.Array  # [layers, slots, kv_heads, max_len, head_dim]
     v: jax.Array  # [layers, slots, kv_heads, max_len, head_dim]
     lengths: jax.Array  # [slots] int32
+    # Static: where k and v live on a tensor-parallel mesh (cbjax/sharding.py), or None.
+    kv_sharding: object = dataclasses.field(default=None, metadata=dict(static=True))
+    head_axis = 2
 
     @property
     def num_slots(self) -> int:
@@ -104,6 +107,8 @@ class PagedCache:
     v: jax.Array
     block_tables: jax.Array  # [slots, pages_per_seq] int32
     lengths: jax.Array  # [slots] int32
+    kv_sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # as SlotCache's
+    head_axis = 1
 
     @property
     def num_slots(self) -> int:

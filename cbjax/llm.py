@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from cbjax import checks
+from cbjax import checks, sharding
 from cbjax.checkpoint import Model, load_model
 from cbjax.block_manager import BlockManager
 from cbjax.engine import Engine, EngineConfig, PrefillRequest
@@ -58,10 +58,17 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         simulate=None,
+        tensor_parallel: int = 1,
+        devices: Sequence | None = None,
+        mesh=None,
     ):
         """`simulate`: run on the scheduling simulator instead of the device, an accelerator
         name (roofline) or a calibration file or cost model (cbjax.simulator); time is then
-        simulated, and `model` may name a shape from cbjax.simulator.MODEL_SHAPES."""
+        simulated, and `model` may name a shape from cbjax.simulator.MODEL_SHAPES.
+
+        `tensor_parallel`: shard the params and the KV cache over that many of `devices`
+        (default: `jax.devices()`, every process's); or pass a ready `mesh` with a "tp" axis
+        (cbjax/sharding.py). `devices` alone pins a single-device engine to `devices[0]`."""
         if merge_mode in ("fused", "chunked") and max_num_batched_tokens is None:
             # Sarathi-style budget for chunks; a whole longest prompt beside every decode for fused.
             max_num_batched_tokens = max(256, 2 * num_slots) if merge_mode == "chunked" else max_seq_len + num_slots
@@ -79,6 +86,11 @@ class LLM:
         EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
         if kv_cache_bytes is not None:
             kv_cache_bytes = checks.integer("kv_cache_bytes", kv_cache_bytes, 1, 2 ** 62)
+        tensor_parallel = checks.integer("tensor_parallel", tensor_parallel, 1)
+        if mesh is None and (tensor_parallel > 1 or devices is not None):
+            mesh = sharding.tensor_parallel_mesh(tensor_parallel, devices)
+        if mesh is not None and simulate is not None:
+            raise ValueError("simulate runs no device: it takes no tensor_parallel, devices or mesh")
         if simulate is not None:
             from cbjax import simulator
 
@@ -98,7 +110,7 @@ class LLM:
         if simulate is not None:
             self.engine = simulator.SimulatedEngine(self.model, engine_config, simulate, clock)
         else:
-            self.engine = Engine(self.model, engine_config)
+            self.engine = Engine(self.model, engine_config, mesh=mesh)
         self.pages = None
         if kv_cache == "paged":
             self.pages = BlockManager(self.engine.config.num_pages, page_size, enable_prefix_caching)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
 
-import jax
+# Eight CPU devices for the scale-out tests (tensor parallel, replicas, pipeline stages); set
+# before JAX starts its backend. Everything else runs on the default device, device 0.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 import pytest
 
 # Each XLA:CPU executable keeps a few memory mappings for its JIT code, and the jit caches

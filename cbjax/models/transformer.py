@@ -123,6 +123,9 @@ def forward(
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (x, k_all, v_all), _ = jax.lax.scan(
         layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids, windows))
+    if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
+        # reshards it nor compiles again for a new input sharding
+        k_all, v_all = (jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in (k_all, v_all))
 
     if logits_rows is not None:
         x = x[logits_rows, 0]

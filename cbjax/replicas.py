@@ -1,0 +1,207 @@
+"""Data-parallel serving: several `LLM` engines on disjoint device groups behind one front.
+
+Each replica is a whole engine (scheduler, KV cache, params) on its own group of
+`tensor_parallel` devices; the front routes each request to one replica and steps
+them all. Routing policies:
+
+- `round_robin`: the next replica in turn.
+- `least_loaded`: the replica with the least queued work, scored as vLLM's
+  data-parallel balancer does (4 x waiting + running).
+- `prefix_affinity`: requests whose first `affinity_tokens` prompt tokens agree go to
+  the same replica (a hash of them), so its prefix cache sees every request of a
+  shared system prompt; a replica more than `affinity_slack` requests busier than the
+  least loaded one is passed over for it (SGLang's cache-aware router does the same).
+
+Replicas step concurrently from a thread each: JAX releases the GIL while a device
+runs and while the host waits for its result, so one replica's device work overlaps
+another's scheduling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import jax
+
+from cbjax import checks
+from cbjax.checkpoint import Model, load_model
+from cbjax.llm import LLM, Prompt, _is_int_list
+from cbjax.request import RequestOutput, SamplingParams
+
+ROUTING = ("round_robin", "least_loaded", "prefix_affinity")
+
+
+class Replicas:
+    def __init__(self, model: str | Model, *, data_parallel: int = 2, tensor_parallel: int = 1,
+                 routing: str = "round_robin", devices: Sequence | None = None, affinity_tokens: int = 16,
+                 affinity_slack: int | None = None, parallel_step: bool = True, dtype: str = "float32",
+                 **llm_options):
+        """`llm_options` configure every replica (see `LLM`); `devices` (default `jax.devices()`)
+        is cut into `data_parallel` groups of `tensor_parallel`."""
+        self.data_parallel = checks.integer("data_parallel", data_parallel, 1)
+        tensor_parallel = checks.integer("tensor_parallel", tensor_parallel, 1)
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
+        self.routing = routing
+        self.affinity_tokens = checks.integer("affinity_tokens", affinity_tokens, 1)
+        devices = list(jax.devices() if devices is None else devices)
+        need = self.data_parallel * tensor_parallel
+        if need > len(devices):
+            raise ValueError(f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {need} "
+                             f"devices, {len(devices)} are available")
+        model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.replicas = [LLM(model, tensor_parallel=tensor_parallel, dtype=dtype,
+                             devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel], **llm_options)
+                         for i in range(self.data_parallel)]
+        slots = self.replicas[0].scheduler_config.num_slots
+        self.affinity_slack = slots if affinity_slack is None else checks.integer("affinity_slack",
+                                                                                  affinity_slack, 0)
+        self.model, self.tokenizer = model, model.tokenizer
+        self.clock = self.replicas[0].clock
+        self._pool = ThreadPoolExecutor(self.data_parallel) if parallel_step and self.data_parallel > 1 else None
+        self._owner: dict[str, int] = {}  # live request id -> replica index
+        self._ids = itertools.count()
+        self._turn = itertools.cycle(range(self.data_parallel))
+        self.routed = [0] * self.data_parallel  # requests sent to each replica
+
+    # ------------------------------------------------------------ routing
+    def load(self, i: int) -> int:
+        sched = self.replicas[i].scheduler
+        return 4 * len(sched.waiting) + sum(r is not None for r in sched.slots)
+
+    def _least_loaded(self) -> int:
+        return min(range(self.data_parallel), key=lambda i: (self.load(i), i))
+
+    def route(self, prompt_ids: list[int]) -> int:
+        """The replica a request with these prompt tokens goes to."""
+        if self.routing == "round_robin":
+            return next(self._turn)
+        least = self._least_loaded()
+        if self.routing == "least_loaded":
+            return least
+        key = ",".join(map(str, prompt_ids[:self.affinity_tokens])).encode()
+        preferred = zlib.crc32(key) % self.data_parallel
+        return preferred if self.load(preferred) <= self.load(least) + self.affinity_slack else least
+
+    # ----------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
+        """Route and queue a request; raises ValueError for a bad one (nothing else is touched)."""
+        ids, _ = self.replicas[0]._prompt_ids(prompt)
+        if request_id is None:
+            while (request_id := str(next(self._ids))) in self._owner:
+                pass
+        elif str(request_id) in self._owner:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        i = self.route(ids)
+        rid = self.replicas[i].add_request(prompt if isinstance(prompt, str) else ids, sampling_params,
+                                           request_id=request_id, priority=priority, arrival_time=arrival_time)
+        self._owner[rid] = i
+        self.routed[i] += 1
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput:
+        i = self._owner.get(str(request_id))
+        if i is None:
+            raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
+        out = self.replicas[i].abort(request_id)
+        del self._owner[out.request_id]
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def warmup(self, max_prompt_len: int | None = None) -> int:
+        return sum(r.warmup(max_prompt_len) for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """One round of every replica; their outputs, replica by replica."""
+        if self._pool is None:
+            per_replica = [r.step() for r in self.replicas]
+        else:
+            per_replica = list(self._pool.map(LLM.step, self.replicas))
+        outputs = [o for outs in per_replica for o in outs]
+        for o in outputs:
+            if o.finish_reason is not None:
+                self._owner.pop(o.request_id, None)
+        return outputs
+
+    def _idle(self) -> bool:
+        return all(r.last_plan is None or r.last_plan.idle for r in self.replicas)
+
+    def _wake_time(self) -> float | None:
+        wakes = [r.last_plan.wake_time for r in self.replicas
+                 if r.last_plan is not None and r.last_plan.wake_time is not None]
+        return min(wakes) if wakes else None
+
+    def _drain(self, draining: bool) -> None:
+        for r in self.replicas:
+            r.scheduler.drain(draining)
+
+    # ------------------------------------------------------------ offline
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion over the replicas; outputs in input order (a bad prompt
+        gets an `error` output, as `LLM.generate`)."""
+        if isinstance(prompts, str) or (len(prompts) > 0 and _is_int_list(prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        sampling = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                    else [sampling_params] * len(prompts))
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
+        return self._run([(0.0, p, s) for p, s in zip(prompts, sampling)], realtime=False, use_tqdm=use_tqdm)
+
+    def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
+               desc: str | None = None) -> list[RequestOutput]:
+        """`LLM.replay` over the replicas: each request admitted at its arrival time."""
+        return self._run(list(workload), realtime=True, use_tqdm=use_tqdm, desc=desc)
+
+    def _run(self, workload, realtime: bool, use_tqdm: bool, desc: str | None = None) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        order = sorted(range(len(workload)), key=lambda i: workload[i][0])
+        ids: list[str | None] = [None] * len(workload)
+        done: dict[str, RequestOutput] = {}
+        errors: dict[int, RequestOutput] = {}
+        start, pending = self.clock(), 0
+        bar = tqdm(total=len(workload), desc=desc or f"{self.data_parallel} replicas, {self.routing}",
+                   disable=not use_tqdm, unit="req")
+        try:
+            while pending < len(order) or self.has_unfinished_requests():
+                now = self.clock()
+                while pending < len(order) and (not realtime or start + workload[order[pending]][0] <= now):
+                    i = order[pending]
+                    offset, prompt, sp = workload[i]
+                    try:
+                        ids[i] = self.add_request(prompt, sp, arrival_time=start + offset if realtime else None)
+                    except ValueError as e:
+                        errors[i] = self.replicas[0]._error_output(f"error-{i}", prompt, str(e))
+                        bar.update(1)
+                    pending += 1
+                self._drain(pending == len(order))
+                finished = [o for o in self.step() if o.finish_reason is not None]
+                done.update((o.request_id, o) for o in finished)
+                bar.update(len(finished))
+                if self._idle():
+                    self._sleep(start, workload, order, pending)
+        finally:
+            bar.close()
+            self._drain(False)
+        return [errors[i] if i in errors else done[rid] for i, rid in enumerate(ids)]
+
+    def _sleep(self, start, workload, order, pending) -> None:
+        wakes = [t for t in (start + workload[order[pending]][0] if pending < len(order) else None,
+                             self._wake_time()) if t is not None]
+        delay = min(max(min(wakes) - self.clock(), 0.0), 0.05) if wakes else 0.005
+        if delay > 0:
+            time.sleep(delay)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
