@@ -57,8 +57,8 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 _STATIC = ("config", "max_len", "kv_len")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
-def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len, kv_len):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("first_layer", "embed"), donate_argnames=("cache", "state"))
+def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len, kv_len, first_layer=0, embed=True):
     """Write `B` prompt chunks (`tokens [B, T]`) into their slots; for rows that are the
     last chunk of their prompt, sample the first token and set the slot's decode state
     (a traced flag, so chunked and whole prefills share one program). `ints [B, 7+stops]`
@@ -71,7 +71,7 @@ def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len
     is_last, stop_ids = (ints[:, _IS_LAST] > 0) & (length > 0), ints[:, _STOP:]
     temperature, top_p = floats[:, 0], floats[:, 1]
     logits, cache = forward(params, config, cache, tokens, start, num_valid=length, slot_ids=slot, kv_len=kv_len,
-                            logits_index=jnp.maximum(length - 1, 0))
+                            logits_index=jnp.maximum(length - 1, 0), first_layer=first_layer, embed=embed)
     # A request resumed after preemption has `generated` tokens already: its next token
     # is sampled as output index `generated`, so seeded sampling continues where it was.
     token = sample(logits, temperature, top_k, top_p, seed, generated)

@@ -61,6 +61,8 @@ class LLM:
         tensor_parallel: int = 1,
         devices: Sequence | None = None,
         mesh=None,
+        pipeline_stages: int = 1,
+        micro_batches: int = 1,
     ):
         """`simulate`: run on the scheduling simulator instead of the device, an accelerator
         name (roofline) or a calibration file or cost model (cbjax.simulator); time is then
@@ -68,7 +70,9 @@ class LLM:
 
         `tensor_parallel`: shard the params and the KV cache over that many of `devices`
         (default: `jax.devices()`, every process's); or pass a ready `mesh` with a "tp" axis
-        (cbjax/sharding.py). `devices` alone pins a single-device engine to `devices[0]`."""
+        (cbjax/sharding.py). `devices` alone pins a single-device engine to `devices[0]`.
+        `pipeline_stages`: split the layers over that many devices instead, decoding the
+        slots in `micro_batches` groups (cbjax/pipeline.py)."""
         if merge_mode in ("fused", "chunked") and max_num_batched_tokens is None:
             # Sarathi-style budget for chunks; a whole longest prompt beside every decode for fused.
             max_num_batched_tokens = max(256, 2 * num_slots) if merge_mode == "chunked" else max_seq_len + num_slots
@@ -87,9 +91,12 @@ class LLM:
         if kv_cache_bytes is not None:
             kv_cache_bytes = checks.integer("kv_cache_bytes", kv_cache_bytes, 1, 2 ** 62)
         tensor_parallel = checks.integer("tensor_parallel", tensor_parallel, 1)
-        if mesh is None and (tensor_parallel > 1 or devices is not None):
+        pipeline_stages = checks.integer("pipeline_stages", pipeline_stages, 1)
+        if pipeline_stages > 1 and (tensor_parallel > 1 or mesh is not None):
+            raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
+        if mesh is None and pipeline_stages == 1 and (tensor_parallel > 1 or devices is not None):
             mesh = sharding.tensor_parallel_mesh(tensor_parallel, devices)
-        if mesh is not None and simulate is not None:
+        if (mesh is not None or pipeline_stages > 1) and simulate is not None:
             raise ValueError("simulate runs no device: it takes no tensor_parallel, devices or mesh")
         if simulate is not None:
             from cbjax import simulator
@@ -109,6 +116,10 @@ class LLM:
         engine_config = EngineConfig(num_slots=num_slots, num_pages=num_pages, **engine_options)
         if simulate is not None:
             self.engine = simulator.SimulatedEngine(self.model, engine_config, simulate, clock)
+        elif pipeline_stages > 1:
+            from cbjax.pipeline import PipelineEngine
+
+            self.engine = PipelineEngine(self.model, engine_config, pipeline_stages, micro_batches, devices)
         else:
             self.engine = Engine(self.model, engine_config, mesh=mesh)
         self.pages = None

@@ -28,22 +28,45 @@ flags.DEFINE_enum("policy", "continuous", ["static", "dynamic", "continuous"], "
 flags.DEFINE_integer("num_slots", 4, "KV-cache slots (sequences decoded together).", lower_bound=1)
 flags.DEFINE_integer("max_seq_len", 256, "Prompt plus output tokens per slot.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
-flags.DEFINE_string("output_json", None, "Optional path for the outputs as JSON.")
+flags.DEFINE_multi_string("prompt_ids", None, "Prompt(s) as comma-separated token ids instead of --prompt "
+                          "(for models without a tokenizer); repeat the flag for several.")
+flags.DEFINE_string("output_json", None, "Optional path for the outputs as JSON ('{process}' in it becomes the "
+                    "process index, so every process of a multi-host run can write its own).")
+flags.DEFINE_integer("tensor_parallel", 1, "Shard the model over this many devices (of every process).",
+                     lower_bound=1)
+flags.DEFINE_enum("kv_cache", "slots", ["slots", "paged"], "KV-cache layout.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0; joins the job through "
+                    "jax.distributed.initialize (on GPU clusters --num_processes/--process_id may come from "
+                    "SLURM/MPI instead).")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.", lower_bound=1)
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.", lower_bound=0)
+flags.DEFINE_integer("local_device_count", None, "CPU only: host devices this process exposes.", lower_bound=1)
 
 
 def main(argv):
     del argv
-    from cbjax import LLM, SamplingParams
+    from cbjax import LLM, SamplingParams, distributed
     from cbjax.tokenization import chat_prompt_ids
 
+    if FLAGS.coordinator_address or FLAGS.num_processes:
+        distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               FLAGS.local_device_count)
     t0 = time.perf_counter()
     llm = LLM(FLAGS.model, policy=FLAGS.policy, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
-              dtype=FLAGS.dtype, seed=FLAGS.seed)
+              dtype=FLAGS.dtype, seed=FLAGS.seed, tensor_parallel=FLAGS.tensor_parallel, kv_cache=FLAGS.kv_cache)
     print(f"loaded {FLAGS.model} ({llm.model.config.model_type}, {llm.model.config.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s")
-    if llm.tokenizer is None:
-        raise app.UsageError(f"{FLAGS.model} has no tokenizer; this script needs text prompts")
-    prompts = [chat_prompt_ids(llm.tokenizer, p) for p in FLAGS.prompt]
+    if FLAGS.prompt_ids:
+        try:
+            prompts = [[int(t) for t in p.split(",")] for p in FLAGS.prompt_ids]
+        except ValueError:
+            raise app.UsageError("--prompt_ids takes comma-separated integers") from None
+        labels = FLAGS.prompt_ids
+    else:
+        if llm.tokenizer is None:
+            raise app.UsageError(f"{FLAGS.model} has no tokenizer: pass --prompt_ids")
+        prompts = [chat_prompt_ids(llm.tokenizer, p) for p in FLAGS.prompt]
+        labels = FLAGS.prompt
     params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                             top_p=FLAGS.top_p, seed=FLAGS.seed)
     t0 = time.perf_counter()
@@ -54,16 +77,20 @@ def main(argv):
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    for prompt, out in zip(FLAGS.prompt, outputs):
-        print(f"\n>>> {prompt}\n{out.text}   [{out.finish_reason}, {len(out.token_ids)} tokens, "
+    for prompt, out in zip(labels, outputs):
+        print(f"\n>>> {prompt}\n{out.text if out.text is not None else out.token_ids}   "
+              f"[{out.finish_reason}, {len(out.token_ids)} tokens, "
               f"TTFT {1000 * out.metrics.ttft:.0f} ms]")
     total = sum(len(o.token_ids) for o in outputs)
     print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s, {len(prompts)} sequences)")
     if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump({"model": FLAGS.model, "seconds": elapsed,
+        import jax
+
+        with open(FLAGS.output_json.replace("{process}", str(jax.process_index())), "w") as f:
+            json.dump({"model": FLAGS.model, "seconds": elapsed, "process": jax.process_index(),
+                       "num_processes": jax.process_count(), "devices": len(llm.engine.params["embed"].sharding.device_set),
                        "results": [{"prompt": p, "output": o.text, "token_ids": o.token_ids,
-                                    "finish_reason": o.finish_reason} for p, o in zip(FLAGS.prompt, outputs)]},
+                                    "finish_reason": o.finish_reason} for p, o in zip(labels, outputs)]},
                       f, indent=1)
 
 

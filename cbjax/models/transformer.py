@@ -84,11 +84,16 @@ def forward(
     paged_kernel: bool = False,  # static: decode attention by the Pallas kernel (paged cache)
     logits_rows: jax.Array | None = None,  # [R]: return logits only of these rows (T == 1)
     ragged: tuple | None = None,  # flat mixed batch for the ragged kernel: (cu_q_lens, kv_lens, row slots)
+    embed: bool = True,  # static; False: `tokens` are hidden states [B, T, hidden] (a later pipeline stage)
+    head: bool = True,  # static; False: return the hidden states after the last layer (an earlier stage)
+    first_layer: int = 0,  # static: the model layer that params["layers"][0] is (pipeline stages)
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
-    `lengths[slot_ids] = starts + num_valid`."""
-    b, t = tokens.shape
+    `lengths[slot_ids] = starts + num_valid`. A pipeline stage runs only its layers
+    (`params["layers"]` and `cache` hold just those): `embed`/`head` say whether it
+    starts from token ids and ends in logits."""
+    b, t = tokens.shape[:2]
     if paged_kernel and (not hasattr(cache, "block_tables") or any(config.windows)):
         raise ValueError("the Pallas decode kernel needs the paged cache and full (non-sliding) attention")
     max_len = cache.max_len
@@ -104,12 +109,16 @@ def forward(
     offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = starts[:, None] + offsets
 
-    x = params["embed"][tokens]
-    if config.position_embedding == "learned":
-        pos_table = params["pos_embed"]
-        x = x + pos_table[jnp.clip(positions, 0, pos_table.shape[0] - 1)]
+    if embed:
+        x = params["embed"][tokens]
+        if config.position_embedding == "learned":
+            pos_table = params["pos_embed"]
+            x = x + pos_table[jnp.clip(positions, 0, pos_table.shape[0] - 1)]
+    else:
+        x = tokens
     cos, sin = rope_tables(positions, rope_inv_freq(config))
-    windows = jnp.asarray(config.windows, jnp.int32)
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    windows = jnp.asarray(config.windows[first_layer:first_layer + num_layers], jnp.int32)
 
     def layer_step(carry, xs):
         x, k_all, v_all = carry
@@ -120,22 +129,23 @@ def forward(
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
         return (x, k_all, v_all), None
 
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # indices into this cache's layers
     (x, k_all, v_all), _ = jax.lax.scan(
         layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids, windows))
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         k_all, v_all = (jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in (k_all, v_all))
 
+    # Rows with nothing valid (idle slots, batch padding) leave their slot's length alone.
+    touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
+    lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
+    cache = dataclasses.replace(cache, k=k_all, v=v_all, lengths=lengths)
+    if not head:
+        return x, cache
     if logits_rows is not None:
         x = x[logits_rows, 0]
     elif logits_index is not None:
         x = x[jnp.arange(b), logits_index]
     x = norm(x, params["final_norm"], config)
-    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    logits = (x @ head).astype(jnp.float32)
-
-    # Rows with nothing valid (idle slots, batch padding) leave their slot's length alone.
-    touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
-    lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
-    return logits, dataclasses.replace(cache, k=k_all, v=v_all, lengths=lengths)
+    lm_head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    return (x @ lm_head).astype(jnp.float32), cache
