@@ -40,6 +40,7 @@ flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of proce
                     "SLURM/MPI instead).")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.", lower_bound=1)
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.", lower_bound=0)
+flags.DEFINE_bool("warmup", True, "Compile every program before generating (so the timing excludes compilation).")
 flags.DEFINE_integer("local_device_count", None, "CPU only: host devices this process exposes.", lower_bound=1)
 
 
@@ -69,11 +70,12 @@ def main(argv):
         labels = FLAGS.prompt
     params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                             top_p=FLAGS.top_p, seed=FLAGS.seed)
-    t0 = time.perf_counter()
-    print(f"compiling the engine's programs for {FLAGS.num_slots} slots up to {FLAGS.max_seq_len} tokens "
-          "(once per process; a minute or so on a CPU)...", flush=True)
-    num_programs = llm.warmup()
-    print(f"compiled {num_programs} programs in {time.perf_counter() - t0:.1f}s")
+    if FLAGS.warmup:
+        t0 = time.perf_counter()
+        print(f"compiling the engine's programs for {FLAGS.num_slots} slots up to {FLAGS.max_seq_len} tokens "
+              "(once per process; a minute or so on a CPU)...", flush=True)
+        num_programs = llm.warmup()
+        print(f"compiled {num_programs} programs in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
