@@ -235,7 +235,8 @@ class Engine:
                 calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
         return calls
 
-    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> jax.Array:
+    def _pack_prefill(self, chunks: list[PrefillRequest], bucket: int) -> tuple[np.ndarray, ...]:
+        """The call's host inputs: tokens `[rows, bucket]`, packed ints and floats per row."""
         rows = 1 << (len(chunks) - 1).bit_length()  # pad the batch to a power of two
         stops = self.config.max_stop_tokens
         tokens = np.zeros((rows, bucket), np.int32)
@@ -247,6 +248,10 @@ class Engine:
             ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed, c.generated)
             ints[r, _STOP:] = self.stop_ids_for(s)
             floats[r] = (s.temperature, s.top_p)
+        return tokens, ints, floats
+
+    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> jax.Array:
+        tokens, ints, floats = self._pack_prefill(chunks, bucket)
         out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
                                                     config=self.model.config, max_len=self.max_len,
                                                     kv_len=kv_len)

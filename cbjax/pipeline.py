@@ -151,11 +151,6 @@ class PipelineEngine(Engine):
     def cache(self):  # the last stage's (its lengths are every stage's)
         return self.caches[-1]
 
-    def deactivate(self, slot: int) -> None:
-        from cbjax.engine import _deactivate
-
-        self.state = _deactivate(self.state, np.int32(slot))
-
     def _new_round(self) -> None:
         self.call_log.append([])
 
@@ -169,19 +164,8 @@ class PipelineEngine(Engine):
         return super().prefill(chunks)
 
     def _prefill_call(self, chunks, bucket: int, kv_len: int) -> jax.Array:
-        from cbjax.engine import _STOP
-
-        rows = 1 << (len(chunks) - 1).bit_length()
-        stops = self.config.max_stop_tokens
-        tokens = np.zeros((rows, bucket), np.int32)
-        ints = np.zeros((rows, _STOP + stops), np.int32)
-        floats = np.zeros((rows, 2), np.float32)
-        for r, c in enumerate(chunks):
-            tokens[r, :len(c.tokens)] = c.tokens
-            s = c.sampling
-            ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed, c.generated)
-            ints[r, _STOP:] = self.stop_ids_for(s)
-            floats[r] = (s.temperature, s.top_p)
+        tokens, ints, floats = self._pack_prefill(chunks, bucket)
+        rows = tokens.shape[0]
         chain = ("prefill", len(self.call_log[-1]) if self.call_log else 0)
         x = tokens
         for s in range(self.stages - 1):

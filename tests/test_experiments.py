@@ -95,6 +95,10 @@ def experiments_module(name: str):
     ("calibrate_simulator.py", "--slots=0,4"),
     ("validate_simulator.py", "--calibration=/nonexistent/cost.json"),
     ("ablate.py", "--simulate=nowhere.json"),
+    ("pipeline_bubbles.py", "--micro_batches=3"),
+    ("pipeline_bubbles.py", "--cost_shape=gpt-5"),
+    ("scale_out.py", "--configs=2x1:random"),
+    ("scale_out.py", "--prefix_len=500"),
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
@@ -195,3 +199,18 @@ def test_serve_bench_against_a_started_server(tmp_path):
     assert set(result["ratios"]["40"]) >= {"median_ttft_ms", "output_throughput"}
     assert (tmp_path / "serve_vs_replay_cdf.png").stat().st_size > 0
     assert "cbjax serving" in (tmp_path / "server.log").read_text()
+
+
+def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
+    run_script("pipeline_bubbles.py", "--micro_batches=1,2", "--decode_steps=2", "--policies=continuous",
+               "--num_requests=6", "--num_slots=4", "--max_seq_len=128", "--output_cap=16", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "pipeline_bubbles.json").read_text())
+    bubbles = {r["micro_batches"]: r["bubble_fraction"] for r in result["runs"]}
+    assert set(bubbles) == {1, 2} and 0 < bubbles[2] < bubbles[1] < 0.51  # 2 stages: one group idles one of them
+    assert (tmp_path / "pipeline_bubbles.png").stat().st_size > 0
+    run_script("scale_out.py", "--configs=1x2,2x1:prefix_affinity", "--num_requests=6", "--qps=50",
+               "--prefix_len=16", "--num_prefixes=1", "--output_len=4", f"--output_dir={tmp_path}")
+    runs = json.loads((tmp_path / "scale_out.json").read_text())["runs"]
+    assert [r["config"] for r in runs] == ["1x2", "2x1 prefix_affinity"]
+    assert sum(runs[1]["routed"]) == 6 and len(runs[1]["routed"]) == 2
+    assert all(0 <= r["prefix_hit_rate"] <= 1 and r["output_throughput"] > 0 for r in runs)
