@@ -23,9 +23,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     SLURM, Open MPI or the TPU metadata); on CPU give all three, and optionally how many
     host devices this process should expose (before JAX starts its backend)."""
     if local_device_count is not None:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_device_count}".strip()
+        expose_host_devices(local_device_count)
     # CPU processes need a collectives implementation to talk to each other (only the CPU
     # client reads this; GPUs use NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -33,6 +31,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                process_id=process_id)
 
 
-def is_leader() -> bool:
-    """The process that prints and writes results (every process holds them)."""
-    return jax.process_index() == 0
+def expose_host_devices(count: int) -> None:
+    """Make the CPU backend show `count` devices (XLA_FLAGS), unless the flags already set a
+    count. Takes effect only before JAX starts its backend (the first array or device query)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+

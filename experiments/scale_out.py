@@ -103,9 +103,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    flags_now = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags_now:
-        os.environ["XLA_FLAGS"] = f"{flags_now} --xla_force_host_platform_device_count={FLAGS.host_devices}".strip()
+    from cbjax.distributed import expose_host_devices
+
+    expose_host_devices(FLAGS.host_devices)
     import jax
 
     from cbjax import LLM
