@@ -366,7 +366,7 @@ class Engine:
     def _put(self, host: np.ndarray) -> jax.Array:
         """A small host array onto the device(s): replicated over the mesh when there is one."""
         if self.mesh is None:
-            return jnp.asarray(host)
+            return jax.device_put(host)  # not jnp.asarray: without a dtype it compiles a copy per shape
         return sharding.place(host, sharding.replicated(self.mesh))
 
     def deactivate(self, slot: int) -> None:

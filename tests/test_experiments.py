@@ -208,9 +208,10 @@ def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     bubbles = {r["micro_batches"]: r["bubble_fraction"] for r in result["runs"]}
     assert set(bubbles) == {1, 2} and 0 < bubbles[2] < bubbles[1] < 0.51  # 2 stages: one group idles one of them
     assert (tmp_path / "pipeline_bubbles.png").stat().st_size > 0
-    run_script("scale_out.py", "--configs=1x2,2x1:prefix_affinity", "--num_requests=6", "--qps=50",
-               "--prefix_len=16", "--num_prefixes=1", "--output_len=4", f"--output_dir={tmp_path}")
+    run_script("scale_out.py", "--configs=1x1,2x1:prefix_affinity", "--num_requests=6", "--qps=50",
+               "--prefix_len=16", "--num_prefixes=1", "--output_len=4", "--suffix_high=16", "--max_seq_len=48",
+               "--page_size=8", f"--output_dir={tmp_path}")
     runs = json.loads((tmp_path / "scale_out.json").read_text())["runs"]
-    assert [r["config"] for r in runs] == ["1x2", "2x1 prefix_affinity"]
+    assert [r["config"] for r in runs] == ["1x1", "2x1 prefix_affinity"]
     assert sum(runs[1]["routed"]) == 6 and len(runs[1]["routed"]) == 2
     assert all(0 <= r["prefix_hit_rate"] <= 1 and r["output_throughput"] > 0 for r in runs)
