@@ -361,7 +361,7 @@ class Engine:
         """Paged cache: the host's block tables `[slots, pages_per_seq]` (copied only on change)."""
         if self._tables is None or not np.array_equal(tables, self._tables):
             self._tables = tables.copy()
-            self.cache = dataclasses.replace(self.cache, block_tables=self._put(tables.astype(np.int32)))
+            self.cache = dataclasses.replace(self.cache, block_tables=self._put(np.asarray(tables, np.int32)))
 
     def _put(self, host: np.ndarray) -> jax.Array:
         """A small host array onto the device(s): replicated over the mesh when there is one."""

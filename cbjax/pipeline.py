@@ -67,16 +67,16 @@ def _decode_stage(params, cache, x, active, slots, *, config, kv_len, first_laye
                    first_layer=first_layer)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "kv_len", "first_layer", "embed"),
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "kv_len", "first_layer"),
                    donate_argnames=("cache", "state"))
-def _decode_last(params, cache, state, x, slots, *, config, max_len, kv_len, first_layer, embed):
+def _decode_last(params, cache, state, x, slots, *, config, max_len, kv_len, first_layer):
     """The last stage of a decode micro-batch: its layers, the head, sampling, and the slots'
     state (as one step of `engine._decode_steps`, for rows `slots`). Returns tokens or -1."""
     TRACE_COUNTS[("pipeline-decode-last", config, slots.shape[0], kv_len, first_layer)] += 1
     active = state.active[slots]
-    logits, cache = forward(params, config, cache, state.tokens[slots][:, None] if embed else x,
-                            cache.lengths[slots], num_valid=active.astype(jnp.int32), slot_ids=slots, kv_len=kv_len,
-                            logits_index=jnp.zeros_like(slots), embed=embed, first_layer=first_layer)
+    logits, cache = forward(params, config, cache, x, cache.lengths[slots], num_valid=active.astype(jnp.int32),
+                            slot_ids=slots, kv_len=kv_len, logits_index=jnp.zeros_like(slots), embed=False,
+                            first_layer=first_layer)
     token = sample(logits, state.temperature[slots], state.top_k[slots], state.top_p[slots], state.seeds[slots],
                    state.num_generated[slots])
     generated = state.num_generated[slots] + active
@@ -188,6 +188,7 @@ class PipelineEngine(Engine):
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
         last = self.stages - 1
+        rows = self.num_slots // self.micro_batches
         outs = []
         for _ in range(steps):
             step_out = []
@@ -199,12 +200,12 @@ class PipelineEngine(Engine):
                         self.stage_params[s], self.caches[s], jax.device_put(x, self.devices[s]),
                         jax.device_put(active, self.devices[s]), group[s], config=self.model.config,
                         kv_len=kv_len, first_layer=self.bounds[s], embed=s == 0)
-                    self._log(s, ("decode", g), "decode", len(self.groups[0][0]), 1, kv_len)
+                    self._log(s, ("decode", g), "decode", rows, 1, kv_len)
                 out, self.caches[last], self.state = _decode_last(
                     self.stage_params[last], self.caches[last], self.state, jax.device_put(x, self.devices[last]),
                     group[last], config=self.model.config, max_len=self.max_len, kv_len=kv_len,
-                    first_layer=self.bounds[last], embed=False)
-                self._log(last, ("decode", g), "decode", len(self.groups[0][0]), 1, kv_len)
+                    first_layer=self.bounds[last])
+                self._log(last, ("decode", g), "decode", rows, 1, kv_len)
                 step_out.append(out)
             outs.append(jnp.concatenate(step_out))
         return jnp.stack(outs)

@@ -65,7 +65,7 @@ class Replicas:
         self._pool = ThreadPoolExecutor(self.data_parallel) if parallel_step and self.data_parallel > 1 else None
         self._owner: dict[str, int] = {}  # live request id -> replica index
         self._ids = itertools.count()
-        self._turn = itertools.cycle(range(self.data_parallel))
+        self._accepted = 0  # requests queued so far: round robin's turn
         self.routed = [0] * self.data_parallel  # requests sent to each replica
 
     # ------------------------------------------------------------ routing
@@ -76,10 +76,10 @@ class Replicas:
     def _least_loaded(self) -> int:
         return min(range(self.data_parallel), key=lambda i: (self.load(i), i))
 
-    def route(self, prompt_ids: list[int]) -> int:
-        """The replica a request with these prompt tokens goes to."""
+    def route(self, prompt_ids: list[int] | None) -> int:
+        """The replica a request goes to (only prefix affinity reads its prompt tokens)."""
         if self.routing == "round_robin":
-            return next(self._turn)
+            return self._accepted % self.data_parallel
         least = self._least_loaded()
         if self.routing == "least_loaded":
             return least
@@ -91,16 +91,18 @@ class Replicas:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
         """Route and queue a request; raises ValueError for a bad one (nothing else is touched)."""
-        ids, _ = self.replicas[0]._prompt_ids(prompt)
+        # Only prefix affinity needs the token ids before the replica tokenizes the prompt itself.
+        ids = self.replicas[0]._prompt_ids(prompt)[0] if self.routing == "prefix_affinity" else None
         if request_id is None:
             while (request_id := str(next(self._ids))) in self._owner:
                 pass
         elif str(request_id) in self._owner:
             raise ValueError(f"duplicate request id {request_id!r}")
         i = self.route(ids)
-        rid = self.replicas[i].add_request(prompt if isinstance(prompt, str) else ids, sampling_params,
-                                           request_id=request_id, priority=priority, arrival_time=arrival_time)
+        rid = self.replicas[i].add_request(prompt, sampling_params, request_id=request_id, priority=priority,
+                                           arrival_time=arrival_time)
         self._owner[rid] = i
+        self._accepted += 1
         self.routed[i] += 1
         return rid
 

@@ -23,6 +23,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.simulator.hardware import ACCELERATORS, MODEL_SHAPES
 
 FLAGS = flags.FLAGS
 common.define_workload_flags(prompt_low=16, prompt_high=64, output_mean=48.0, output_cap=96, num_requests=32)
@@ -48,10 +49,10 @@ common.validate_list("micro_batches", int, 1, "positive integers")
 common.validate_list("decode_steps", int, 1, "positive integers")
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
                      "policies among static, dynamic, continuous")
-flags.register_validator("accelerator", lambda a: a.lower() in ("h100", "h200", "a100-40gb", "a100-80gb", "tpu-v5e"),
-                         message="--accelerator must be one of h100, h200, a100-40gb, a100-80gb, tpu-v5e")
-flags.register_validator("cost_shape", lambda s: s in ("opt-13b", "llama2-13b", "llama3-8b", "llama3.2-1b"),
-                         message="--cost_shape must be one of opt-13b, llama2-13b, llama3-8b, llama3.2-1b")
+flags.register_validator("accelerator", lambda a: a.lower() in ACCELERATORS,
+                         message="--accelerator must be one of " + ", ".join(ACCELERATORS))
+flags.register_validator("cost_shape", lambda s: s in MODEL_SHAPES,
+                         message="--cost_shape must be one of " + ", ".join(MODEL_SHAPES))
 flags.register_multi_flags_validator(["micro_batches", "num_slots", "slots_per_micro_batch"],
                                      lambda v: v["slots_per_micro_batch"] is not None
                                      or all(v["num_slots"] % int(m) == 0 for m in v["micro_batches"]),
@@ -62,7 +63,7 @@ def stage_pricer(stages: int):
     """Seconds of one stage call on the accelerator, for the cost shape's share of layers."""
     import dataclasses
 
-    from cbjax.simulator import ACCELERATORS, MODEL_SHAPES, Call, RooflineCost
+    from cbjax.simulator import Call, RooflineCost
 
     shape = MODEL_SHAPES[FLAGS.cost_shape]
     stage_shape = dataclasses.replace(shape, num_layers=-(-shape.num_layers // stages))

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import gc
-import os
+
+import jax
+import pytest
+
+from cbjax.distributed import expose_host_devices
 
 # Eight CPU devices for the scale-out tests (tensor parallel, replicas, pipeline stages); set
-# before JAX starts its backend. Everything else runs on the default device, device 0.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # noqa: E402
-import pytest
+# before JAX starts its backend (importing it does not). Everything else runs on device 0.
+expose_host_devices(8)
 
 # Each XLA:CPU executable keeps a few memory mappings for its JIT code, and the jit caches
 # keep every executable this process compiled. The suite builds hundreds of engines of
