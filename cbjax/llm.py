@@ -15,15 +15,16 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from cbjax import checks, sharding
-from cbjax.checkpoint import Model, load_model
-from cbjax.block_manager import BlockManager
-from cbjax.engine import Engine, EngineConfig, PrefillRequest
-from cbjax.mixed_step import MixedRow
-from cbjax.kv_cache import kv_capacity
+from cbjax import checks
+from cbjax.runtime import sharding
+from cbjax.loading import Model, load_model
+from cbjax.scheduling.block_manager import BlockManager
+from cbjax.runtime.engine import Engine, EngineConfig, PrefillRequest
+from cbjax.runtime.mixed_step import MixedRow
+from cbjax.models.kv_cache import kv_capacity
 from cbjax.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
-from cbjax.scheduler import Plan, Scheduler, SchedulerConfig
-from cbjax.step_stats import StepStats
+from cbjax.scheduling.scheduler import Plan, Scheduler, SchedulerConfig
+from cbjax.core.step_stats import StepStats
 
 Prompt = str | Sequence[int]
 
@@ -117,7 +118,7 @@ class LLM:
         if simulate is not None:
             self.engine = simulator.SimulatedEngine(self.model, engine_config, simulate, clock)
         elif pipeline_stages > 1:
-            from cbjax.pipeline import PipelineEngine
+            from cbjax.runtime.pipeline import PipelineEngine
 
             self.engine = PipelineEngine(self.model, engine_config, pipeline_stages, micro_batches, devices)
         else:

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.checkpoint import Model
-from cbjax.kv_cache import SlotCache
+from cbjax.loading import Model
+from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
 
 

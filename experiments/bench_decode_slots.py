@@ -60,7 +60,7 @@ def time_decode(model, num_slots: int, merge_mode: str) -> float:
 
 def main(argv):
     del argv
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
     from cbjax.metrics import write_json
 
     model = load_model(FLAGS.model, with_tokenizer=False)

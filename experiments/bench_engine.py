@@ -113,7 +113,7 @@ def main(argv):
     del argv
     import jax
 
-    from cbjax.checkpoint import load_hf_dir
+    from cbjax.loading import load_hf_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         configure_torch()

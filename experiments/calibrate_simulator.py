@@ -56,7 +56,7 @@ def main(argv):
     from tqdm.auto import tqdm
 
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
     from cbjax.metrics import machine_info
     from cbjax.simulator.profile import calibrate, profile_rounds
     from cbjax.workload import LengthDist, synthetic

@@ -89,7 +89,7 @@ def load_model(name: str, dtype: str, with_tokenizer: bool = False):
         from cbjax.simulator import model_for_simulation
 
         return model_for_simulation(name, dtype)
-    from cbjax.checkpoint import load_model as load
+    from cbjax.loading import load_model as load
 
     return load(name, dtype=dtype, with_tokenizer=with_tokenizer)
 
@@ -125,7 +125,7 @@ def script_flags() -> dict:
 
 def run_replay(llm, workload, slo=None, desc: str | None = None) -> dict:
     """Replay a workload on the wall clock through a warmed-up engine; serving metrics."""
-    from cbjax.engine import Engine
+    from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
     llm.warmup(max_prompt_len=max(len(w.prompt) for w in workload))

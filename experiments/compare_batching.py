@@ -77,8 +77,8 @@ def run_column(model, max_gen: int, peer) -> dict:
     from tqdm.auto import tqdm
 
     from cbjax import LLM
-    from cbjax.engine import Engine
-    from cbjax.kv_cache import SlotCache
+    from cbjax.runtime.engine import Engine
+    from cbjax.models.kv_cache import SlotCache
     from cbjax.workload import LengthDist, synthetic
 
     max_seq_len = FLAGS.prompt_len + max_gen

@@ -65,7 +65,7 @@ def main(argv):
     del argv
     import numpy as np
 
-    from cbjax.checkpoint import is_orbax_dir, load_model
+    from cbjax.loading import is_orbax_dir, load_model
     from cbjax.metrics import write_json
     from cbjax.perplexity import window_nlls
 

@@ -46,7 +46,8 @@ flags.DEFINE_integer("local_device_count", None, "CPU only: host devices this pr
 
 def main(argv):
     del argv
-    from cbjax import LLM, SamplingParams, distributed
+    from cbjax import LLM, SamplingParams
+    from cbjax.parallel import distributed
     from cbjax.tokenization import chat_prompt_ids
 
     if FLAGS.coordinator_address or FLAGS.num_processes:

@@ -57,7 +57,7 @@ def load_peer(spec: str):
         print(f"transformers peers need PyTorch (pip install 'cbjax[peers]'): {e}")
         return None
 
-    from cbjax.presets import PRESETS, smollm2_gguf_path
+    from cbjax.loading.presets import PRESETS, smollm2_gguf_path
 
     if spec == "smollm2-135m":
         spec = smollm2_gguf_path()

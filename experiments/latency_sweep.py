@@ -49,7 +49,7 @@ KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "media
 def layout_options(model, policy: str) -> dict:
     """The slot cache sized by --num_slots or --kv_cache_bytes; the paged row gets the same
     memory, with as many sequences as fit at the workload's mean length."""
-    from cbjax.kv_cache import SlotCache
+    from cbjax.models.kv_cache import SlotCache
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
     budget = FLAGS.kv_cache_bytes or FLAGS.num_slots * FLAGS.max_seq_len * per_token

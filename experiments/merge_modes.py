@@ -69,7 +69,7 @@ def workload(vocab: int):
 
 def run(model, items, mode: str, budget: int | None) -> dict:
     from cbjax import LLM
-    from cbjax.engine import Engine
+    from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
     llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,

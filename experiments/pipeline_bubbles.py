@@ -99,12 +99,12 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.distributed import expose_host_devices
+    from cbjax.parallel.distributed import expose_host_devices
 
     expose_host_devices(FLAGS.host_devices)
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
-    from cbjax.pipeline import bubble_fraction
+    from cbjax.loading import load_model
+    from cbjax.runtime.pipeline import bubble_fraction
 
     model = load_model(FLAGS.model)
     if model.config.num_layers < FLAGS.stages:

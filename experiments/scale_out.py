@@ -103,15 +103,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.distributed import expose_host_devices
+    from cbjax.parallel.distributed import expose_host_devices
 
     expose_host_devices(FLAGS.host_devices)
     import jax
 
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
     from cbjax.metrics import summarize_outputs, write_json
-    from cbjax.replicas import Replicas
+    from cbjax.parallel.replicas import Replicas
 
     model = load_model(FLAGS.model)
     work = workload(model.config.vocab_size)

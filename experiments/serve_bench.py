@@ -121,7 +121,7 @@ async def run_load(url: str, model_name: str, workload, desc: str):
 def main(argv):
     del argv
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
     from cbjax.metrics import summarize, write_json
 
     start = time.perf_counter()

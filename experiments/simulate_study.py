@@ -57,7 +57,7 @@ PUBLISHED = ("Anyscale, OPT-13B on A100-40GB: naive static batching falls to 81 
 
 def make_llm(model, row: str, max_len: int, budget: int, mean_len: float):
     from cbjax import LLM
-    from cbjax.kv_cache import SlotCache
+    from cbjax.models.kv_cache import SlotCache
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
     common_options = dict(simulate=FLAGS.accelerator, dtype=FLAGS.dtype, decode_steps=1)

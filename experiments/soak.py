@@ -74,7 +74,7 @@ def main(argv):
     from tqdm.auto import tqdm
 
     from cbjax import LLM, SamplingParams
-    from cbjax.engine import Engine
+    from cbjax.runtime.engine import Engine
     from cbjax.metrics import write_json
 
     start = time.perf_counter()

@@ -57,8 +57,8 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     from cbjax import LLM
-    from cbjax.checkpoint import load_model
-    from cbjax.kv_cache import SlotCache
+    from cbjax.loading import load_model
+    from cbjax.models.kv_cache import SlotCache
     from cbjax.metrics import write_json
     from cbjax.simulator import CalibratedCost
     from cbjax.workload import LengthDist, synthetic

@@ -7,7 +7,7 @@ import gc
 import jax
 import pytest
 
-from cbjax.distributed import expose_host_devices
+from cbjax.parallel.distributed import expose_host_devices
 
 # Eight CPU devices for the scale-out tests (tensor parallel, replicas, pipeline stages); set
 # before JAX starts its backend (importing it does not). Everything else runs on device 0.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbjax.block_manager import BlockManager
+from cbjax.scheduling.block_manager import BlockManager
 
 PAGE = 4
 

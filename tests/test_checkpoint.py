@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.checkpoint import load_hf_dir, load_model, load_orbax, save_orbax
+from cbjax.loading import load_hf_dir, load_model, load_orbax, save_orbax
 from cbjax.config import ModelConfig
-from cbjax.presets import RANDOM_PRESETS
+from cbjax.loading.presets import RANDOM_PRESETS
 from tests.hf_models import make_hf_model, save_hf_model
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cbjax import LLM, SamplingParams
-from cbjax.checkpoint import load_hf_dir
+from cbjax.loading import load_hf_dir
 from tests.hf_models import make_hf_model, save_hf_model
 
 MAX_SEQ_LEN = 64

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cbjax import LLM, SamplingParams
-from cbjax.engine import TRACE_COUNTS
+from cbjax.runtime.engine import TRACE_COUNTS
 
 MAX_SEQ_LEN = 128
 
@@ -206,8 +206,8 @@ def test_request_that_could_never_fit_the_pages_is_rejected():
 
 
 def test_kv_cache_bytes_sizes_both_layouts():
-    from cbjax.kv_cache import PagedCache, SlotCache
-    from cbjax.presets import RANDOM_PRESETS
+    from cbjax.models.kv_cache import PagedCache, SlotCache
+    from cbjax.loading.presets import RANDOM_PRESETS
 
     cfg = RANDOM_PRESETS["tiny-llama"]
     budget = 3 * SlotCache.bytes_per_slot(cfg, 64) + 5

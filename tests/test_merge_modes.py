@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cbjax import LLM, SamplingParams
-from cbjax.engine import Engine
+from cbjax.runtime.engine import Engine
 from cbjax.request import RequestState
 
 MAX_SEQ_LEN = 64

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.checkpoint import load_hf_dir
-from cbjax.kv_cache import SlotCache
+from cbjax.loading import load_hf_dir
+from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
 from tests.hf_models import FAMILIES, hf_logits, make_hf_model, save_hf_model
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.checkpoint import load_model
-from cbjax.kv_cache import PagedCache, SlotCache
+from cbjax.loading import load_model
+from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.models import forward
 
 jit_forward = jax.jit(forward, static_argnames=("config", "kv_len"))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cbjax.checkpoint import load_hf_dir
+from cbjax.loading import load_hf_dir
 from cbjax.perplexity import negative_log_likelihood, perplexity, windows
 from tests.hf_models import make_hf_model, save_hf_model
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from cbjax import LLM, SamplingParams
-from cbjax.block_manager import BlockManager
-from cbjax.engine import Engine
+from cbjax.scheduling.block_manager import BlockManager
+from cbjax.runtime.engine import Engine
 
 MAX_SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def model():
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
 
     return load_model("tiny-llama")
 
@@ -239,7 +239,7 @@ def test_finished_requests_are_released_once_returned(model):
 def test_seeded_sampling_draws_per_token_id_not_per_rank():
     """Logits with exact ties, then a 1e-6 perturbation that reorders the tied tokens: the
     distribution is the same to float32 precision, so the same seed must pick the same token."""
-    from cbjax.sampling import sample
+    from cbjax.runtime.sampling import sample
 
     rng = np.random.default_rng(8)
     rows = 256  # one row per seed, all in one call

@@ -7,9 +7,9 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbjax.block_manager import BlockManager
+from cbjax.scheduling.block_manager import BlockManager
 from cbjax.request import Request, RequestState, SamplingParams
-from cbjax.scheduler import Scheduler, SchedulerConfig
+from cbjax.scheduling.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 MAX_SEQ_LEN = 48

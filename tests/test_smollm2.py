@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.kv_cache import SlotCache
+from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
 
-presets = pytest.importorskip("cbjax.presets")
+presets = pytest.importorskip("cbjax.loading.presets")
 try:
     GGUF_PATH = presets.smollm2_gguf_path()
 except FileNotFoundError as e:  # pragma: no cover - CI installs it
@@ -24,7 +24,7 @@ FIXED_TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from cbjax.checkpoint import load_model
+    from cbjax.loading import load_model
     return load_model("smollm2-135m")
 
 

@@ -19,9 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from cbjax.attention import attention_mask, reference_attention
+from cbjax.models.attention import attention_mask, reference_attention
 from cbjax.config import ModelConfig
-from cbjax.kv_cache import KVCache
+from cbjax.models.kv_cache import KVCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 

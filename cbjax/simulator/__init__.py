@@ -21,7 +21,7 @@ __all__ = ["ACCELERATORS", "MODEL_SHAPES", "Accelerator", "CalibratedCost", "Cal
 def model_for_simulation(spec: str, dtype: str = "bfloat16"):
     """A model to simulate: a shape from MODEL_SHAPES (no weights), or anything
     `load_model` reads (its weights are loaded but never used)."""
-    from cbjax.checkpoint import Model, load_model
+    from cbjax.loading import Model, load_model
 
     if spec in MODEL_SHAPES:
         return Model(MODEL_SHAPES[spec], params=None, tokenizer=None, source=f"shape:{spec}")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbjax.checkpoint import Model
-from cbjax.engine import Engine, EngineConfig, PrefillRequest, bucket_for, prefill_buckets
-from cbjax.mixed_step import MixedRow
+from cbjax.loading import Model
+from cbjax.runtime.engine import Engine, EngineConfig, PrefillRequest, bucket_for, prefill_buckets
+from cbjax.runtime.mixed_step import MixedRow
 from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call
 

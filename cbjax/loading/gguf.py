@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from cbjax.checkpoint import Model, convert_tensors
+from cbjax.loading.model import Model, convert_tensors
 from cbjax.config import ModelConfig
 
 SUPPORTED_GGUF_ARCHS = ("llama",)

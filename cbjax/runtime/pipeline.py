@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax import checks
-from cbjax.device_state import TRACE_COUNTS, SlotState, is_done
-from cbjax.engine import _SLOT, _START, _LENGTH, Engine, _prefill_step
-from cbjax.kv_cache import SlotCache
+from cbjax.runtime.device_state import TRACE_COUNTS, SlotState, is_done
+from cbjax.runtime.engine import _SLOT, _START, _LENGTH, Engine, _prefill_step
+from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
-from cbjax.sampling import sample
+from cbjax.runtime.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True)

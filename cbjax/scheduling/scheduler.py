@@ -21,7 +21,7 @@ import bisect
 import dataclasses
 
 from cbjax import checks
-from cbjax.block_manager import BlockManager
+from cbjax.scheduling.block_manager import BlockManager
 from cbjax.request import FinishReason, Request, RequestState
 
 POLICIES = ("static", "dynamic", "continuous")

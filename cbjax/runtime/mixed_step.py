@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.device_state import TRACE_COUNTS, is_done
+from cbjax.runtime.device_state import TRACE_COUNTS, is_done
 from cbjax.models import forward
 from cbjax.request import SamplingParams
-from cbjax.sampling import sample
+from cbjax.runtime.sampling import sample
 
 # Packed int32 columns of one row (one host-to-device copy for all rows' scalars).
 (_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED, _STOP) = range(10)

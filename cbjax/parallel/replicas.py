@@ -28,7 +28,7 @@ from typing import Sequence
 import jax
 
 from cbjax import checks
-from cbjax.checkpoint import Model, load_model
+from cbjax.loading import Model, load_model
 from cbjax.llm import LLM, Prompt, _is_int_list
 from cbjax.request import RequestOutput, SamplingParams
 

@@ -23,14 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax import checks, sharding
-from cbjax.checkpoint import Model
-from cbjax.kv_cache import PagedCache, SlotCache
-from cbjax.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState, is_done  # noqa: F401 (re-exported)
-from cbjax.mixed_step import MixedRow, mixed_step, pack, row_bucket, token_buckets
+from cbjax import checks
+from cbjax.runtime import sharding
+from cbjax.loading import Model
+from cbjax.models.kv_cache import PagedCache, SlotCache
+from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState, is_done  # noqa: F401 (re-exported)
+from cbjax.runtime.mixed_step import MixedRow, mixed_step, pack, row_bucket, token_buckets
 from cbjax.models import forward
 from cbjax.request import SamplingParams
-from cbjax.sampling import sample
+from cbjax.runtime.sampling import sample
 
 
 # Layout of the packed int32 row that carries one prefill's scalars to the device (one

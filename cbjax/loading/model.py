@@ -1,0 +1,112 @@
+"""The bottom of the loaders: the `Model` type, dtypes, and the tensor conversion every
+checkpoint format shares (checkpoint names onto our flat names, layers stacked, shapes
+checked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from cbjax.config import ModelConfig
+from cbjax.models.params import flatten_shapes, param_shapes, unflatten
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, params pytree and (when the checkpoint has one) a tokenizer."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any = None
+    source: str = ""
+
+
+def as_dtype(dtype) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"unknown dtype {dtype!r}") from e
+    if dt not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return dt
+
+
+# Buffers some checkpoints carry that are not parameters.
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+
+
+
+def _split_c_attn(flat: dict, config: ModelConfig) -> None:
+    d = config.hidden_size
+    w = flat.pop("layers/c_attn_w", None)
+    b = flat.pop("layers/c_attn_b", None)
+    if w is not None:
+        flat["layers/wq"], flat["layers/wk"], flat["layers/wv"] = (w[..., i * d:(i + 1) * d] for i in range(3))
+    if b is not None:
+        flat["layers/bq"], flat["layers/bk"], flat["layers/bv"] = (b[..., i * d:(i + 1) * d] for i in range(3))
+
+
+def convert_tensors(
+    named_tensors: dict[str, Callable[[], np.ndarray]],
+    config: ModelConfig,
+    names: list,
+    dtype,
+    where: Callable[[str], str],
+) -> dict:
+    """Map checkpoint tensors onto our flat names, stack layers, check shapes.
+
+    `named_tensors` maps a checkpoint name to a loader (so tensors are read one at a
+    time); `where(name)` says which file holds a tensor, for error messages.
+    """
+    compiled = [(re.compile(p + r"$"), ours, fn) for p, ours, fn in names]
+    per_layer: dict[str, dict[int, np.ndarray]] = {}
+    flat: dict[str, np.ndarray] = {}
+    for name, load in named_tensors.items():
+        for pattern, ours, fn in compiled:
+            m = pattern.match(name)
+            if m:
+                break
+        else:
+            if _IGNORED.match(name):
+                continue
+            raise ValueError(f"{where(name)}: unexpected tensor {name!r} for model_type {config.model_type!r}")
+        if ours == "lm_head" and config.tie_embeddings:
+            continue
+        value = fn(np.asarray(load()))
+        if m.groups():
+            layer = int(m.group(1))
+            if layer >= config.num_layers:
+                raise ValueError(f"{where(name)}: tensor {name!r} is for layer {layer}, "
+                                 f"but the config has {config.num_layers} layers")
+            per_layer.setdefault(ours, {})[layer] = value
+        else:
+            flat[ours] = value
+
+    expected = flatten_shapes(param_shapes(config))
+    for ours, layers in per_layer.items():
+        missing = [i for i in range(config.num_layers) if i not in layers]
+        if missing:
+            raise ValueError(f"checkpoint is missing {ours!r} for layers {missing}")
+        shapes = {layers[i].shape for i in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"checkpoint tensor {ours!r} has different shapes across layers: {shapes}")
+        flat[ours] = np.stack([layers[i] for i in range(config.num_layers)])
+    if config.is_gpt2:
+        _split_c_attn(flat, config)
+
+    for ours, shape in expected.items():
+        if ours not in flat:
+            raise ValueError(f"checkpoint has no tensor for {ours!r} (expected shape {shape})")
+        if flat[ours].shape != shape:
+            raise ValueError(f"checkpoint tensor for {ours!r} has shape {flat[ours].shape}, "
+                             f"config expects {shape}")
+    extra = sorted(set(flat) - set(expected))
+    if extra:
+        raise ValueError(f"checkpoint has tensors {extra} that model_type {config.model_type!r} does not use")
+    dt = as_dtype(dtype)
+    return unflatten({k: jnp.asarray(v.astype(np.float32) if v.dtype != np.float32 else v, dt)
+                      for k, v in flat.items()})
