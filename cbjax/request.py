@@ -88,6 +88,7 @@ class Request:
     arrival_time: float
     priority: int = 0
     prompt: str | None = None
+    seed: int = 0  # sampling noise seed (the front sets it: the user's, or one derived from the id)
     # Scheduler state.
     state: RequestState = RequestState.WAITING
     slot: int | None = None

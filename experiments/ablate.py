@@ -13,6 +13,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 KNOBS = {  # knob -> (LLM keyword, parse)
@@ -29,10 +30,7 @@ flags.DEFINE_enum("knob", "refill_interval", sorted(KNOBS), "The knob to sweep."
 flags.DEFINE_list("values", ["1", "4", "16"], "Values of the knob.")
 flags.DEFINE_float("qps", 0.0, "Poisson arrival rate; 0 sends every request at once (offline).",
                    lower_bound=0.0)
-flags.DEFINE_integer("num_slots", 8, "KV-cache slots (unless swept).", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.", lower_bound=1)
-flags.DEFINE_float("waiting_served_ratio", 0.0, "TGI ratio (unless swept).", lower_bound=0.0)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+EngineArgs.define_flags(["num_slots", "max_seq_len", "waiting_served_ratio", "dtype"], max_seq_len=256)
 flags.DEFINE_string("output_dir", "results/ablate", "Where the JSON and the plot go.")
 common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)

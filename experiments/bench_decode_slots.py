@@ -18,6 +18,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-random", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -26,8 +27,7 @@ flags.DEFINE_integer("active", 2, "Sequences decoding.", lower_bound=1)
 flags.DEFINE_integer("prompt_len", 32, "Prompt length of the active sequences.", lower_bound=1)
 flags.DEFINE_integer("steps", 64, "Timed decode steps per measurement.", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "Measurements per cell; the best is kept.", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per sequence.", lower_bound=2)
-flags.DEFINE_enum("kv_cache", "slots", ["slots", "paged"], "KV-cache layout.")
+EngineArgs.define_flags(["max_seq_len", "kv_cache"], max_seq_len=256)
 flags.DEFINE_string("output_json", "results/bench_decode_slots.json", "Where the results go.")
 common.validate_list("slots", int, 1, "positive integers")
 

@@ -23,19 +23,18 @@ import common  # noqa: F401  (quiets transformers and matplotlib)
 from absl import app, flags
 
 from hf_peers import configure_torch, continuous_generate_batch
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("shape", "small", ["tiny", "small", "smollm2"],
                   "Model shape: 'tiny' (2 layers, d=64), 'small' (4 layers, d=256) or 'smollm2' "
                   "(30 layers, d=576, the 135M shape).")
 flags.DEFINE_integer("num_requests", 64, "Requests in the workload.", lower_bound=1)
-flags.DEFINE_integer("num_slots", 32, "Concurrent sequences for both engines (transformers' "
-                     "max_requests_per_batch).", lower_bound=1)
+EngineArgs.define_flags(["num_slots", "decode_steps"], num_slots=32)
 flags.DEFINE_integer("min_prompt", 16, "Shortest prompt (tokens).", lower_bound=1)
 flags.DEFINE_integer("max_prompt", 128, "Longest prompt (tokens).", lower_bound=1)
 flags.DEFINE_integer("min_output", 16, "Shortest output budget (tokens).", lower_bound=1)
 flags.DEFINE_integer("max_output", 128, "Longest output budget (tokens).", lower_bound=1)
-flags.DEFINE_integer("decode_steps", 1, "cbjax decode steps per device call.", lower_bound=1)
 flags.DEFINE_integer("scheduler_slots", 64, "Slots for the scheduler host-overhead measurement.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload and init seed.")
 flags.DEFINE_bool("skip_transformers", False, "Only run cbjax.")

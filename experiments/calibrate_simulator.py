@@ -17,6 +17,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -26,7 +27,7 @@ flags.DEFINE_list("policies", ["static", "continuous"], "Policies to profile (st
 flags.DEFINE_bool("paged", False, "Also profile the paged cache (continuous, pool of 3/4 of the slots' memory).")
 flags.DEFINE_list("merge_modes", [], "Also profile these mixed-step modes (fused, chunked), continuous.")
 flags.DEFINE_integer("num_requests", 40, "Requests per profiled configuration.", lower_bound=1)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+EngineArgs.define_flags(["dtype"])
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 flags.DEFINE_string("output", "results/sim_calibration.json", "Where the fitted cost model goes.")
 common.validate_list("slots", int, 1, "positive integers")

@@ -13,6 +13,7 @@ import time
 import common  # noqa: F401  (quiets transformers and matplotlib)
 
 from absl import app, flags
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory "
@@ -20,7 +21,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .g
 flags.DEFINE_string("text", os.path.join(os.path.dirname(__file__), "data", "public_domain.txt"),
                     "Text file to score.")
 flags.DEFINE_integer("window", 256, "Tokens per independently scored window.", lower_bound=2)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype for cbjax.")
+EngineArgs.define_flags(["dtype"])
 flags.DEFINE_bool("transformers", True, "Also compute transformers' perplexity on the same windows.")
 flags.DEFINE_string("output_json", "results/eval_perplexity.json", "Where the result goes.")
 

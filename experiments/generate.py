@@ -12,6 +12,7 @@ import time
 import common  # noqa: F401  (quiets transformers and matplotlib)
 
 from absl import app, flags
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face directory, .gguf file or orbax directory.")
@@ -24,17 +25,12 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", low
 flags.DEFINE_integer("top_k", 0, "Top-k cut (0: off).", lower_bound=0)
 flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1: off).", lower_bound=1e-9, upper_bound=1.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
-flags.DEFINE_enum("policy", "continuous", ["static", "dynamic", "continuous"], "Batching policy.")
-flags.DEFINE_integer("num_slots", 4, "KV-cache slots (sequences decoded together).", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 256, "Prompt plus output tokens per slot.", lower_bound=1)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+EngineArgs.define_flags(["policy", "num_slots", "max_seq_len", "dtype", "tensor_parallel", "kv_cache"],
+                        num_slots=4, max_seq_len=256)
 flags.DEFINE_multi_string("prompt_ids", None, "Prompt(s) as comma-separated token ids instead of --prompt "
                           "(for models without a tokenizer); repeat the flag for several.")
 flags.DEFINE_string("output_json", None, "Optional path for the outputs as JSON ('{process}' in it becomes the "
                     "process index, so every process of a multi-host run can write its own).")
-flags.DEFINE_integer("tensor_parallel", 1, "Shard the model over this many devices (of every process).",
-                     lower_bound=1)
-flags.DEFINE_enum("kv_cache", "slots", ["slots", "paged"], "KV-cache layout.")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0; joins the job through "
                     "jax.distributed.initialize (on GPU clusters --num_processes/--process_id may come from "
                     "SLURM/MPI instead).")

@@ -15,18 +15,17 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second).")
 flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "Policies to compare.")
-flags.DEFINE_integer("num_slots", 8, "KV-cache slots (and static/dynamic batch size).", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per slot.", lower_bound=1)
-flags.DEFINE_float("window_ms", 100.0, "Dynamic batching window.", lower_bound=0.0)
+EngineArgs.define_flags(["num_slots", "max_seq_len", "window_ms", "dtype", "kv_cache_bytes", "page_size"],
+                        max_seq_len=256, window_ms=100.0)
 flags.DEFINE_float("ttft_ms", None, "SLO on time to first token, for goodput.", lower_bound=0.0)
 flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput.", lower_bound=0.0)
 flags.DEFINE_float("e2e_ms", None, "SLO on end-to-end latency, for goodput.", lower_bound=0.0)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_string("output_dir", "results/latency_sweep", "Where the JSON and the plot go.")
 common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
@@ -35,9 +34,6 @@ common.validate_list("qps", float, 1e-6, "positive request rates")
 POLICIES = ("static", "dynamic", "continuous", "continuous-paged")
 common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0,
                      "policies among static, dynamic, continuous, continuous-paged")
-flags.DEFINE_integer("kv_cache_bytes", None, "KV memory of every row (default: --num_slots sequences of "
-                     "--max_seq_len); the paged row holds as many sequences as fit on average.", lower_bound=1)
-flags.DEFINE_integer("page_size", 16, "Tokens per page of the continuous-paged row.", lower_bound=1)
 flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged row (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only).")

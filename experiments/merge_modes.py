@@ -20,6 +20,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 common.define_simulate_flag()
@@ -32,13 +33,10 @@ flags.DEFINE_integer("long_prompt_len", 384, "Their prompt length.", lower_bound
 flags.DEFINE_integer("long_output_len", 16, "Their output length (EOS ignored).", lower_bound=1)
 flags.DEFINE_float("long_qps", 1.0, "Poisson rate of the long prompts (requests per second).", lower_bound=1e-6)
 flags.DEFINE_float("long_start_s", 0.5, "When the first long prompt may arrive.", lower_bound=0.0)
-flags.DEFINE_integer("num_slots", 8, "Concurrent sequences.", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 512, "Tokens per sequence.", lower_bound=2)
+EngineArgs.define_flags(["num_slots", "max_seq_len", "kv_cache", "dtype"])
 flags.DEFINE_list("modes", ["prefill_first", "fused", "chunked"], "Merge modes to run.")
 flags.DEFINE_list("chunked_budgets", ["32", "64", "128", "256"], "Token budgets per step for chunked (the sweep).")
 flags.DEFINE_integer("fused_budget", None, "Token budget per step for fused (default: max_seq_len).", lower_bound=1)
-flags.DEFINE_enum("kv_cache", "slots", ["slots", "paged"], "KV-cache layout.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 flags.DEFINE_string("output_dir", "results/merge_modes", "Where the JSON and the plot go.")
 common.validate_list("modes", lambda m: 0 if m in ("prefill_first", "fused", "chunked") else -1, 0,

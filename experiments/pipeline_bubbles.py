@@ -24,6 +24,7 @@ from absl import app, flags
 
 import common
 from cbjax.simulator.hardware import ACCELERATORS, MODEL_SHAPES
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 common.define_workload_flags(prompt_low=16, prompt_high=64, output_mean=48.0, output_cap=96, num_requests=32)
@@ -32,12 +33,11 @@ flags.DEFINE_integer("stages", 2, "Pipeline stages (devices); at most the model'
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8"], "Decode micro-batch counts (each must divide --num_slots).")
 flags.DEFINE_list("decode_steps", ["1", "4"], "Decode steps per round (per host sync).")
 flags.DEFINE_list("policies", ["static", "continuous"], "Batching policies.")
-flags.DEFINE_integer("num_slots", 8, "Concurrent sequences (split into the micro-batches).", lower_bound=1)
+EngineArgs.define_flags(["num_slots", "max_seq_len"], max_seq_len=256)
 flags.DEFINE_integer("slots_per_micro_batch", None, "Instead of a fixed --num_slots, give every micro-batch this "
                      "many slots (num_slots = micro_batches x this, as vLLM's pipeline keeps one full batch per "
                      "stage in flight): decode is weight-bound, so splitting a fixed batch re-reads the weights "
                      "per micro-batch.", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 256, "Tokens per sequence.", lower_bound=2)
 flags.DEFINE_string("accelerator", "h100", "Accelerator whose roofline prices each stage call "
                     "(h100, h200, a100-40gb, a100-80gb, tpu-v5e).")
 flags.DEFINE_string("cost_shape", "llama3-8b", "Model shape the calls are priced for (opt-13b, llama2-13b, "

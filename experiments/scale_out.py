@@ -20,6 +20,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 ROUTINGS = ("round_robin", "least_loaded", "prefix_affinity")
@@ -34,9 +35,7 @@ flags.DEFINE_integer("prefix_len", 48, "Tokens of each shared system prompt.", l
 flags.DEFINE_integer("suffix_low", 8, "Shortest per-request suffix.", lower_bound=1)
 flags.DEFINE_integer("suffix_high", 24, "Longest per-request suffix.", lower_bound=1)
 flags.DEFINE_integer("output_len", 32, "Output tokens per request (EOS ignored).", lower_bound=1)
-flags.DEFINE_integer("num_slots", 4, "Slots per replica.", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 128, "Tokens per sequence.", lower_bound=2)
-flags.DEFINE_integer("page_size", 16, "Tokens per page (paged cache with prefix caching).", lower_bound=1)
+EngineArgs.define_flags(["num_slots", "max_seq_len", "page_size"], num_slots=4, max_seq_len=128)
 flags.DEFINE_integer("host_devices", 8, "CPU only: host devices to expose (XLA_FLAGS).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_dir", "results/scale_out", "Where the JSON and the plot go.")

@@ -21,22 +21,15 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny-llama", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_integer("num_requests", 10_000, "Requests to serve.", lower_bound=1)
-flags.DEFINE_integer("num_slots", 16, "Concurrent sequences.", lower_bound=1)
-flags.DEFINE_integer("max_seq_len", 128, "Tokens per sequence.", lower_bound=2)
-flags.DEFINE_enum("kv_cache", "paged", ["slots", "paged"], "KV-cache layout.")
-flags.DEFINE_integer("num_pages", 96, "Paged cache: pages in the pool (small enough to preempt).", lower_bound=1)
+EngineArgs.define_flags(["num_slots", "max_seq_len", "kv_cache", "num_pages", "max_prefill_tokens",
+                         "decode_steps", "merge_mode", "max_num_batched_tokens"],
+                        num_slots=16, max_seq_len=128, kv_cache="paged", num_pages=96, decode_steps=2)
 flags.DEFINE_bool("prefix_caching", True, "Paged cache: share prefix pages.")
-flags.DEFINE_integer("max_prefill_tokens", None, "Chunked prefill budget per round (None: whole prompts).",
-                     lower_bound=1)
-flags.DEFINE_integer("decode_steps", 2, "Decode steps per device call (prefill_first only).", lower_bound=1)
-flags.DEFINE_enum("merge_mode", "prefill_first", ["prefill_first", "fused", "chunked"],
-                  "How prefill meets decode (mixed modes decode one token per step).")
-flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget per mixed step (default: the LLM's).",
-                     lower_bound=1)
 flags.DEFINE_integer("max_tokens", 24, "Largest output budget (budgets are uniform in [1, this]).", lower_bound=1)
 flags.DEFINE_integer("report_every", 1000, "Requests between memory readings.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)

@@ -20,7 +20,6 @@ another's scheduling.
 from __future__ import annotations
 
 import itertools
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -29,7 +28,8 @@ import jax
 
 from cbjax import checks
 from cbjax.loading import Model, load_model
-from cbjax.llm import LLM, Prompt, _is_int_list
+from cbjax.core.replay import progress_bar, run_arrivals
+from cbjax.llm import LLM, Prompt, offline_workload
 from cbjax.request import RequestOutput, SamplingParams
 
 ROUTING = ("round_robin", "least_loaded", "prefix_affinity")
@@ -70,8 +70,8 @@ class Replicas:
 
     # ------------------------------------------------------------ routing
     def load(self, i: int) -> int:
-        sched = self.replicas[i].scheduler
-        return 4 * len(sched.waiting) + sum(r is not None for r in sched.slots)
+        load = self.replicas[i].core.load()
+        return 4 * load.waiting + load.running
 
     def _least_loaded(self) -> int:
         return min(range(self.data_parallel), key=lambda i: (self.load(i), i))
@@ -92,7 +92,7 @@ class Replicas:
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
         """Route and queue a request; raises ValueError for a bad one (nothing else is touched)."""
         # Only prefix affinity needs the token ids before the replica tokenizes the prompt itself.
-        ids = self.replicas[0]._prompt_ids(prompt)[0] if self.routing == "prefix_affinity" else None
+        ids = self.replicas[0].prompt_ids(prompt)[0] if self.routing == "prefix_affinity" else None
         if request_id is None:
             while (request_id := str(next(self._ids))) in self._owner:
                 pass
@@ -132,17 +132,21 @@ class Replicas:
                 self._owner.pop(o.request_id, None)
         return outputs
 
-    def _idle(self) -> bool:
-        return all(r.last_plan is None or r.last_plan.idle for r in self.replicas)
+    def finish_round(self) -> list[RequestOutput]:
+        return [o for o in self.step() if o.finish_reason is not None]
 
-    def _wake_time(self) -> float | None:
-        wakes = [r.last_plan.wake_time for r in self.replicas
-                 if r.last_plan is not None and r.last_plan.wake_time is not None]
+    @property
+    def idle(self) -> bool:
+        return all(r.core.idle for r in self.replicas)
+
+    @property
+    def wake_time(self) -> float | None:
+        wakes = [r.core.wake_time for r in self.replicas if r.core.wake_time is not None]
         return min(wakes) if wakes else None
 
-    def _drain(self, draining: bool) -> None:
+    def drain(self, draining: bool = True) -> None:
         for r in self.replicas:
-            r.scheduler.drain(draining)
+            r.drain(draining)
 
     # ------------------------------------------------------------ offline
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -150,59 +154,20 @@ class Replicas:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion over the replicas; outputs in input order (a bad prompt
         gets an `error` output, as `LLM.generate`)."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and _is_int_list(prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        sampling = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                    else [sampling_params] * len(prompts))
-        if len(sampling) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling params")
-        return self._run([(0.0, p, s) for p, s in zip(prompts, sampling)], realtime=False, use_tqdm=use_tqdm)
+        return self._run(offline_workload(prompts, sampling_params), realtime=False, use_tqdm=use_tqdm)
 
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
                desc: str | None = None) -> list[RequestOutput]:
-        """`LLM.replay` over the replicas: each request admitted at its arrival time."""
+        """`LLM.replay` over the replicas: each request admitted at its arrival time (a bad
+        one gets an `error` output)."""
         return self._run(list(workload), realtime=True, use_tqdm=use_tqdm, desc=desc)
 
     def _run(self, workload, realtime: bool, use_tqdm: bool, desc: str | None = None) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
-        order = sorted(range(len(workload)), key=lambda i: workload[i][0])
-        ids: list[str | None] = [None] * len(workload)
-        done: dict[str, RequestOutput] = {}
-        errors: dict[int, RequestOutput] = {}
-        start, pending = self.clock(), 0
-        bar = tqdm(total=len(workload), desc=desc or f"{self.data_parallel} replicas, {self.routing}",
-                   disable=not use_tqdm, unit="req")
-        try:
-            while pending < len(order) or self.has_unfinished_requests():
-                now = self.clock()
-                while pending < len(order) and (not realtime or start + workload[order[pending]][0] <= now):
-                    i = order[pending]
-                    offset, prompt, sp = workload[i]
-                    try:
-                        ids[i] = self.add_request(prompt, sp, arrival_time=start + offset if realtime else None)
-                    except ValueError as e:
-                        errors[i] = self.replicas[0]._error_output(f"error-{i}", prompt, str(e))
-                        bar.update(1)
-                    pending += 1
-                self._drain(pending == len(order))
-                finished = [o for o in self.step() if o.finish_reason is not None]
-                done.update((o.request_id, o) for o in finished)
-                bar.update(len(finished))
-                if self._idle():
-                    self._sleep(start, workload, order, pending)
-        finally:
-            bar.close()
-            self._drain(False)
-        return [errors[i] if i in errors else done[rid] for i, rid in enumerate(ids)]
-
-    def _sleep(self, start, workload, order, pending) -> None:
-        wakes = [t for t in (start + workload[order[pending]][0] if pending < len(order) else None,
-                             self._wake_time()) if t is not None]
-        delay = min(max(min(wakes) - self.clock(), 0.0), 0.05) if wakes else 0.005
-        if delay > 0:
-            time.sleep(delay)
+        bar = progress_bar(len(workload), use_tqdm, desc or f"{self.data_parallel} replicas, {self.routing}")
+        ids, errors, finished = run_arrivals(self, workload, bar, realtime=realtime, catch_errors=True)
+        done = {o.request_id: o for o in finished}
+        return [self.replicas[0].error_output(f"error-{i}", workload[i][1], errors[i]) if i in errors
+                else done[rid] for i, rid in enumerate(ids)]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,4 +1,5 @@
-"""The jitted device steps: `prefill` (per length bucket, straight into a slot) and `decode`.
+"""The device engine: `prefill` (per length bucket, straight into a slot), `decode` and
+`mixed_step` over the jitted programs (programs.py, mixed_step.py).
 
 JetStream's vocabulary: `prefill` computes a prompt chunk's keys and values and
 `insert`s them into a slot; `generate`/`decode` advances every active slot. Here
@@ -17,26 +18,18 @@ workload never recompiles (`TRACE_COUNTS` counts traces).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cbjax import checks
-from cbjax.runtime import sharding
-from cbjax.loading import Model
 from cbjax.models.kv_cache import PagedCache, SlotCache
-from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState, is_done  # noqa: F401 (re-exported)
-from cbjax.runtime.mixed_step import MixedRow, mixed_step, pack, row_bucket, token_buckets
-from cbjax.models import forward
 from cbjax.request import SamplingParams
-from cbjax.runtime.sampling import sample
-
-
-# Layout of the packed int32 row that carries one prefill's scalars to the device (one
-# host-to-device copy instead of one per scalar: on CPU that was most of a small prefill).
-_SLOT, _START, _LENGTH, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED, _STOP = range(9)
+from cbjax.runtime import programs, sharding
+from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.mixed_step import mixed_step, pack, row_bucket, token_buckets
+from cbjax.scheduling.config import MERGE_MODES
+from cbjax.scheduling.plan import Row
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -52,79 +45,6 @@ def bucket_for(n: int, buckets: list[int]) -> int:
         if n <= b:
             return b
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
-
-
-
-_STATIC = ("config", "max_len", "kv_len")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("first_layer", "embed"), donate_argnames=("cache", "state"))
-def _prefill_step(params, cache, state, tokens, ints, floats, *, config, max_len, kv_len, first_layer=0, embed=True):
-    """Write `B` prompt chunks (`tokens [B, T]`) into their slots; for rows that are the
-    last chunk of their prompt, sample the first token and set the slot's decode state
-    (a traced flag, so chunked and whole prefills share one program). `ints [B, 7+stops]`
-    and `floats [B, 2]` are the packed per-row scalars (see `_SLOT` and friends); rows
-    with length 0 are batch padding and change nothing."""
-    b = tokens.shape[0]
-    TRACE_COUNTS[("prefill", config, b, tokens.shape[1], kv_len, cache.num_slots)] += 1
-    slot, start, length, max_tokens, top_k, seed, generated = (
-        ints[:, i] for i in (_SLOT, _START, _LENGTH, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED))
-    is_last, stop_ids = (ints[:, _IS_LAST] > 0) & (length > 0), ints[:, _STOP:]
-    temperature, top_p = floats[:, 0], floats[:, 1]
-    logits, cache = forward(params, config, cache, tokens, start, num_valid=length, slot_ids=slot, kv_len=kv_len,
-                            logits_index=jnp.maximum(length - 1, 0), first_layer=first_layer, embed=embed)
-    # A request resumed after preemption has `generated` tokens already: its next token
-    # is sampled as output index `generated`, so seeded sampling continues where it was.
-    token = sample(logits, temperature, top_k, top_p, seed, generated)
-    done = is_done(token, stop_ids, generated + 1, max_tokens, start + length + 1, max_len)
-    # Rows that insert nothing scatter to an out-of-range slot, which is dropped.
-    state = state.set_rows(jnp.where(is_last, slot, cache.num_slots), token=token, done=done,
-                           num_generated=generated + 1, max_tokens=max_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, seeds=seed, stop_ids=stop_ids)
-    return jnp.stack([token, (done & is_last).astype(jnp.int32)], axis=-1), cache, state
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("steps", "paged_kernel"), donate_argnames=("cache", "state"))
-def _decode_steps(params, cache, state, *, config, max_len, kv_len, steps, paged_kernel=False):
-    TRACE_COUNTS[("decode", config, kv_len, steps, cache.num_slots)] += 1
-
-    def one_step(carry, _):
-        cache, state = carry
-        logits, cache = forward(params, config, cache, state.tokens[:, None], cache.lengths,
-                                num_valid=state.active.astype(jnp.int32), kv_len=kv_len,
-                                logits_index=jnp.zeros_like(state.tokens), paged_kernel=paged_kernel)
-        token = sample(logits, state.temperature, state.top_k, state.top_p, state.seeds, state.num_generated)
-        generated = state.num_generated + state.active
-        done = state.active & is_done(token, state.stop_ids, generated, state.max_tokens, cache.lengths + 1,
-                                       max_len)
-        out = jnp.where(state.active, token, -1)
-        state = dataclasses.replace(state, tokens=jnp.where(state.active, token, state.tokens),
-                                    active=state.active & ~done, num_generated=generated)
-        return (cache, state), out
-
-    (cache, state), out = jax.lax.scan(one_step, (cache, state), None, length=steps)
-    return out, cache, state
-
-
-@functools.partial(jax.jit, donate_argnames="state")
-def _deactivate(state, slot):
-    return dataclasses.replace(state, active=state.active.at[slot].set(False))
-
-
-@dataclasses.dataclass
-class PrefillRequest:
-    """One prompt chunk for `Engine.prefill`: `tokens` go to `slot` from position `start`."""
-
-    slot: int
-    tokens: list[int]
-    start: int
-    is_last: bool
-    sampling: SamplingParams
-    seed: int
-    generated: int = 0  # tokens generated before a preemption (recompute)
-
-
-MERGE_MODES = ("prefill_first", "fused", "chunked")
 
 
 @dataclasses.dataclass
@@ -177,15 +97,12 @@ class EngineConfig:
 class Engine:
     reads_block_tables = True  # the paged cache's tables are copied to the device each round
 
-    def __init__(self, model: Model, config: EngineConfig, mesh=None):
-        """`mesh`: a tensor-parallel `jax.sharding.Mesh` (cbjax/sharding.py) to shard the params
-        and the KV cache over; None keeps everything on the default device."""
-        self.model = model
-        self.config = config
+    def __init__(self, model, config: EngineConfig, mesh=None):
+        """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
+        `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
+        None keeps everything on the default device."""
+        self._configure(model, config)
         mc = model.config
-        if config.max_seq_len > mc.max_position_embeddings:
-            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
         self.mesh = mesh
         if mesh is not None:
             sharding.check_divisible(mc, mesh)
@@ -194,10 +111,19 @@ class Engine:
             self.params = sharding.shard_params(model.params, mc, mesh)
         else:
             self.params = model.params
+        self.reset()
+
+    def _configure(self, model, config: EngineConfig) -> None:
+        """What every engine kind sets up, the simulated one included: the model, the config
+        (checked against the model) and the length buckets."""
+        if config.max_seq_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{model.config.max_position_embeddings}")
+        self.model = model
+        self.config = config
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
-        self.reset()
-        self.eos_ids = tuple(mc.eos_token_ids)
+        self.eos_ids = tuple(model.config.eos_token_ids)
 
     @property
     def num_slots(self) -> int:
@@ -216,7 +142,7 @@ class Engine:
     def _attended_len(self, needed: int) -> int:
         return bucket_for(min(needed, self.max_len), self.buckets)
 
-    def prefill(self, chunks: list[PrefillRequest]) -> list[tuple[jax.Array, list[int]]]:
+    def prefill(self, chunks: list[Row]) -> list[tuple[jax.Array, list[int]]]:
         """Write prompt chunks into their slots, in as few device calls as the buckets allow:
         chunks sharing a (length bucket, attended length) go together, in row batches of a
         power of two up to `max_prefill_batch`. For each chunk that ends its prompt, the
@@ -236,26 +162,27 @@ class Engine:
                 calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
         return calls
 
-    def _pack_prefill(self, chunks: list[PrefillRequest], bucket: int) -> tuple[np.ndarray, ...]:
+    def _pack_prefill(self, chunks: list[Row], bucket: int) -> tuple[np.ndarray, ...]:
         """The call's host inputs: tokens `[rows, bucket]`, packed ints and floats per row."""
         rows = 1 << (len(chunks) - 1).bit_length()  # pad the batch to a power of two
         stops = self.config.max_stop_tokens
         tokens = np.zeros((rows, bucket), np.int32)
-        ints = np.zeros((rows, _STOP + stops), np.int32)
+        ints = np.zeros((rows, programs.STOP + stops), np.int32)
         floats = np.zeros((rows, 2), np.float32)
         for r, c in enumerate(chunks):
             tokens[r, :len(c.tokens)] = c.tokens
             s = c.sampling
-            ints[r, :_STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed, c.generated)
-            ints[r, _STOP:] = self.stop_ids_for(s)
+            ints[r, :programs.STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed,
+                                       c.generated)
+            ints[r, programs.STOP:] = self.stop_ids_for(s)
             floats[r] = (s.temperature, s.top_p)
         return tokens, ints, floats
 
-    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> jax.Array:
+    def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> jax.Array:
         tokens, ints, floats = self._pack_prefill(chunks, bucket)
-        out, self.cache, self.state = _prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
-                                                    config=self.model.config, max_len=self.max_len,
-                                                    kv_len=kv_len)
+        out, self.cache, self.state = programs.prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
+                                                            config=self.model.config, max_len=self.max_len,
+                                                            kv_len=kv_len)
         return out
 
     @property
@@ -268,7 +195,7 @@ class Engine:
             most = max(most, self.max_len)
         return token_buckets(most)
 
-    def mixed_step(self, rows: list[MixedRow]) -> jax.Array:
+    def mixed_step(self, rows: list[Row]) -> jax.Array:
         """One mixed step over `rows` (prefill chunks and decodes, any order); returns the
         device array `[rows bucket, 2]` of (sampled token or -1, done), row i first."""
         total = sum(r.num_tokens for r in rows)
@@ -288,9 +215,9 @@ class Engine:
         (prompt + generated) among active slots, which sets the attended-length bucket."""
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
-        out, self.cache, self.state = _decode_steps(self.params, self.cache, self.state, config=self.model.config,
-                                                    max_len=self.max_len, kv_len=kv_len, steps=steps,
-                                                    paged_kernel=self.config.attention == "pallas")
+        out, self.cache, self.state = programs.decode_steps(
+            self.params, self.cache, self.state, config=self.model.config, max_len=self.max_len, kv_len=kv_len,
+            steps=steps, paged_kernel=self.config.attention == "pallas")
         return out
 
     def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
@@ -324,7 +251,7 @@ class Engine:
             else:
                 _, rows, bucket, kv_len = prog
                 start = kv_len - bucket  # start > 0 selects the attended length kv_len
-                chunk = [PrefillRequest(0, [0] * bucket, start, True, greedy, 0)]
+                chunk = [Row(0, [0] * bucket, start, True, greedy)]
                 out = self._prefill_call(chunk * rows, bucket, kv_len)
             out.block_until_ready()
         self.deactivate(0)  # abort and preemption
@@ -371,7 +298,7 @@ class Engine:
         return sharding.place(host, sharding.replicated(self.mesh))
 
     def deactivate(self, slot: int) -> None:
-        self.state = _deactivate(self.state, np.int32(slot))
+        self.state = programs.deactivate(self.state, np.int32(slot))
 
     @staticmethod
     def num_compilations() -> int:

@@ -30,32 +30,11 @@ import numpy as np
 from cbjax.runtime.device_state import TRACE_COUNTS, is_done
 from cbjax.models import forward
 from cbjax.request import SamplingParams
+from cbjax.scheduling.plan import Row
 from cbjax.runtime.sampling import sample
 
 # Packed int32 columns of one row (one host-to-device copy for all rows' scalars).
 (_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED, _STOP) = range(10)
-
-
-@dataclasses.dataclass
-class MixedRow:
-    """One sequence's part of a mixed step: new prompt `tokens` written from `start`, or,
-    with no tokens, a decode of the slot's last sampled token at position `start`."""
-
-    slot: int
-    tokens: list[int]
-    start: int  # tokens of the sequence already in the cache
-    is_last: bool = False  # a chunk that ends its prompt: sample the first token, start decoding
-    sampling: SamplingParams | None = None  # for is_last rows
-    seed: int = 0
-    generated: int = 0  # tokens generated before a preemption (recompute)
-
-    @property
-    def is_decode(self) -> bool:
-        return not self.tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) or 1
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -68,7 +47,7 @@ def row_bucket(num_tokens_bucket: int, num_slots: int) -> int:
     return min(num_tokens_bucket, 1 << (num_slots - 1).bit_length())
 
 
-def pack(rows: list[MixedRow], num_tokens: int, num_rows: int, stop_ids_for) -> tuple[np.ndarray, ...]:
+def pack(rows: list[Row], num_tokens: int, num_rows: int, stop_ids_for) -> tuple[np.ndarray, ...]:
     """Host arrays of a step: tokens, token row, token position `[T]`; row ints `[S, ...]`,
     row floats `[S, 2]`, cu_q_lens `[S + 1]`. Padding tokens point at row S (none)."""
     tokens = np.zeros(num_tokens, np.int32)

@@ -27,7 +27,8 @@ import numpy as np
 
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState, is_done
-from cbjax.runtime.engine import _SLOT, _START, _LENGTH, Engine, _prefill_step
+from cbjax.runtime import programs
+from cbjax.runtime.engine import Engine
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
 from cbjax.runtime.sampling import sample
@@ -54,8 +55,8 @@ def stage_bounds(num_layers: int, stages: int) -> list[int]:
 def _prefill_stage(params, cache, x, ints, *, config, kv_len, first_layer, embed):
     """A stage before the last: write the chunks' keys and values, hand on the hidden states."""
     TRACE_COUNTS[("pipeline-prefill", config, x.shape[:2], kv_len, first_layer)] += 1
-    return forward(params, config, cache, x, ints[:, _START], num_valid=ints[:, _LENGTH], slot_ids=ints[:, _SLOT],
-                   kv_len=kv_len, embed=embed, head=False, first_layer=first_layer)
+    return forward(params, config, cache, x, ints[:, programs.START], num_valid=ints[:, programs.LENGTH],
+                   slot_ids=ints[:, programs.SLOT], kv_len=kv_len, embed=embed, head=False, first_layer=first_layer)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kv_len", "first_layer", "embed"), donate_argnames="cache")
@@ -71,7 +72,7 @@ def _decode_stage(params, cache, x, active, slots, *, config, kv_len, first_laye
                    donate_argnames=("cache", "state"))
 def _decode_last(params, cache, state, x, slots, *, config, max_len, kv_len, first_layer):
     """The last stage of a decode micro-batch: its layers, the head, sampling, and the slots'
-    state (as one step of `engine._decode_steps`, for rows `slots`). Returns tokens or -1."""
+    state (as one step of `programs.decode_steps`, for rows `slots`). Returns tokens or -1."""
     TRACE_COUNTS[("pipeline-decode-last", config, slots.shape[0], kv_len, first_layer)] += 1
     active = state.active[slots]
     logits, cache = forward(params, config, cache, x, cache.lengths[slots], num_valid=active.astype(jnp.int32),
@@ -175,7 +176,7 @@ class PipelineEngine(Engine):
                                                first_layer=self.bounds[s], embed=s == 0)
             self._log(s, chain, "prefill", rows, bucket, kv_len)
         last = self.stages - 1
-        out, self.caches[last], self.state = _prefill_step(
+        out, self.caches[last], self.state = programs.prefill_step(
             self.stage_params[last], self.caches[last], self.state, jax.device_put(x, self.devices[last]), ints,
             floats, config=self.model.config, max_len=self.max_len, kv_len=kv_len,
             first_layer=self.bounds[last], embed=False)

@@ -12,7 +12,7 @@ import time
 
 from absl import app, flags
 
-from cbjax.serve.flags import define_engine_flags, engine_options
+from cbjax.serve.flags import define_engine_flags, engine_args
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face directory, .gguf file or orbax directory.")
@@ -36,7 +36,7 @@ def main(argv):
 
     logging.basicConfig(level=logging.INFO if FLAGS.access_log else logging.WARNING)
     try:
-        llm = LLM(FLAGS.model, seed=FLAGS.seed, **engine_options())
+        llm = LLM(FLAGS.model, engine_args(seed=FLAGS.seed))
     except ValueError as e:
         raise app.UsageError(str(e))
     if FLAGS.warmup:

@@ -17,20 +17,11 @@ import threading
 import traceback
 from typing import Callable
 
+from cbjax.core import Load
 from cbjax.llm import LLM, Prompt
 from cbjax.request import RequestOutput, SamplingParams
 
 Sink = Callable[[RequestOutput], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """What the engine holds after its latest round (read by /metrics and the queue limit)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
-    num_preemptions: int = 0
 
 
 @dataclasses.dataclass
@@ -59,7 +50,7 @@ class EngineLoop:
         if llm.scheduler_config.policy == "static":
             # A server never knows that no more requests are coming: a static batch forms
             # from whatever waits when the previous one ends, instead of waiting to be full.
-            llm.scheduler.drain(True)
+            llm.drain(True)
 
     # ------------------------------------------------------ other threads
     def start(self) -> "EngineLoop":
@@ -99,9 +90,8 @@ class EngineLoop:
                 if self.llm.has_unfinished_requests():
                     self._dispatch(self.llm.step())
                     self._note_load()
-                    plan = self.llm.last_plan
-                    if plan is not None and plan.idle:  # e.g. a dynamic batch's window is open
-                        self._handle_commands(block=True, timeout=self._idle_wait(plan.wake_time))
+                    if self.llm.idle:  # e.g. a dynamic batch's window is open
+                        self._handle_commands(block=True, timeout=self._idle_wait(self.llm.wake_time))
         except Exception:  # a bug in a round: fail everything in flight, refuse new work
             self.error = "the engine loop stopped on an internal error:\n" + traceback.format_exc()
             self._fail_all(self.error)
@@ -183,11 +173,4 @@ class EngineLoop:
                 command[1].future.set_exception(RuntimeError(message))
 
     def _note_load(self) -> None:
-        scheduler = self.llm.scheduler
-        running = sum(r is not None for r in scheduler.slots)
-        if self.llm.pages is not None:
-            usage = 1.0 - self.llm.pages.num_free / self.llm.pages.num_pages
-        else:
-            usage = running / len(scheduler.slots)
-        self.load = Load(running, len(scheduler.waiting), usage, scheduler.num_preemptions)
-
+        self.load = self.llm.core.load()

@@ -71,25 +71,24 @@ class ShadowedEngine:
 def profile_rounds(llm, workload, check: bool = True) -> list[tuple[list[Call], float]]:
     """Run `workload` (`(prompt, sampling)` pairs, all queued at once) on `llm`'s real,
     warmed-up engine; returns each round's calls and wall seconds."""
-    shadowed = ShadowedEngine(llm.engine, check)
-    llm.engine = shadowed
-    try:
+    core = llm.core
+    with core.engine_swapped(ShadowedEngine(core.engine, check)) as shadowed:
         for prompt, sampling in workload:
             llm.add_request(prompt, sampling)
-        llm.scheduler.drain(True)
-        rounds = []
-        while llm.has_unfinished_requests():
-            t0 = time.perf_counter()
-            llm._round()
-            seconds = time.perf_counter() - t0
-            calls = shadowed.take_calls()
-            if calls:
-                rounds.append((calls, seconds))
-        for request in [r for r in llm.requests.values() if r.finished]:
-            llm._release(request, None)
-    finally:
-        llm.engine = shadowed.real
-        llm.scheduler.drain(False)
+        core.drain(True)
+        rounds, finished = [], []
+        try:
+            while core.has_unfinished():
+                t0 = time.perf_counter()
+                touched = core.run_round()
+                seconds = time.perf_counter() - t0
+                finished += [r for r in touched if r.finished]
+                calls = shadowed.take_calls()
+                if calls:
+                    rounds.append((calls, seconds))
+        finally:
+            core.drain(False)
+    llm.outputs_of(finished)
     return rounds
 
 

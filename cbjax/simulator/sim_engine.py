@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbjax.loading import Model
-from cbjax.runtime.engine import Engine, EngineConfig, PrefillRequest, bucket_for, prefill_buckets
-from cbjax.runtime.mixed_step import MixedRow
+from cbjax.runtime.engine import Engine, EngineConfig, bucket_for
+from cbjax.scheduling.plan import Row
 from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call
 
@@ -34,18 +33,11 @@ class SimClock:
 
 class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
-    def __init__(self, model: Model, config: EngineConfig, cost, clock: SimClock):
-        mc = model.config
-        if config.max_seq_len > mc.max_position_embeddings:
-            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
-        self.model = model
-        self.config = config
+
+    def __init__(self, model, config: EngineConfig, cost, clock: SimClock):
+        self._configure(model, config)
         self.cost = cost
         self.clock = clock
-        self.max_len = config.max_seq_len
-        self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
-        self.eos_ids = tuple(mc.eos_token_ids)
         # The Pallas kernels read each sequence's own pages; the reference paths read every
         # slot (or, in a mixed step, every token's keys) up to the attended-length bucket.
         self.reads_live_pages = config.attention == "pallas"
@@ -80,7 +72,7 @@ class SimulatedEngine(Engine):
         return token, done
 
     # ------------------------------------------------------------ programs
-    def _prefill_call(self, chunks: list[PrefillRequest], bucket: int, kv_len: int) -> np.ndarray:
+    def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> np.ndarray:
         rows = 1 << (len(chunks) - 1).bit_length()
         out = np.full((rows, 2), (-1, 0), np.int32)
         for r, c in enumerate(chunks):
@@ -110,7 +102,7 @@ class SimulatedEngine(Engine):
         self._charge(Call("decode", tokens=steps * slots, attended=read, kv_read=read, rows=rows, steps=steps))
         return out
 
-    def mixed_step(self, rows: list[MixedRow]) -> np.ndarray:
+    def mixed_step(self, rows: list[Row]) -> np.ndarray:
         total = sum(r.num_tokens for r in rows)
         num_tokens = bucket_for(total, self._mixed_token_buckets())
         kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))

@@ -1,0 +1,58 @@
+"""From `EngineArgs` to a running `EngineCore`: load the model, size the KV cache from its
+memory budget, pick the engine (device, pipeline stages, or the simulator) and wire the
+scheduler and the page allocator to it."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from cbjax.core.engine_args import EngineArgs
+from cbjax.core.engine_core import EngineCore
+from cbjax.loading import Model, load_model
+from cbjax.models.kv_cache import kv_capacity
+from cbjax.runtime import sharding
+from cbjax.runtime.engine import Engine
+from cbjax.scheduling import BlockManager, Scheduler
+
+
+def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], float] = time.perf_counter,
+               simulate=None, devices: Sequence | None = None, mesh=None) -> tuple[Model, EngineCore]:
+    """`simulate`: an accelerator name, a calibration file or a cost model (cbjax.simulator):
+    the engine then computes nothing and time is simulated. `mesh` / `devices` /
+    `args.tensor_parallel`: a tensor-parallel mesh; `args.pipeline_stages`: layers over devices."""
+    if args.pipeline_stages > 1 and mesh is not None:
+        raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
+    if mesh is None and args.pipeline_stages == 1 and (args.tensor_parallel > 1 or devices is not None):
+        mesh = sharding.tensor_parallel_mesh(args.tensor_parallel, devices)
+    if (mesh is not None or args.pipeline_stages > 1) and simulate is not None:
+        raise ValueError("simulate runs no device: it takes no tensor_parallel, devices or mesh")
+    if simulate is not None:
+        from cbjax import simulator
+
+        if not isinstance(model, Model):
+            model = simulator.model_for_simulation(model, dtype=args.dtype)
+        if isinstance(simulate, str):
+            simulate = simulator.load_cost_model(simulate, model.config, 2 if args.dtype == "bfloat16" else 4)
+        if clock is time.perf_counter:
+            clock = simulator.SimClock()
+    model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype)
+    num_slots, num_pages = args.num_slots, args.num_pages
+    if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
+        num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
+                                           args.page_size, args.dtype, num_slots)
+    engine_config = args.engine_config(num_slots, num_pages)
+    if simulate is not None:
+        engine = simulator.SimulatedEngine(model, engine_config, simulate, clock)
+    elif args.pipeline_stages > 1:
+        from cbjax.runtime.pipeline import PipelineEngine
+
+        engine = PipelineEngine(model, engine_config, args.pipeline_stages, args.micro_batches, devices)
+    else:
+        engine = Engine(model, engine_config, mesh=mesh)
+    pages = None
+    if args.kv_cache == "paged":
+        pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching)
+    scheduler = Scheduler(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
+                          pages=pages)
+    return model, EngineCore(engine, scheduler, pages, clock)

@@ -1,0 +1,133 @@
+"""`EngineArgs`: every engine knob in one dataclass, documented and checked once.
+
+`LLM(model, **kwargs)` builds one from its keyword arguments; the server's and the
+experiments' absl flags are defined from its fields (`define_flags`) and read back
+into one (`from_flags`), so a knob's name, default, bounds and help live here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cbjax import checks
+from cbjax.runtime.engine import EngineConfig
+from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _knob(default, help: str, choices=None, lower=None):
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "lower": lower})
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    # Scheduling (cbjax/scheduling/)
+    policy: str = _knob("continuous", "Batching policy: static, dynamic or continuous.", POLICIES)
+    num_slots: int = _knob(8, "KV-cache slots: sequences decoded together.", lower=1)
+    max_seq_len: int = _knob(512, "Prompt plus output tokens per request (the cache's length).", lower=2)
+    batch_size: int = _knob(None, "Static/dynamic batch size (default: num_slots).", lower=1)
+    window_ms: float = _knob(50.0, "Dynamic batching: wait at most this long after a batch's first arrival.",
+                             lower=0.0)
+    refill_interval: int = _knob(1, "Continuous: decode steps between admissions.", lower=1)
+    waiting_served_ratio: float = _knob(0.0, "Continuous (TGI): waiting/running ratio at which prefills may "
+                                        "interrupt decodes.", lower=0.0)
+    max_waiting_steps: int = _knob(20, "Continuous (TGI): decode steps a waiting prefill waits at most.", lower=1)
+    max_prefill_tokens: int = _knob(None, "Prompt tokens prefilled per round (chunked prefill); "
+                                    "default whole prompts.", lower=1)
+    ordering: str = _knob("fcfs", "Admission order of waiting requests.", ORDERINGS)
+    length_aware: bool = _knob(False, "Static/dynamic: batch requests of similar expected length.")
+    decode_steps: int = _knob(1, "Decode steps per device call (the host syncs once per call).", lower=1)
+    merge_mode: str = _knob("prefill_first", "How prefills meet running decodes: prefill_first, fused (Orca) "
+                            "or chunked (Sarathi-Serve).", MERGE_MODES)
+    max_num_batched_tokens: int = _knob(None, "Token budget of a mixed step (fused/chunked); default "
+                                        "max(256, 2 x slots) chunked, max_seq_len + slots fused.", lower=1)
+    # Device (cbjax/runtime/)
+    prefill_floor: int = _knob(16, "Smallest prefill length bucket.", lower=1)
+    dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
+    seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
+    kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
+    kv_cache_bytes: int = _knob(None, "KV-cache memory budget in bytes; sizes num_slots (slots) or num_pages "
+                                "(paged) from it.", lower=1)
+    page_size: int = _knob(16, "Tokens per page (paged cache).", lower=1)
+    num_pages: int = _knob(None, "Pages in the paged cache (default: num_slots x max_seq_len worth).", lower=1)
+    enable_prefix_caching: bool = _knob(False, "Share cached prompt pages between requests (paged cache).")
+    attention: str = _knob("reference", "Attention: reference (pure JAX) or pallas (paged kernels).",
+                           ("reference", "pallas"))
+    # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
+    tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
+    pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
+    micro_batches: int = _knob(1, "Pipeline: decode the slots in this many groups.", lower=1)
+
+    def __post_init__(self):
+        if self.merge_mode in ("fused", "chunked") and self.max_num_batched_tokens is None:
+            # Sarathi-style budget for chunks; a whole longest prompt beside every decode for fused.
+            self.max_num_batched_tokens = (max(256, 2 * self.num_slots) if self.merge_mode == "chunked"
+                                           else self.max_seq_len + self.num_slots)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        # Both configs check their knobs before any model loads, so a bad one fails fast.
+        self.scheduler_config()
+        self.engine_config()
+        if self.kv_cache_bytes is not None:
+            self.kv_cache_bytes = checks.integer("kv_cache_bytes", self.kv_cache_bytes, 1, 2 ** 62)
+        self.seed = checks.integer("seed", self.seed, 0, 2 ** 63 - 1)
+        for name in ("tensor_parallel", "pipeline_stages", "micro_batches"):
+            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        if self.pipeline_stages > 1 and self.tensor_parallel > 1:
+            raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
+
+    def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_slots=self.num_slots if num_slots is None else num_slots, merge_mode=self.merge_mode,
+            max_num_batched_tokens=self.max_num_batched_tokens, policy=self.policy, batch_size=self.batch_size,
+            window_ms=self.window_ms, refill_interval=self.refill_interval,
+            waiting_served_ratio=self.waiting_served_ratio, max_waiting_steps=self.max_waiting_steps,
+            max_prefill_tokens=self.max_prefill_tokens, ordering=self.ordering, length_aware=self.length_aware,
+            decode_steps=self.decode_steps)
+
+    def engine_config(self, num_slots: int | None = None, num_pages: int | None = None) -> EngineConfig:
+        return EngineConfig(
+            num_slots=self.num_slots if num_slots is None else num_slots,
+            num_pages=self.num_pages if num_pages is None else num_pages, max_seq_len=self.max_seq_len,
+            prefill_floor=self.prefill_floor, decode_steps=self.decode_steps, kv_cache=self.kv_cache,
+            page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+
+    # ------------------------------------------------------------- flags
+    @classmethod
+    def define_flags(cls, names=None, **defaults) -> list[str]:
+        """Define an absl flag per field in `names` (default: all), with the field's help,
+        choices and lower bound; `defaults` overrides a field's default. Returns the names."""
+        from absl import flags
+
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        names = list(fields) if names is None else list(names)
+        for name in names:
+            f, meta = fields[name], fields[name].metadata
+            default = defaults.get(name, f.default)
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if meta["choices"]:
+                flags.DEFINE_enum(name, default, list(meta["choices"]), meta["help"])
+            elif kind == "bool":
+                flags.DEFINE_bool(name, default, meta["help"])
+            elif kind == "float":
+                flags.DEFINE_float(name, default, meta["help"], lower_bound=meta["lower"])
+            else:
+                flags.DEFINE_integer(name, default, meta["help"], lower_bound=meta["lower"])
+        return names
+
+    @classmethod
+    def from_flags(cls, names, **overrides) -> "EngineArgs":
+        from absl import flags
+
+        return cls(**{**{n: flags.FLAGS[n].value for n in names}, **overrides})
+
+    @staticmethod
+    def flags_argv(names) -> list[str]:
+        """The flags in `names` as command-line arguments (to start a server with them)."""
+        from absl import flags
+
+        values = {n: flags.FLAGS[n].value for n in names}
+        return [f"--{'' if v else 'no'}{n}" if isinstance(v, bool) else f"--{n}={v}"
+                for n, v in values.items() if v is not None]

@@ -1,0 +1,213 @@
+"""The engine core: one scheduling round between the front door and the scheduler/engine.
+
+A round asks the scheduler for a `Plan`, deactivates the slots it preempted, hands the
+engine the paged block tables, runs the plan's rows (bucketed prefill calls and then a
+decode call, or one mixed step), copies the results to the host once, and records them
+with the scheduler. The front door (`LLM`) only takes requests in and hands outputs
+out; the server loop, the replicas front and the simulator's profiler use this class's
+public hooks (`load`, `idle`, `wake_time`, `run_round`, `engine_swapped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from cbjax.core.step_stats import StepStats
+from cbjax.request import Request, RequestState, SamplingParams
+from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the engine holds after its latest round (the server's /metrics and queue limit,
+    the replicas' routing)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
+    num_preemptions: int = 0
+
+
+class EngineCore:
+    def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float]):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.pages = pages
+        self.clock = clock
+        self.stats = StepStats()
+        self.last_plan: Plan | None = None
+
+    # ------------------------------------------------------------ requests
+    def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
+        """Refuse (ValueError) a request this engine could never run."""
+        max_len = self.engine.max_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                             f"max_seq_len={max_len}")
+        self.engine.stop_ids_for(sampling)
+        if self.pages is not None:
+            # Positions it can write: its last token is returned, never written back (the
+            # scheduler's decode reservations use the same cap).
+            written = min(len(ids) + sampling.max_tokens - 1, max_len)
+            if self.pages.pages_needed(written) > self.pages.num_pages:
+                raise ValueError(f"a request of up to {written + 1} tokens writes {written} to the cache, "
+                                 f"{self.pages.pages_needed(written)} pages; the paged cache has "
+                                 f"{self.pages.num_pages}: it could never fit")
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def abort(self, request: Request) -> None:
+        slot = request.slot
+        self.scheduler.abort(request.request_id, self.clock())
+        if slot is not None:
+            self.engine.deactivate(slot)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def drain(self, draining: bool = True) -> None:
+        """No more arrivals are coming (offline generation): static may run a partial batch."""
+        self.scheduler.drain(draining)
+
+    def warmup(self, max_prompt_len: int | None = None) -> int:
+        """Compile every program this configuration can reach: prefill continuations at any
+        attended length when prompts can be chunked or resume from cached prefix pages."""
+        chunked = self.scheduler.config.max_prefill_tokens is not None or (
+            self.pages is not None and self.pages.enable_prefix_caching)
+        return self.engine.warmup(chunked=chunked, max_prompt_len=max_prompt_len)
+
+    # --------------------------------------------------------------- hooks
+    @property
+    def idle(self) -> bool:
+        """The latest round had nothing to run."""
+        return self.last_plan is not None and self.last_plan.idle
+
+    @property
+    def wake_time(self) -> float | None:
+        """When idle: the earliest time something could change without an arrival."""
+        return self.last_plan.wake_time if self.idle else None
+
+    def load(self) -> Load:
+        sched = self.scheduler
+        running = sum(r is not None for r in sched.slots)
+        if self.pages is not None:
+            usage = 1.0 - self.pages.num_free / self.pages.num_pages
+        else:
+            usage = running / len(sched.slots)
+        return Load(running, len(sched.waiting), usage, sched.num_preemptions)
+
+    @contextlib.contextmanager
+    def engine_swapped(self, engine):
+        """Run rounds on another engine over the same state (the profiler's shadowed one)."""
+        real, self.engine = self.engine, engine
+        try:
+            yield engine
+        finally:
+            self.engine = real
+
+    # --------------------------------------------------------------- round
+    def run_round(self) -> list[Request]:
+        """One scheduling round; returns the requests it touched (got tokens or finished)."""
+        sched, engine, stats = self.scheduler, self.engine, self.stats
+        t0 = time.perf_counter()
+        plan = sched.schedule(self.clock())
+        self.last_plan = plan
+        t1 = time.perf_counter()
+        stats.schedule_s += t1 - t0
+        if plan.idle:
+            return []
+        for slot in plan.preempted_slots:
+            engine.deactivate(slot)
+        if self.pages is not None and engine.reads_block_tables:
+            engine.set_block_tables(self._block_tables())
+        if plan.mixed:
+            return self._mixed_round(plan, t1)
+        calls = engine.prefill(plan.prefills)
+        decoded = None
+        if plan.decode:
+            finishing = {c.request.request_id for c in plan.prefills if c.is_last}
+            running = RequestState.RUNNING
+            longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
+                          for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing))
+            decoded = engine.decode(longest)
+        # The one host copy of the round: every prefill's (token, done) and the decode tokens.
+        t2 = time.perf_counter()
+        host_prefill, host_decode = jax.device_get(([out for out, _ in calls], decoded))
+        now = self.clock()
+        t3 = time.perf_counter()
+        stats.dispatch_s += t2 - t1
+        stats.device_wait_s += t3 - t2
+        firsts: dict[int, tuple[int, int]] = {}
+        for out, rows in zip(host_prefill, (rows for _, rows in calls)):
+            for r, i in enumerate(rows):
+                firsts[i] = (int(out[r, 0]), int(out[r, 1]))
+        touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
+        if host_decode is not None:
+            decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
+            mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
+            idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
+            if idle.size:
+                raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
+                                   f"for running request {decoding[idle[0]].request_id!r}")
+            sched.on_decode(host_decode.tolist(), now)
+            touched.update((r.request_id, r) for r in decoding if r is not None)
+            stats.decode_steps += len(host_decode)
+            stats.active_slot_steps += int((host_decode >= 0).sum())
+        self._count_round(plan, t3)
+        return list(touched.values())
+
+    def _mixed_round(self, plan: Plan, t_dispatch: float) -> list[Request]:
+        """The round as one mixed step: the plan's chunks, then a decode row per running request."""
+        sched, stats = self.scheduler, self.stats
+        decoding = [r for r in sched.running if r.state == RequestState.RUNNING]
+        out = self.engine.mixed_step(plan.prefills + [Row.decode(r) for r in decoding])
+        t2 = time.perf_counter()
+        host = jax.device_get(out)  # the one host copy of the round
+        now = self.clock()
+        t3 = time.perf_counter()
+        stats.dispatch_s += t2 - t_dispatch
+        stats.device_wait_s += t3 - t2
+        touched = self._record_prefills(plan.prefills, host[:len(plan.prefills)].tolist(), now)
+        if decoding:
+            per_slot = [-1] * self.engine.num_slots
+            for r, (token, _) in zip(decoding, host[len(plan.prefills):].tolist()):
+                per_slot[r.slot] = token
+            sched.on_decode([per_slot], now)
+            touched.update((r.request_id, r) for r in decoding)
+            stats.decode_steps += 1
+            stats.active_slot_steps += len(decoding)
+        self._count_round(plan, t3)
+        return list(touched.values())
+
+    def _count_round(self, plan: Plan, t_recorded: float) -> None:
+        self.stats.rounds += 1
+        self.stats.prefill_chunks += len(plan.prefills)
+        self.stats.process_s += time.perf_counter() - t_recorded
+
+    def _record_prefills(self, chunks: list[Row], results, now: float) -> dict[str, Request]:
+        """Hand each chunk's device result `(first token, done)` to the scheduler; returns the
+        requests whose prompt ended (they got their first token), by id."""
+        touched: dict[str, Request] = {}
+        for chunk, (token, device_done) in zip(chunks, results):
+            finished = self.scheduler.on_prefill(chunk, token if chunk.is_last else -1, now)
+            if chunk.is_last:
+                if bool(device_done) != finished:
+                    raise RuntimeError(f"engine and scheduler disagree on whether "
+                                       f"{chunk.request.request_id!r} finished")
+                touched[chunk.request.request_id] = chunk.request
+        return touched
+
+    def _block_tables(self) -> np.ndarray:
+        tables = np.zeros((self.engine.num_slots, self.engine.max_len // self.pages.page_size), np.int32)
+        for slot, r in enumerate(self.scheduler.slots):
+            if r is not None:
+                pages = self.pages.tables[r.request_id]
+                tables[slot, :len(pages)] = pages
+        return tables

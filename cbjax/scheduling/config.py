@@ -1,0 +1,65 @@
+"""`SchedulerConfig`: the batching policy and its knobs, checked when made."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cbjax import checks
+
+POLICIES = ("static", "dynamic", "continuous")
+ORDERINGS = ("fcfs", "priority")
+MERGE_MODES = ("prefill_first", "fused", "chunked")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    policy: str = "continuous"
+    num_slots: int = 8
+    batch_size: int | None = None  # static/dynamic; default num_slots
+    window_ms: float = 50.0
+    refill_interval: int = 1
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
+    max_prefill_tokens: int | None = None  # prompt tokens per round; None: whole prompts
+    ordering: str = "fcfs"
+    length_aware: bool = False
+    decode_steps: int = 1
+    # How prefill meets decode: "prefill_first" (prefill calls, then a decode call), "fused"
+    # (Orca: whole new prompts in the same step as the decodes) or "chunked" (Sarathi-Serve:
+    # decodes first, then prompt chunks, within `max_num_batched_tokens` tokens per step).
+    merge_mode: str = "prefill_first"
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
+        if self.batch_size is None:
+            self.batch_size = self.num_slots
+        self.batch_size = checks.integer("batch_size", self.batch_size, 1, self.num_slots)
+        for name in ("refill_interval", "decode_steps", "max_waiting_steps"):
+            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        self.window_ms = checks.real("window_ms", self.window_ms, 0.0)
+        self.waiting_served_ratio = checks.real("waiting_served_ratio", self.waiting_served_ratio, 0.0)
+        if self.max_prefill_tokens is not None:
+            self.max_prefill_tokens = checks.integer("max_prefill_tokens (or None)", self.max_prefill_tokens, 1)
+        if not isinstance(self.length_aware, bool):
+            raise ValueError(f"length_aware must be a bool, got {self.length_aware!r}")
+        if self.merge_mode not in MERGE_MODES:
+            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.merge_mode != "prefill_first":
+            if self.policy != "continuous":
+                raise ValueError(f"merge_mode={self.merge_mode!r} is iteration-level: it needs policy='continuous'")
+            if self.decode_steps != 1 or self.max_prefill_tokens is not None:
+                raise ValueError(f"merge_mode={self.merge_mode!r} decodes one token per step under its token "
+                                 "budget: leave decode_steps at 1 and max_prefill_tokens unset "
+                                 "(max_num_batched_tokens is its budget)")
+            if self.max_num_batched_tokens is None:
+                raise ValueError(f"merge_mode={self.merge_mode!r} needs max_num_batched_tokens")
+            if self.merge_mode == "chunked" and self.max_num_batched_tokens <= self.num_slots:
+                raise ValueError(f"chunked prefill needs max_num_batched_tokens > num_slots ({self.num_slots}), "
+                                 "or prefills could starve behind the decodes")

@@ -1,0 +1,77 @@
+"""The paged cache's look-ahead: how many pages each slot holder's next decode call needs,
+whether a newcomer's prompt fits beside them, and growing the holders' tables before a
+round (preempting, by recompute, when the pool runs dry)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from cbjax.request import Request, RequestState
+from cbjax.scheduling.block_manager import BlockManager
+
+
+class PageReservations:
+    def __init__(self, pages: BlockManager, decode_steps: int, max_seq_len: int | None):
+        self.pages = pages
+        self.decode_steps = decode_steps
+        self.max_seq_len = max_seq_len
+
+    def decode_need(self, r: Request, num_tokens: int) -> int:
+        """Cache positions a request holding `num_tokens` tokens (the last one not yet in the
+        cache) writes by the end of the next decode call: one per step, but never past its
+        own last write (prompt + max_tokens - 1: the final token is not written back) nor
+        past max_seq_len. Capped so, it never exceeds what `add_request` checked fits."""
+        need = min(num_tokens + self.decode_steps - 1, r.prompt_len + r.sampling.max_tokens - 1)
+        return min(need, self.max_seq_len) if self.max_seq_len is not None else need
+
+    def positions_to_grow(self, r: Request) -> int:
+        """The cache positions a request holding a slot needs for its next decode call, when
+        they exceed the pages it holds; else 0."""
+        done = len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != RequestState.RUNNING)
+        capacity = len(self.pages.tables[r.request_id]) * self.pages.page_size
+        need = self.decode_need(r, done)
+        return need if need > capacity else 0
+
+    def growing(self, holders: list[Request]) -> list[Request]:
+        """The requests among `holders` whose next decode call needs more pages. Most rounds
+        only those about to cross a page boundary: the cheap test (held tokens + steps within
+        the pages held) runs per slot and per round, inline."""
+        running, tables, page_size = RequestState.RUNNING, self.pages.tables, self.pages.page_size
+        reach = self.decode_steps - 1
+        return [r for r in holders if len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
+                + reach > len(tables[r.request_id]) * page_size and self.positions_to_grow(r)]
+
+    def pages_to_grow(self, holders: list[Request]) -> int:
+        """Pages the slot `holders` will take for their next decode call."""
+        pages = self.pages
+        return sum(pages.pages_needed(self.positions_to_grow(r)) - len(pages.tables[r.request_id])
+                   for r in self.growing(holders))
+
+    def take(self, r: Request, reserved: int) -> int | None:
+        """Allocate a newcomer's prompt pages if they, its first decode call's growth and the
+        `reserved` pages of others' coming decodes all fit; returns the new reservation, or
+        None (nothing taken) when they do not."""
+        first_decode = self.decode_need(r, r.prefill_len + 1)
+        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+            return None
+        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
+        return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
+
+    def grow(self, decoding: list[Request], order_key: Callable, victim: Callable[[], Request],
+             preempt: Callable[[Request], int]) -> list[int]:
+        """Pages for the coming decode call of each `decoding` request, most important first
+        (`order_key`). While the pool cannot hold one, `preempt(victim())` frees a slot's
+        pages. Returns the preempted slots."""
+        preempted: list[int] = []
+        for r in sorted(self.growing(decoding), key=order_key):
+            if r.slot is None:
+                continue  # preempted below for a more important request
+            need = self.positions_to_grow(r)
+            while not self.pages.can_grow(r.request_id, need):
+                chosen = victim()
+                preempted.append(preempt(chosen))
+                if chosen is r:
+                    break
+            if r.slot is not None:
+                self.pages.grow(r.request_id, need)
+        return preempted

@@ -1,0 +1,70 @@
+"""What the scheduler hands the engine each round: a `Plan` of `Row`s.
+
+`Row` is the one row type from the plan to the device step: the engine packs rows into
+its jitted programs' arrays, and the scheduler records their results; nobody converts
+them in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cbjax.request import Request, SamplingParams
+
+
+@dataclasses.dataclass
+class Row:
+    """One sequence's part of a device step: prompt `tokens` written to `slot` from
+    position `start` (a prefill chunk), or, with no tokens, a decode of the slot's last
+    sampled token at position `start` (a mixed step's decode row). A chunk that ends its
+    prompt (`is_last`) samples the first token with `sampling` and `seed`, as output
+    index `generated` (tokens generated before a preemption: recompute)."""
+
+    slot: int
+    tokens: list[int]
+    start: int  # tokens of the sequence already in the cache
+    is_last: bool = False
+    sampling: SamplingParams | None = None
+    seed: int = 0
+    generated: int = 0
+    request: Request | None = None  # the scheduler's request, whose result this row carries
+
+    @classmethod
+    def chunk(cls, request: Request, start: int, length: int) -> "Row":
+        """The prompt positions `start:start+length` of a request holding a slot. `is_last`
+        and `tokens` are fixed now: recording the chunk grows the request's `prefill_len`,
+        and the round still has to know that this chunk ended the prompt."""
+        return cls(request.slot, request.prefill_token_ids[start:start + length], start,
+                   start + length >= request.prefill_len, request.sampling, request.seed,
+                   len(request.output_token_ids), request)
+
+    @classmethod
+    def decode(cls, request: Request) -> "Row":
+        return cls(request.slot, [], request.num_tokens - 1, request=request)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return not self.tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) or 1
+
+
+@dataclasses.dataclass
+class Plan:
+    prefills: list[Row]
+    decode: bool
+    # When there is nothing to do now: the earliest time something could change
+    # without a new arrival (a dynamic window closing), else None.
+    wake_time: float | None = None
+    preempted_slots: list[int] = dataclasses.field(default_factory=list)  # to deactivate on the device
+    mixed: bool = False  # prefills and decodes go in one mixed step
+
+    @property
+    def idle(self) -> bool:
+        return not self.prefills and not self.decode
