@@ -15,7 +15,7 @@ import zlib
 from typing import Callable, Sequence
 
 from cbjax import checks
-from cbjax.core import EngineArgs, build_core
+from cbjax.core import EngineArgs, StepStats, build_core
 from cbjax.core.replay import progress_bar, run_arrivals
 from cbjax.loading import Model
 from cbjax.request import FinishReason, Request, RequestMetrics, RequestOutput, SamplingParams
@@ -78,18 +78,6 @@ class LLM:
             return list(prompt), None
         return [checks.integer("a prompt token id", t) for t in prompt], None
 
-    def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        bad = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        self.core.check_request(ids, sampling)
-
     def _new_request_id(self) -> str:
         # Skip ids a user chose: auto ids share the namespace of live requests.
         while (request_id := str(next(self._ids))) in self.requests:
@@ -112,7 +100,7 @@ class LLM:
         priority = checks.real("priority", priority)
         arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self.prompt_ids(prompt)
-        self._validate(ids, sampling)
+        self.core.check_request(ids, sampling)
         request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -134,6 +122,10 @@ class LLM:
         del self.requests[request.request_id]
         del self._emitted[request.request_id]
         return output
+
+    def reset_stats(self) -> None:
+        """Start `stats` afresh (a timed run after a warm-up one)."""
+        self.core.stats = StepStats()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()

@@ -116,7 +116,7 @@ def run_column(model, max_gen: int, peer) -> dict:
         compiled = Engine.num_backend_compilations()
         elapsed = float("inf")
         for _ in range(FLAGS.repeats):
-            llm.stats = type(llm.stats)()
+            llm.reset_stats()
             t0 = llm.clock()  # the wall clock, or simulated time under --simulate
             outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True, desc=f"{row} gen<={max_gen}")
             elapsed = min(elapsed, llm.clock() - t0)

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 
 import jax
 import pytest
 
 from cbjax.parallel.distributed import expose_host_devices
+
+# JAX's persistent compilation cache, shared by the test processes (pytest-xdist workers)
+# and the experiment scripts they start: the suite compiles the same tiny-model programs
+# in many processes, and after the mapping guard below clears the in-memory caches. Keyed
+# by the program and the JAX version, so a hit is the same executable. A fresh directory
+# per run unless CBJAX_TEST_JAX_CACHE names one to keep.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("CBJAX_TEST_JAX_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"cbjax-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Eight CPU devices for the scale-out tests (tensor parallel, replicas, pipeline stages); set
 # before JAX starts its backend (importing it does not). Everything else runs on device 0.

@@ -46,10 +46,19 @@ class EngineCore:
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
         """Refuse (ValueError) a request this engine could never run."""
+        vocab = self.engine.model.config.vocab_size
         max_len = self.engine.max_len
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         if len(ids) >= max_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
                              f"max_seq_len={max_len}")
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         self.engine.stop_ids_for(sampling)
         if self.pages is not None:
             # Positions it can write: its last token is returned, never written back (the

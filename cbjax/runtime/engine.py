@@ -232,7 +232,10 @@ class Engine:
         shapes = [(b, b) for b in self.buckets if b <= top]
         if chunked:
             shapes += [(b, kv) for b in self.buckets for kv in self.buckets if kv > b and b <= top]
-        rows = [1 << i for i in range(self.config.max_prefill_batch.bit_length())]
+        # A call batches at most one chunk per slot, padded to a power of two: row counts past
+        # the slots' next power of two are never reached, so they are not compiled.
+        most_rows = min(self.config.max_prefill_batch, 1 << (self.num_slots - 1).bit_length())
+        rows = [1 << i for i in range(most_rows.bit_length())]
         progs = [("prefill", r, b, kv) for r in rows for b, kv in shapes]
         return progs + [("decode", kv) for kv in self.buckets]
 

@@ -24,8 +24,23 @@ def _sample_row(logits, temperature, top_k, top_p, seed, index):
     # seed picks the same token whenever the distribution is the same, even where a 1e-7
     # difference between two near-equal logits would swap their ranks.
     keep_by_id = jnp.zeros((vocab,), bool).at[order].set(keep)
-    key = jax.random.fold_in(jax.random.key(seed), index)
-    return jax.random.categorical(key, jnp.where(keep_by_id, scaled, -jnp.inf)).astype(jnp.int32)
+    # Gumbel-max, as jax.random.categorical does, but with the uniforms drawn from a
+    # counter-based hash of (seed, index, token id): threefry's rounds made sampling a
+    # fifth of every step program's compile time (0.15 s of ~0.8 s on the tiny model).
+    gumbel = -jnp.log(-jnp.log(_hash_uniform(seed, index, vocab)))
+    return jnp.argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel).astype(jnp.int32)
+
+
+def _hash_uniform(seed, index, n: int) -> jax.Array:
+    """`n` uniforms in (0, 1), one per token id, a pure function of (seed, index, id):
+    the ids, seed and index mixed into 32 bits, then two xor-shift-multiply rounds
+    (lowbias32) spread every input bit over the word; the top 24 bits make the float."""
+    x = (jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+         ^ seed.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) ^ index.astype(jnp.uint32) * jnp.uint32(0xC2B2AE35))
+    for multiplier in (0x7FEB352D, 0x846CA68B):
+        x = (x ^ (x >> 16)) * jnp.uint32(multiplier)
+    x = x ^ (x >> 16)
+    return ((x >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def sample(
