@@ -61,7 +61,6 @@ class LLM:
     scheduler_config = property(lambda self: self.core.scheduler.config)
     pages = property(lambda self: self.core.pages)
     stats = property(lambda self: self.core.stats)
-    last_plan = property(lambda self: self.core.last_plan)
     idle = property(lambda self: self.core.idle)
     wake_time = property(lambda self: self.core.wake_time)
 

@@ -26,7 +26,7 @@ from absl import app, flags
 
 import common
 from cbjax.serve import flags as engine_flags
-from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+from cbjax.serve.flags import define_engine_flags, engine_args, engine_argv, engine_options
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -146,7 +146,7 @@ def main(argv):
             process.terminate()
             process.wait(60)
     if FLAGS.in_process:
-        llm = LLM(model, **engine_options())
+        llm = LLM(model, engine_args())
         for qps in qps_list:
             results[f"in-process@{qps:g}"] = {"side": "in-process", "qps": qps,
                                               **common.run_replay(llm, workloads[qps], desc=f"in-process@{qps:g}")}

@@ -27,9 +27,9 @@ from typing import Sequence
 import jax
 
 from cbjax import checks
-from cbjax.loading import Model, load_model
 from cbjax.core.replay import progress_bar, run_arrivals
 from cbjax.llm import LLM, Prompt, offline_workload
+from cbjax.loading import Model, load_model
 from cbjax.request import RequestOutput, SamplingParams
 
 ROUTING = ("round_robin", "least_loaded", "prefix_affinity")
