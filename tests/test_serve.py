@@ -305,9 +305,13 @@ def test_disconnects_free_slots_and_pages(paged_server):
     during = asyncio.run(main())
     assert during["vllm:num_requests_running"] == 4
     after = _wait_idle(server)
-    aborted = after.get("vllm:request_success_total{finished_reason=abort}", 0) - \
-        before.get("vllm:request_success_total{finished_reason=abort}", 0)
-    assert aborted == 5
+    def finished(reason):
+        key = f"vllm:request_success_total{{finished_reason={reason}}}"
+        return after.get(key, 0) - before.get(key, 0)
+    # A stream can reach max_tokens before its client drops it on a slow, loaded machine (CI saw one in
+    # 345 tests): it then counts as "length". The queued request and at least one stream must be aborts.
+    assert finished("abort") + finished("length") == 5
+    assert finished("abort") >= 2
     assert pages.num_free == pages.num_pages
     assert server.pending == 0
 
