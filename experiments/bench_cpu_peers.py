@@ -1,0 +1,211 @@
+"""cbjax's decode against llama.cpp on the same weights, and against the memory roofline, in one run.
+
+For each batch size (default 1, 8 and 32 sequences of a 64-token prompt making 128
+new tokens each, greedy, EOS ignored) this prints:
+
+- cbjax: the engine's decode steps alone (time per step and generated tokens/s, as
+  llama.cpp's S_TG counts them) and the whole `LLM.generate` (prefill, scheduling and
+  decode: tokens/s as llama.cpp's S t/s counts them);
+- llama.cpp's `llama-batched-bench` on the same weights (SmolLM2's GGUF requantized
+  to F32 by `llama-quantize --allow-requantize`, so both sides hold the same f32
+  numbers), when its binaries are found (`--llama_cpp_dir` or PATH);
+- the weight-streaming roofline: weight bytes / the bandwidth of one XLA matvec over
+  the embedding matrix, measured in this run.
+
+llama.cpp is an optional external peer, never installed by the project; how to build
+it is in docs/experiments.md. Without it the script prints cbjax and the roofline.
+
+    python experiments/bench_cpu_peers.py
+    python experiments/bench_cpu_peers.py --llama_cpp_dir=/path/to/llama.cpp/build/bin --batch_sizes=1,8,32
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import common  # noqa: F401  (quiets transformers and matplotlib)
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset or .gguf file (llama.cpp needs a GGUF: the preset's is used).")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Numbers of sequences decoded together.")
+common.validate_list("batch_sizes", int, 1, "positive integers")
+flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence.", lower_bound=1)
+flags.DEFINE_integer("new_tokens", 128, "Generated tokens per sequence.", lower_bound=2)
+flags.DEFINE_string("llama_cpp_dir", None, "Directory with llama-batched-bench and llama-quantize (default: PATH).")
+flags.DEFINE_string("llama_cpp_gguf", None, "An F32 GGUF for llama.cpp (default: the model's GGUF requantized to "
+                    "F32 into a temporary directory).")
+flags.DEFINE_integer("threads", None, "llama.cpp threads (default: the cores this process may use).", lower_bound=1)
+flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax (the median is kept).",
+                     lower_bound=1)
+flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to write the results.")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def matvec_bandwidth(matrix) -> float:
+    """Bytes per second of one XLA matvec over `matrix` `[rows, d]` (the median of 30)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.ones((1, matrix.shape[1]), matrix.dtype)
+    f = jax.jit(lambda x, m: jnp.einsum("bd,vd->bv", x, m))
+    f(x, matrix).block_until_ready()
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        f(x, matrix).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return matrix.nbytes / float(np.median(times))
+
+
+def cbjax_decode(model, batch: int, max_seq_len: int) -> dict:
+    """Prefill `batch` prompts into an engine of `batch` slots, then time `new_tokens - 1`
+    decode steps (the first token comes from the prefill)."""
+    import numpy as np
+
+    from cbjax.request import SamplingParams
+    from cbjax.runtime.engine import Engine, EngineConfig
+    from cbjax.scheduling.plan import Row
+
+    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len))
+    engine.warmup(max_prompt_len=FLAGS.prompt_len)
+    rng = np.random.default_rng(batch)
+    sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
+    steps = FLAGS.new_tokens - 1
+    runs = []
+    for _ in range(FLAGS.repeats):
+        engine.reset()
+        rows = [Row(s, rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True, sampling)
+                for s in range(batch)]
+        for out, _ in engine.prefill(rows):
+            out.block_until_ready()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            out = engine.decode(FLAGS.prompt_len + i + 1)
+        tokens = np.asarray(out)
+        runs.append(time.perf_counter() - t0)
+        assert (tokens >= 0).all(), "a sequence stopped early"
+    seconds = float(np.median(runs))
+    return {"decode_s": seconds, "ms_per_step": 1000 * seconds / steps, "tg_tokens_per_s": batch * steps / seconds}
+
+
+def cbjax_generate(model, batch: int, max_seq_len: int) -> dict:
+    """The whole path a user takes: `LLM.generate` of `batch` prompts on `batch` slots."""
+    import numpy as np
+
+    from cbjax import LLM, SamplingParams
+
+    llm = LLM(model, policy="continuous", num_slots=batch, max_seq_len=max_seq_len)
+    llm.warmup()
+    rng = np.random.default_rng(1000 + batch)
+    prompts = [rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.token_ids) == FLAGS.new_tokens for o in outs)
+    return {"generate_s": seconds, "tokens_per_s": batch * (FLAGS.prompt_len + FLAGS.new_tokens) / seconds,
+            "output_tokens_per_s": batch * FLAGS.new_tokens / seconds}
+
+
+def _binary(name: str) -> str | None:
+    if FLAGS.llama_cpp_dir:
+        path = os.path.join(FLAGS.llama_cpp_dir, name)
+        return path if os.access(path, os.X_OK) else None
+    return shutil.which(name)
+
+
+def llama_cpp(gguf: str, batches: list[int], tmp: str) -> dict | None:
+    """llama-batched-bench rows by batch size, or None when llama.cpp is not found."""
+    bench, quantize = _binary("llama-batched-bench"), _binary("llama-quantize")
+    if bench is None:
+        print("llama.cpp not found (--llama_cpp_dir or PATH): its rows are skipped")
+        return None
+    f32 = FLAGS.llama_cpp_gguf
+    if f32 is None:
+        if quantize is None:
+            print("llama-quantize not found: pass --llama_cpp_gguf=<an F32 GGUF>")
+            return None
+        f32 = os.path.join(tmp, "model-f32.gguf")
+        subprocess.run([quantize, "--allow-requantize", gguf, f32, "F32"], check=True, capture_output=True)
+    threads = FLAGS.threads or _cores()
+    context = max(batches) * (FLAGS.prompt_len + FLAGS.new_tokens)
+    cmd = [bench, "-m", f32, "-t", str(threads), "-c", str(context), "-b", "2048", "-ub", "512",
+           "-npp", str(FLAGS.prompt_len), "-ntg", str(FLAGS.new_tokens), "-npl", ",".join(map(str, batches))]
+    print("running", " ".join(cmd), flush=True)
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = {}
+    for line in text.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]):
+            pp, tg, b = (int(c) for c in cells[:3])
+            t_tg, s_tg, t_all, s_all = (float(c) for c in cells[6:10])
+            rows[b] = {"ms_per_step": 1000 * t_tg / tg, "tg_tokens_per_s": s_tg, "seconds": t_all,
+                       "tokens_per_s": s_all}
+    return {"threads": threads, "gguf": f32, "rows": rows}
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from cbjax.loading.load import load_model
+    from cbjax.loading.presets import smollm2_gguf_path
+
+    batches = [int(b) for b in FLAGS.batch_sizes]
+    gguf = smollm2_gguf_path() if FLAGS.model == "smollm2-135m" else FLAGS.model
+    model = load_model(FLAGS.model, dtype="float32")
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
+    bandwidth = matvec_bandwidth(model.params["embed"])
+    roofline_ms = 1000 * weight_bytes / bandwidth
+    print(f"weights {weight_bytes / 1e6:.0f} MB, matvec bandwidth {bandwidth / 1e9:.1f} GB/s: "
+          f"roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
+    ours = {}
+    for b in batches:
+        ours[b] = {**cbjax_decode(model, b, max_seq_len), **cbjax_generate(model, b, max_seq_len)}
+        print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
+              f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") else None
+
+    header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}"
+    if peer:
+        header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>15}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for b in batches:
+        r = ours[b]
+        r["fraction_of_roofline"] = roofline_ms / r["ms_per_step"] if b == 1 else None
+        line = f"{b:>5} | {r['ms_per_step']:>13.1f} | {r['tg_tokens_per_s']:>11.1f} | " + (
+            f"{100 * r['fraction_of_roofline']:>7.0f}%" if b == 1 else f"{'':>8}")
+        if peer and b in peer["rows"]:
+            theirs = peer["rows"][b]
+            r["throughput_vs_llama_cpp"] = r["tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
+            line += (f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | "
+                     f"{r['throughput_vs_llama_cpp']:>14.2f}x")
+        print(line)
+    result = {"model": FLAGS.model, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+              "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "roofline_ms_per_step": roofline_ms,
+              "cbjax": ours, "llama_cpp": peer,
+              "machine": {"platform": platform.platform(), "cores": _cores(), "jax": jax.__version__,
+                          "backend": jax.default_backend()}}
+    if FLAGS.output_json:
+        os.makedirs(os.path.dirname(FLAGS.output_json) or ".", exist_ok=True)
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {FLAGS.output_json}")
+
+
+if __name__ == "__main__":
+    app.run(main)
