@@ -178,7 +178,7 @@ def main(argv):
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") else None
+        peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
 
     header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}"
     if peer:

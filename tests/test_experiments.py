@@ -215,3 +215,30 @@ def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     assert [r["config"] for r in runs] == ["1x1", "2x1 prefix_affinity"]
     assert sum(runs[1]["routed"]) == 6 and len(runs[1]["routed"]) == 2
     assert all(0 <= r["prefix_hit_rate"] <= 1 and r["output_throughput"] > 0 for r in runs)
+
+
+def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
+    # A stand-in for llama-batched-bench that prints its table, so the parsing is tested without llama.cpp.
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text("#!/bin/sh\ncat <<'TABLE'\n"
+                    "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
+                    "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
+                    "|     4 |      4 |    1 |      8 |    0.010 |   400.00 |    0.040 |   100.00 |    0.050 |   160.00 |\n"
+                    "|     4 |      4 |    2 |     16 |    0.020 |   400.00 |    0.050 |   160.00 |    0.070 |   228.57 |\n"
+                    "TABLE\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "model-f32.gguf"
+    gguf.write_bytes(b"")
+    out = tmp_path / "peers.json"
+    run_script("bench_cpu_peers.py", "--model=tiny-llama", "--batch_sizes=1,2", "--prompt_len=4", "--new_tokens=4",
+               f"--llama_cpp_dir={tmp_path}", f"--llama_cpp_gguf={gguf}", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert result["roofline_ms_per_step"] > 0 and result["matvec_bytes_per_s"] > 0
+    assert set(result["cbjax"]) == {"1", "2"}
+    assert result["llama_cpp"]["rows"]["2"] == {"ms_per_step": 12.5, "tg_tokens_per_s": 160.0, "seconds": 0.07,
+                                                "tokens_per_s": 228.57}
+    for b in ("1", "2"):
+        ours = result["cbjax"][b]
+        assert ours["ms_per_step"] > 0
+        assert ours["throughput_vs_llama_cpp"] == pytest.approx(
+            ours["tg_tokens_per_s"] / result["llama_cpp"]["rows"][b]["tg_tokens_per_s"])
