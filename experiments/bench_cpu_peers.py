@@ -21,7 +21,6 @@ it is in docs/experiments.md. Without it the script prints cbjax and the rooflin
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -201,10 +200,7 @@ def main(argv):
               "machine": {"platform": platform.platform(), "cores": _cores(), "jax": jax.__version__,
                           "backend": jax.default_backend()}}
     if FLAGS.output_json:
-        os.makedirs(os.path.dirname(FLAGS.output_json) or ".", exist_ok=True)
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {FLAGS.output_json}")
+        common.write_json(result, FLAGS.output_json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the host time per decode step the cbjax scheduler loop costs at 64 slots.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -149,10 +148,7 @@ def main(argv):
           f"decode step (schedule {overhead['schedule_ms_per_round']:.3f} ms + process "
           f"{overhead['process_ms_per_round']:.3f} ms per round)")
     if FLAGS.output_json:
-        os.makedirs(os.path.dirname(FLAGS.output_json) or ".", exist_ok=True)
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {FLAGS.output_json}")
+        common.write_json(result, FLAGS.output_json)
 
 
 if __name__ == "__main__":

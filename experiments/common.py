@@ -164,6 +164,17 @@ def plot_e2e_cdfs(results: dict, qps_list: list[float], labels, title: str, path
     savefig(fig, path)
 
 
+def write_json(result: dict, path: str) -> None:
+    """Write a result file (making its folder) and say where."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def savefig(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
