@@ -70,7 +70,7 @@ def decode_steps(params, cache, state, *, config, max_len, kv_len, steps, paged_
                                     active=state.active & ~done, num_generated=generated)
         return (cache, state), out
 
-    if steps == 1:  # no loop: inside a while body XLA:CPU copied the whole cache twice per step
+    if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)
         (cache, state), out = one_step((cache, state), None)
         return out[None], cache, state
     (cache, state), out = jax.lax.scan(one_step, (cache, state), None, length=steps)
