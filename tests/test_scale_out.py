@@ -64,13 +64,13 @@ def _spec(x) -> tuple:
 
 def _assert_tensor_parallel_layout(llm, tp: int, kv_split: bool):
     engine = llm.engine
-    layers = engine.params["layers"]
+    layers = engine.params["layers"][-1]
     devices = set(jax.devices()[:tp])
     for leaf in jax.tree.leaves(engine.params) + jax.tree.leaves(engine.cache) + jax.tree.leaves(engine.state):
         assert leaf.sharding.device_set == devices
-    assert _spec(layers["wq"]) == _spec(layers["w_up"]) == (None, None, "tp")
-    assert _spec(layers["wo"]) == _spec(layers["w_down"]) == (None, "tp", None)
-    assert _spec(layers["wk"]) == _spec(layers["wv"]) == ((None, None, "tp") if kv_split else (None, None, None))
+    assert _spec(layers["wq"]) == _spec(layers["w_up"]) == (None, "tp")
+    assert _spec(layers["wo"]) == _spec(layers["w_down"]) == ("tp", None)
+    assert _spec(layers["wk"]) == _spec(layers["wv"]) == ((None, "tp") if kv_split else (None, None))
     assert engine.params["embed"].sharding.is_fully_replicated
     kv_spec = [None] * engine.cache.k.ndim
     if kv_split:
@@ -182,7 +182,7 @@ def test_pipeline_stages_match_transformers(gqa, stages, micro_batches, decode_s
     for s, device in enumerate(jax.devices()[:stages]):
         assert all(leaf.sharding.device_set == {device} for leaf in jax.tree.leaves(engine.stage_params[s]))
         assert engine.caches[s].k.sharding.device_set == {device}
-        assert engine.caches[s].k.shape[0] == engine.stage_params[s]["layers"]["wq"].shape[0] == bounds[s + 1] - bounds[s]
+        assert engine.caches[s].k.shape[0] == len(engine.stage_params[s]["layers"]) == bounds[s + 1] - bounds[s]
     assert "embed" in engine.stage_params[0] and "lm_head" in engine.stage_params[-1]
     assert "lm_head" not in engine.stage_params[0] and "embed" not in engine.stage_params[-1]
     assert engine.state.tokens.sharding.device_set == {jax.devices()[stages - 1]}

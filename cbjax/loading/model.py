@@ -1,5 +1,5 @@
 """The bottom of the loaders: the `Model` type, dtypes, and the tensor conversion every
-checkpoint format shares (checkpoint names onto our flat names, layers stacked, shapes
+checkpoint format shares (checkpoint names onto our flat names, one entry per layer, shapes
 checked)."""
 
 from __future__ import annotations
@@ -40,14 +40,19 @@ _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
 
 
+def _layer_name(ours: str, layer: int) -> str:
+    """`layers/wq` of layer 3 -> `layers/3/wq` (the params layout, cbjax/models/params.py)."""
+    return ours.replace("layers/", f"layers/{layer}/", 1)
+
+
 def _split_c_attn(flat: dict, config: ModelConfig) -> None:
     d = config.hidden_size
-    w = flat.pop("layers/c_attn_w", None)
-    b = flat.pop("layers/c_attn_b", None)
-    if w is not None:
-        flat["layers/wq"], flat["layers/wk"], flat["layers/wv"] = (w[..., i * d:(i + 1) * d] for i in range(3))
-    if b is not None:
-        flat["layers/bq"], flat["layers/bk"], flat["layers/bv"] = (b[..., i * d:(i + 1) * d] for i in range(3))
+    for i in range(config.num_layers):
+        for fused, parts in (("c_attn_w", ("wq", "wk", "wv")), ("c_attn_b", ("bq", "bk", "bv"))):
+            x = flat.pop(f"layers/{i}/{fused}", None)
+            if x is not None:
+                for j, part in enumerate(parts):
+                    flat[f"layers/{i}/{part}"] = x[..., j * d:(j + 1) * d]
 
 
 def convert_tensors(
@@ -57,7 +62,7 @@ def convert_tensors(
     dtype,
     where: Callable[[str], str],
 ) -> dict:
-    """Map checkpoint tensors onto our flat names, stack layers, check shapes.
+    """Map checkpoint tensors onto our flat names (`layers/3/wq`), check shapes.
 
     `named_tensors` maps a checkpoint name to a loader (so tensors are read one at a
     time); `where(name)` says which file holds a tensor, for error messages.
@@ -94,7 +99,8 @@ def convert_tensors(
         shapes = {layers[i].shape for i in layers}
         if len(shapes) != 1:
             raise ValueError(f"checkpoint tensor {ours!r} has different shapes across layers: {shapes}")
-        flat[ours] = np.stack([layers[i] for i in range(config.num_layers)])
+        for i in range(config.num_layers):
+            flat[_layer_name(ours, i)] = layers[i]
     if config.is_gpt2:
         _split_c_attn(flat, config)
 

@@ -1,8 +1,16 @@
-"""Attention over a slot-cache row: the pure-JAX reference path that runs everywhere.
+"""Attention as two parts merged by their softmax statistics: the keys already in the cache
+(the history, positions before the chunk) and the chunk's own new keys.
 
-Queries of a chunk attend to the keys already in their slot plus the chunk's own
-(written into the cache before this is called), so one function serves a fresh
-prefill, a chunked prefill and a decode step.
+Splitting them lets the forward read the cache without writing it first: every layer
+attends to the old cache plus its fresh keys, and all layers' new keys and values are
+written once after the last layer (cbjax/models/transformer.py). Writing each layer's
+keys into the loop-carried cache before reading them back made XLA:CPU copy the whole
+cache around the read (4 full copies per layer at the top length bucket: SmolLM2's decode
+step went from 37 ms to 67 ms when the bucket reached `max_seq_len`).
+
+Each part returns its unnormalised output with the running max and sum of its
+exponentials (flash attention's bookkeeping), so merging is exact: the result is the
+softmax over the union of the keys. Scores and sums are float32.
 """
 
 from __future__ import annotations
@@ -10,58 +18,74 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def attention_mask(q_positions: jax.Array, kv_len: int, window: jax.Array | int = 0) -> jax.Array:
-    """Causal (optionally sliding-window) mask, `[B, T, kv_len]`; True where a key is visible.
-
-    Key j sits at absolute position j of its slot. `window` 0 means full attention;
-    otherwise a query at position p sees keys in (p - window, p], as in transformers.
-    """
-    k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
-    q_pos = q_positions[:, :, None]
-    visible = k_pos <= q_pos
-    in_window = (window == 0) | (k_pos > q_pos - window)
-    return visible & in_window
-
-
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
 
 
-def reference_attention(
-    q: jax.Array,  # [B, T, q_heads, head_dim]
-    k: jax.Array,  # [B, kv_heads, K, head_dim]
-    v: jax.Array,  # [B, kv_heads, K, head_dim]
-    mask: jax.Array,  # [B, T, K] bool
-    scale: float,
-) -> jax.Array:
-    """Grouped-query attention with float32 softmax; returns `[B, T, q_heads, head_dim]`."""
+def visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """Causal (optionally sliding-window) visibility of key positions to query positions,
+    broadcast over their shapes. `window` 0 is full attention; otherwise a query at p sees
+    keys in (p - window, p], as in transformers."""
+    ok = k_pos <= q_pos
+    return ok & (k_pos > q_pos - window) if window else ok
+
+
+def attention_part(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float):
+    """One part of the attention.
+
+    q `[B, T, q_heads, d]`; keys and values `[B, kv_heads, K, d]`; mask `[B, T, K]`.
+    Returns (out `[B, kv_heads, group, T, d]` unnormalised, max and sum `[B, kv_heads, group, T]`).
+    """
     b, t, hq, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = keys.shape[1]
     group = hq // kv_heads
-    if t == 1:
-        return _single_query_attention(q.reshape(b, kv_heads, group, d), k, v, mask[:, 0], scale).reshape(q.shape)
     qg = q.reshape(b, t, kv_heads, group, d)
-    # XLA:CPU has no batched bf16 x bf16 -> f32 dot (it fails once a prefill batches two or
-    # more rows), so on the CPU low-precision operands are widened first; accelerators
-    # keep them narrow and accumulate in f32.
-    operand = jnp.float32 if jax.default_backend() == "cpu" else None
-    qg, k = (x.astype(operand or x.dtype) for x in (qg, k))
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(operand or v.dtype), v.astype(operand or v.dtype),
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    visible_mask = mask[:, None, None, :, :]
+    if t == 1:
+        # A single query per row is a skinny [group, d] x [d, K] product, which XLA:CPU runs
+        # 2.5x slower as a dot than as this fused multiply-and-reduce (32 slots, K=256);
+        # both stream the keys once.
+        qf = qg[:, 0].astype(jnp.float32)
+        scores = jnp.sum(qf[:, :, :, None, :] * keys[:, :, None, :, :].astype(jnp.float32), axis=-1)[:, :, :, None]
+    else:
+        # XLA:CPU has no batched bf16 x bf16 -> f32 dot, so there low-precision operands are
+        # widened first; accelerators keep them narrow and accumulate in f32.
+        operand = jnp.float32 if jax.default_backend() == "cpu" else q.dtype
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg.astype(operand), keys.astype(operand),
+                            preferred_element_type=jnp.float32)
+    scores = jnp.where(visible_mask, scores * scale, _MASKED)
+    top = jnp.max(scores, axis=-1)
+    probs = jnp.where(visible_mask, jnp.exp(scores - top[..., None]), 0.0)
+    total = jnp.sum(probs, axis=-1)
+    if t == 1:
+        out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
+    else:
+        operand = jnp.float32 if jax.default_backend() == "cpu" else values.dtype
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(operand), values.astype(operand),
+                         preferred_element_type=jnp.float32)
+    return out, top, total
 
 
-def _single_query_attention(q, k, v, mask, scale):
-    """Decode: one query per row. Written as multiply-and-reduce rather than a batched
-    matmul: with a handful of query heads per KV head the dot is a skinny [group, d] x
-    [d, K] product, which XLA's CPU backend runs 2.5x slower than the fused
-    elementwise reduction (measured at 32 slots, K=256); both stream K and V once."""
-    qf = q.astype(jnp.float32)
-    scores = jnp.sum(qf[:, :, :, None, :] * k[:, :, None, :, :].astype(jnp.float32), axis=-1) * scale
-    scores = jnp.where(mask[:, None, None, :], scores, _MASKED)  # [B, kv_heads, group, K]
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
-    return out.astype(q.dtype)
+def merge_parts(parts, q_shape, dtype) -> jax.Array:
+    """Combine `attention_part` results over disjoint key sets: `[B, T, q_heads, d]`."""
+    top = parts[0][1]
+    for _, m, _ in parts[1:]:
+        top = jnp.maximum(top, m)
+    out = total = 0.0
+    for o, m, s in parts:
+        rescale = jnp.exp(m - top)
+        out = out + o * rescale[..., None]
+        total = total + s * rescale
+    out = out / jnp.maximum(total, 1e-30)[..., None]  # an all-padding row divides 0 by 1e-30
+    b, kv_heads, group, t, d = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(q_shape).astype(dtype)
+
+
+def flat_self_part(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
+    """The new-key part of a flat token buffer (the mixed step: `N` tokens, one per row of
+    q/k/v `[N, 1, heads, d]`): each token attends to the new keys of its own sequence,
+    `mask [N, N]`. Returns `attention_part`'s triple in the per-token layout."""
+    out, top, total = attention_part(q[:, 0][None], k[:, 0][None].swapaxes(1, 2), v[:, 0][None].swapaxes(1, 2),
+                                     mask[None], scale)
+    # [1, kv_heads, group, N, ...] -> [N, kv_heads, group, 1, ...]
+    return (jnp.moveaxis(out[0], 2, 0)[:, :, :, None], jnp.moveaxis(top[0], 2, 0)[..., None],
+            jnp.moveaxis(total[0], 2, 0)[..., None])

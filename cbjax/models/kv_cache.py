@@ -1,9 +1,9 @@
 """KV caches as registered pytree dataclasses.
 
 `SlotCache` is the fixed-slot layout: every slot reserves `max_len` positions.
-Keys and values are one array each, `[layers, slots, kv_heads, max_len, head_dim]`,
-so the layer loop of the model can `lax.scan` over layers and write into the
-carried array in place. Heads come before positions (as in the paged layout's
+Keys and values are one array each, `[layers, slots, kv_heads, max_len, head_dim]`:
+the forward reads each layer's slice and writes all layers' new positions in one
+in-place update after the last layer (`write_layers`). Heads come before positions (as in the paged layout's
 `[kv_heads, pages, page_size, head_dim]`): attention then reads each head's keys
 as one contiguous `[length, head_dim]` matrix, which measured 1.5x faster than
 the position-major order on CPU. `lengths[slot]` is how many positions of a slot
@@ -58,36 +58,38 @@ class SlotCache:
         per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
         return per_token * max_len * jnp.dtype(dtype).itemsize
 
-    def write(self, cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
-        """Write `new[b, :num_valid[b]]` at `cache[layer, slot_ids[b], starts[b]:]`, in place.
+    def write_layers(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
+        """Write `new[:, b, :num_valid[b]]` (`[layers, B, T, kv_heads, hd]`) at
+        `cache[:, slot_ids[b], :, starts[b]:]`, in place.
 
-        The performance trick: one `dynamic_update_slice` of a `[T]` window per row, in a
-        loop. XLA keeps a dynamic-update-slice of a loop-carried buffer in place, whereas a
-        scatter there can turn into a loop over the whole cache (on CPU, a full copy per
-        layer and step). The window is read first and only the valid positions replaced,
-        so bucket padding never clobbers the cache, and it is shifted left when it would
-        run past `max_len` (where dynamic_update_slice would clamp it).
-        """
-        t = new.shape[1]
-        _, _, kv_heads, max_len, head_dim = cache.shape
+        The performance trick: one `dynamic_update_slice` of a `[layers, 1, kv_heads, T, hd]`
+        window per row, in a loop. XLA keeps a dynamic-update-slice of a loop-carried buffer
+        in place, whereas a scatter there can turn into a loop over the whole cache (on CPU, a
+        full copy per step). The window is read first and only the valid positions replaced,
+        so bucket padding never clobbers the cache, and it is shifted left when it would run
+        past `max_len` (where dynamic_update_slice would clamp it)."""
+        t = new.shape[2]
+        layers, _, kv_heads, max_len, head_dim = cache.shape
         offsets = jnp.arange(t, dtype=jnp.int32)
-        new = new.swapaxes(1, 2).astype(cache.dtype)  # [B, kv_heads, T, head_dim]
+        new = new.swapaxes(2, 3).astype(cache.dtype)  # [layers, B, kv_heads, T, head_dim]
 
         def write_row(b, cache):
             w0 = jnp.clip(starts[b], 0, max_len - t)
-            index = (layer, slot_ids[b], 0, w0, 0)
-            window = jax.lax.dynamic_slice(cache, index, (1, 1, kv_heads, t, head_dim))[0, 0]
-            src = offsets - (starts[b] - w0)  # window position -> chunk offset
+            index = (0, slot_ids[b], 0, w0, 0)
+            window = jax.lax.dynamic_slice(cache, index, (layers, 1, kv_heads, t, head_dim))[:, 0]
+            src = offsets - (starts[b] - w0)
             valid = (src >= 0) & (src < num_valid[b])
-            merged = jnp.where(valid[None, :, None], new[b][:, jnp.clip(src, 0, t - 1)], window)
-            return jax.lax.dynamic_update_slice(cache, merged[None, None], index)
+            merged = jnp.where(valid[None, None, :, None], new[:, b][:, :, jnp.clip(src, 0, t - 1)], window)
+            return jax.lax.dynamic_update_slice(cache, merged[:, None], index)
 
-        return jax.lax.fori_loop(0, new.shape[0], write_row, cache)
+        for b in range(new.shape[1]):
+            cache = write_row(b, cache)
+        return cache
 
-    def read(self, cache: jax.Array, layer, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
+    def read(self, cache: jax.Array, layer: int, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
         """Keys (or values) of rows `slot_ids`: `[B, kv_heads, kv_len, head_dim]`."""
-        if all_slots:  # decode: every slot in order, a plain slice rather than a gather
-            return jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)[:, :, :kv_len]
+        if all_slots:  # decode: every slot in order, a plain slice (fused into the attention, no copy)
+            return cache[layer, :, :, :kv_len]
         return cache[layer, slot_ids, :, :kv_len]
 
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
@@ -143,24 +145,33 @@ class PagedCache:
     def write(self, cache: jax.Array, layer, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) to the pages holding
         positions `starts[b] + t` of slot `slot_ids[b]`; padding goes nowhere."""
-        t = new.shape[1]
+        page, offset = self._targets(slot_ids, starts, num_valid, new.shape[1])
+        # cache[layer, :, page, offset] with [B, T] page and offset arrays indexes [B, T, kv_heads, hd]
+        # (NumPy puts the broadcast index dimensions first when a slice separates them).
+        return cache.at[layer, :, page, offset].set(new.astype(cache.dtype), mode="drop")
+
+    def write_layers(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
+        """`write` for every layer at once, `new [layers, B, T, kv_heads, hd]`: one scatter."""
+        page, offset = self._targets(slot_ids, starts, num_valid, new.shape[2])
+        # cache[:, :, page, offset] with [B, T] index arrays is [layers, kv_heads, B, T, hd]
+        return cache.at[:, :, page, offset].set(new.transpose(0, 3, 1, 2, 4).astype(cache.dtype), mode="drop")
+
+    def _targets(self, slot_ids, starts, num_valid, t: int):
+        """Pool page and in-page offset `[B, T]` of each new position; padding gets an
+        out-of-range page, so its write is dropped."""
         ps = self.page_size
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
         table = self.block_tables[slot_ids]  # [B, pages_per_seq]
         page = jnp.take_along_axis(table, jnp.clip(positions // ps, 0, table.shape[1] - 1), axis=1)
         valid = jnp.arange(t)[None, :] < num_valid[:, None]
-        page = jnp.where(valid, page, self.num_pages)  # out of range: dropped
-        # cache[layer, :, page, offset] with [B, T] page and offset arrays indexes [B, T, kv_heads, hd]
-        # (NumPy puts the broadcast index dimensions first when a slice separates them).
-        return cache.at[layer, :, page, positions % ps].set(new.astype(cache.dtype), mode="drop")
+        return jnp.where(valid, page, self.num_pages), positions % ps
 
     def read(self, cache: jax.Array, layer, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
         """Gather the first `kv_len` positions of each row's pages: `[B, kv_heads, kv_len, hd]`."""
         del all_slots
         n_pages = -(-kv_len // self.page_size)
         pages = jnp.clip(self.block_tables[slot_ids, :n_pages], 0, self.num_pages - 1)  # [B, n_pages]
-        pool = jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)  # [kv_heads, P, ps, hd]
-        gathered = pool[:, pages]  # [kv_heads, B, n_pages, ps, hd]
+        gathered = cache[layer][:, pages]  # [kv_heads, B, n_pages, ps, hd]
         kv_heads, b = gathered.shape[:2]
         out = gathered.reshape(kv_heads, b, n_pages * self.page_size, -1)[:, :, :kv_len]
         return out.swapaxes(0, 1)

@@ -2,14 +2,19 @@
 
 `forward` runs a chunk of `T` tokens for `B` sequences. Sequence `b` lives in
 cache slot `slot_ids[b]`; its chunk starts at absolute position `starts[b]` and
-its first `num_valid[b]` tokens are real (the rest is bucket padding). The
-chunk's keys and values are written into the slot, then every query attends to
-its slot's first `kv_len` positions. So:
+its first `num_valid[b]` tokens are real (the rest is bucket padding). Every query
+attends to its slot's cached positions before `starts[b]` (read from the first
+`kv_len` positions, a static bucket) and to the chunk's own keys up to itself; after
+the last layer, all layers' new keys and values are written into the slot at once.
+So:
 
-- a prefill is `B=1` (or a few) rows with `starts=0`, `kv_len` = the bucket;
-- a chunked prefill is the same with `starts` = what the slot already holds;
+- a fresh prefill is `B=1` (or a few) rows with `starts=0` and `kv_len=0`: no cache read;
+- a chunked prefill has `starts` = what the slot already holds, `kv_len` covering it;
 - a decode step is `T=1`, one row per slot, `starts = cache.lengths`,
-  `num_valid` 1 for active slots and 0 for idle ones (whose writes are dropped).
+  `num_valid` 1 for active slots and 0 for idle ones (whose writes are dropped);
+- the mixed step is `T=1` rows of a flat token buffer, `flat_rows` saying which tokens
+  belong to one sequence (they see each other's new keys) and `history_end` where
+  that sequence's cached history ends.
 """
 
 from __future__ import annotations
@@ -19,14 +24,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from cbjax.models.attention import attention_mask, reference_attention
 from cbjax.config import ModelConfig
+from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
-def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, layer, window,
-                     slot_ids, starts, num_valid, kv_len, all_slots, paged_kernel, ragged):
+def _qkv(x, p, config, cos, sin):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -39,36 +43,53 @@ def _attention_block(x, p, config, cache, cos, sin, q_positions, k_all, v_all, l
     if config.position_embedding == "rope":
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+    return q, k, v
 
-    k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
-    v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
-    if paged_kernel and ragged is not None:
+
+def _kernel_attention(q, cache, k_all, v_all, layer, slot_ids, starts, ragged):
+    """Attention by the Pallas kernels over the page pool (interpret mode where there is no GPU)."""
+    scale = q.shape[-1] ** -0.5
+    interpret = jax.default_backend() == "cpu"
+    pool_k, pool_v = k_all[layer], v_all[layer]
+    if ragged is not None:
         # A flat mixed batch (one token per row): the ragged kernel attends each sequence's
         # new tokens over its pages, loading each page once per query tile, not per token.
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
         cu_q_lens, kv_lens, row_slots = ragged
-        out = ragged_paged_attention(q[:, 0], jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False),
-                                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False), kv_lens,
-                                     cache.block_tables[row_slots], cu_q_lens, scale=hd ** -0.5,
-                                     interpret=jax.default_backend() == "cpu")[:, None]
-    elif paged_kernel and t == 1:
-        # Decode over the page pool with the Pallas kernel: each query sees its slot's
-        # first starts + 1 positions (interpret mode where there is no GPU).
-        from pallas_kernels.paged_attention import paged_attention
+        return ragged_paged_attention(q[:, 0], pool_k, pool_v, kv_lens, cache.block_tables[row_slots], cu_q_lens,
+                                      scale=scale, interpret=interpret)[:, None]
+    # Decode: each query sees its slot's first starts + 1 positions.
+    from pallas_kernels.paged_attention import paged_attention
 
-        out = paged_attention(q[:, 0], jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False),
-                              jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False),
-                              cache.block_tables[slot_ids], starts + 1, scale=hd ** -0.5,
-                              interpret=jax.default_backend() == "cpu",
-                              backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
-    else:
-        keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
-        values = cache.read(v_all, layer, slot_ids, kv_len, all_slots).astype(q.dtype)
-        mask = attention_mask(q_positions, kv_len, window)
-        out = reference_attention(q, keys, values, mask, scale=hd ** -0.5)
-    x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
-    return x, k_all, v_all
+    return paged_attention(q[:, 0], pool_k, pool_v, cache.block_tables[slot_ids], starts + 1, scale=scale,
+                           interpret=interpret,
+                           backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
+
+
+def _reference_attention(q, k, v, cache, k_all, v_all, layer, window, slot_ids, positions, history_end, num_valid,
+                         kv_len, all_slots, flat_rows):
+    """The old cache's first `kv_len` positions (those before `history_end`) plus the new
+    keys `k`/`v` (`[B, T, kv_heads, d]`), without writing the cache."""
+    scale = q.shape[-1] ** -0.5
+    t = q.shape[1]
+    parts = []
+    if kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+        mask = (k_pos < history_end[:, None, None]) & visible(positions[:, :, None], k_pos, window)
+        keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots)
+        values = cache.read(v_all, layer, slot_ids, kv_len, all_slots)
+        parts.append(attention_part(q, keys, values, mask, scale))
+    if flat_rows is None:
+        offsets = jnp.arange(t, dtype=jnp.int32)
+        mask = visible(positions[:, :, None], positions[:, None, :], window) & (offsets < num_valid[:, None])[:, None, :]
+        parts.append(attention_part(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, scale))
+    else:  # one token per row: tokens of the same sequence see each other's new keys
+        pos = positions[:, 0]
+        mask = ((flat_rows[:, None] == flat_rows[None, :]) & visible(pos[:, None], pos[None, :], window)
+                & (num_valid > 0)[None, :])
+        parts.append(flat_self_part(q, k, v, mask, scale))
+    return merge_parts(parts, q.shape, q.dtype)
 
 
 def forward(
@@ -84,6 +105,8 @@ def forward(
     paged_kernel: bool = False,  # static: decode attention by the Pallas kernel (paged cache)
     logits_rows: jax.Array | None = None,  # [R]: return logits only of these rows (T == 1)
     ragged: tuple | None = None,  # flat mixed batch for the ragged kernel: (cu_q_lens, kv_lens, row slots)
+    flat_rows: jax.Array | None = None,  # [B] with T == 1: tokens of one sequence in a flat buffer share a row id
+    history_end: jax.Array | None = None,  # [B]: cache positions before this are history (default: starts)
     embed: bool = True,  # static; False: `tokens` are hidden states [B, T, hidden] (a later pipeline stage)
     head: bool = True,  # static; False: return the hidden states after the last layer (an earlier stage)
     first_layer: int = 0,  # static: the model layer that params["layers"][0] is (pipeline stages)
@@ -117,21 +140,33 @@ def forward(
     else:
         x = tokens
     cos, sin = rope_tables(positions, rope_inv_freq(config))
-    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
-    windows = jnp.asarray(config.windows[first_layer:first_layer + num_layers], jnp.int32)
-
-    def layer_step(carry, xs):
-        x, k_all, v_all = carry
-        p, layer, window = xs
-        x, k_all, v_all = _attention_block(
-            x, p, config, cache, cos, sin, positions, k_all, v_all, layer, window, slot_ids, starts, num_valid,
-            kv_len, all_slots, paged_kernel, ragged)
+    history_end = starts if history_end is None else history_end
+    k_all, v_all = cache.k, cache.v
+    new_keys, new_values = [], []
+    # The layers are a Python loop over per-layer weight arrays, not a lax.scan over stacked
+    # ones: XLA:CPU copies each scanned slice of a weight before its matmul (3x the weight
+    # traffic of a decode step); unrolled, every matmul reads its weights in place.
+    for layer, p in enumerate(params["layers"]):
+        window = config.windows[first_layer + layer]
+        q, k, v = _qkv(x, p, config, cos, sin)
+        if paged_kernel:  # the kernels read the new token from the pages: write it first
+            k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
+            v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
+            out = _kernel_attention(q, cache, k_all, v_all, layer, slot_ids, starts, ragged)
+        else:
+            out = _reference_attention(q, k, v, cache, k_all, v_all, layer, window, slot_ids, positions, history_end,
+                                       num_valid, kv_len, all_slots, flat_rows)
+            new_keys.append(k)
+            new_values.append(v)
+        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
-        return (x, k_all, v_all), None
-
-    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # indices into this cache's layers
-    (x, k_all, v_all), _ = jax.lax.scan(
-        layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids, windows))
+    if new_keys:
+        # Every layer's cache read must happen before the one in-place write of all layers'
+        # new keys; the barrier ties the write to the last layer's output, or XLA may
+        # schedule the write first and copy the whole cache to keep the old one readable.
+        x, new_k, new_v = jax.lax.optimization_barrier((x, jnp.stack(new_keys), jnp.stack(new_values)))
+        k_all = cache.write_layers(k_all, slot_ids, starts, num_valid, new_k)
+        v_all = cache.write_layers(v_all, slot_ids, starts, num_valid, new_v)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         k_all, v_all = (jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in (k_all, v_all))

@@ -152,7 +152,9 @@ class Engine:
         for i, c in enumerate(chunks):
             n = len(c.tokens)
             bucket = bucket_for(n, self.buckets)
-            kv_len = bucket if c.start == 0 else self._attended_len(c.start + n)
+            # A fresh prompt reads nothing from the cache (kv_len 0); a later chunk reads its slot's
+            # history up to the bucket of where the chunk ends.
+            kv_len = 0 if c.start == 0 else self._attended_len(c.start + n)
             groups.setdefault((bucket, kv_len), []).append(i)
         calls = []
         limit = self.config.max_prefill_batch
@@ -229,9 +231,9 @@ class Engine:
         if self.config.kv_cache == "paged":
             max_prompt_len = None  # a request resumed after preemption prefills prompt + output
         top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
-        shapes = [(b, b) for b in self.buckets if b <= top]
+        shapes = [(b, 0) for b in self.buckets if b <= top]
         if chunked:
-            shapes += [(b, kv) for b in self.buckets for kv in self.buckets if kv > b and b <= top]
+            shapes += [(b, kv) for b in self.buckets for kv in self.buckets if kv >= b and b <= top]
         # A call batches at most one chunk per slot, padded to a power of two: row counts past
         # the slots' next power of two are never reached, so they are not compiled.
         most_rows = min(self.config.max_prefill_batch, 1 << (self.num_slots - 1).bit_length())
@@ -253,8 +255,7 @@ class Engine:
                 out = self.decode(max(prog[1] - self.config.decode_steps, 0))
             else:
                 _, rows, bucket, kv_len = prog
-                start = kv_len - bucket  # start > 0 selects the attended length kv_len
-                chunk = [Row(0, [0] * bucket, start, True, greedy)]
+                chunk = [Row(0, [0] * bucket, max(kv_len - bucket, 0), True, greedy)]
                 out = self._prefill_call(chunk * rows, bucket, kv_len)
             out.block_until_ready()
         self.deactivate(0)  # abort and preemption

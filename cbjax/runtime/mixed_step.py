@@ -10,8 +10,9 @@ active sequences cost, not what the slot count does, and programs are bounded by
 (token bucket, attended-length bucket).
 
 Each token runs through the model as its own row (`T = 1` in `forward`), attending
-to its slot's keys up to its own position, which is causal within its row's new
-tokens because the row's keys are written before they are read. The paged cache can
+to its slot's cached history (positions before its row's start) and to the new keys
+of its own row's tokens up to itself (`flat_rows`); the keys are written after the
+last layer. The paged cache can
 instead send attention through the ragged Pallas kernel, which loads each page once
 per query tile of a row. Rows that end their prompt sample their first token and
 start decoding; decode rows read their input token from the device's slot state, so
@@ -94,7 +95,7 @@ def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats,
     ragged = (cu_q, start + q_len, slot) if paged_kernel else None
     logits, cache = forward(params, config, cache, inputs[:, None], token_pos, num_valid=valid.astype(jnp.int32),
                             slot_ids=token_slot, kv_len=kv_len, logits_rows=last_token, paged_kernel=paged_kernel,
-                            ragged=ragged)
+                            ragged=ragged, flat_rows=token_row, history_end=start[row])
     # Several tokens of one slot set its length in any order; one write per row settles it.
     lengths = cache.lengths.at[jnp.where(q_len > 0, slot, cache.num_slots)].set(start + q_len, mode="drop")
     cache = dataclasses.replace(cache, lengths=lengths)

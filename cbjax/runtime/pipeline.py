@@ -123,7 +123,7 @@ class PipelineEngine(Engine):
 
     def _params_of(self, s: int) -> dict:
         p, lo, hi = self.params, self.bounds[s], self.bounds[s + 1]
-        out = {"layers": jax.tree.map(lambda x: x[lo:hi], p["layers"])}
+        out = {"layers": p["layers"][lo:hi]}
         first, last = s == 0, s == self.stages - 1
         for name in p:
             if name == "layers":

@@ -29,9 +29,9 @@ from cbjax.config import ModelConfig
 
 AXIS = "tp"
 
-# The split axis of each per-layer tensor (stacked `[layers, ...]`); absent ones are replicated.
+# The split axis of each per-layer tensor; absent ones are replicated.
 _COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up")  # split the last (output) axis
-_ROW = ("wo", "w_down")  # split the input axis (axis 1 of [L, in, out])
+_ROW = ("wo", "w_down")  # split the input axis (axis 0 of [in, out])
 _KV = ("wk", "wv", "bk", "bv")  # the last axis, when KV heads are split
 
 
@@ -71,11 +71,11 @@ def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
         if name in _COLUMN or (split_kv and name in _KV):
             axes[-1] = AXIS
         elif name in _ROW:
-            axes[1] = AXIS
+            axes[0] = AXIS
         return P(*axes)
 
-    layers = {name: spec(name, leaf) if not isinstance(leaf, dict) else jax.tree.map(lambda x: P(), leaf)
-              for name, leaf in params["layers"].items()}
+    layers = [{name: spec(name, leaf) if not isinstance(leaf, dict) else jax.tree.map(lambda x: P(), leaf)
+               for name, leaf in layer.items()} for layer in params["layers"]]
     out = {k: jax.tree.map(lambda x: P(), v) for k, v in params.items() if k != "layers"}
     out["layers"] = layers
     return out

@@ -79,7 +79,7 @@ class SimulatedEngine(Engine):
             self.length[c.slot] = c.start + len(c.tokens)
             if c.is_last:
                 out[r] = self._start(c.slot, int(self.length[c.slot]), c.sampling, c.generated)
-        self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * kv_len, kv_read=rows * kv_len,
+        self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * (kv_len + bucket), kv_read=rows * kv_len,
                           rows=len(chunks)))
         return out
 
