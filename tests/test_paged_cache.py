@@ -52,7 +52,7 @@ def test_paged_matches_slot_cache(preset):
     assert list(np.asarray(paged.lengths)) == list(np.asarray(slot.lengths)) == [25, 0, 33]
     # Pages that no table names were never written.
     unused = sorted(set(range(num_pages)) - set(tables.ravel().tolist()))
-    assert not np.asarray(paged.k)[:, :, unused].any()
+    assert not np.stack(paged.k)[:, :, unused].any()
 
 
 def test_decode_through_the_pallas_kernel_matches_the_reference_path():

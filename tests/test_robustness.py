@@ -179,7 +179,7 @@ def test_bfloat16_serves_batched_prefills_end_to_end(kv_cache):
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     options = dict(max_seq_len=MAX_SEQ_LEN, dtype="bfloat16", kv_cache=kv_cache, page_size=8)
     batched = LLM("tiny-llama", num_slots=6, **options)
-    assert batched.engine.cache.k.dtype == jnp.bfloat16
+    assert all(a.dtype == jnp.bfloat16 for a in batched.engine.cache.k)
     together = batched.generate(prompts, sp, use_tqdm=False)  # prefills of 2+ prompts in one call
     alone = LLM("tiny-llama", num_slots=1, **options).generate(prompts, sp, use_tqdm=False)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in together)

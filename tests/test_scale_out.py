@@ -72,13 +72,14 @@ def _assert_tensor_parallel_layout(llm, tp: int, kv_split: bool):
     assert _spec(layers["wo"]) == _spec(layers["w_down"]) == ("tp", None)
     assert _spec(layers["wk"]) == _spec(layers["wv"]) == ((None, "tp") if kv_split else (None, None))
     assert engine.params["embed"].sharding.is_fully_replicated
-    kv_spec = [None] * engine.cache.k.ndim
+    kv_spec = [None] * engine.cache.k[0].ndim
     if kv_split:
         kv_spec[engine.cache.head_axis] = "tp"
-    assert _spec(engine.cache.k) == tuple(kv_spec)
-    assert engine.cache.v.sharding == engine.cache.k.sharding
+    assert len(engine.cache.k) == len(engine.cache.v) == engine.model.config.num_layers
+    assert all(_spec(a) == tuple(kv_spec) for a in engine.cache.k + engine.cache.v)
+    assert all(a.sharding == engine.cache.k[0].sharding for a in engine.cache.k + engine.cache.v)
     if kv_split:  # each device holds its share of the KV heads
-        shard = engine.cache.k.addressable_shards[0].data
+        shard = engine.cache.k[0].addressable_shards[0].data
         assert shard.shape[engine.cache.head_axis] == engine.model.config.num_kv_heads // tp
     assert engine.cache.lengths.sharding.is_fully_replicated
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.state))
@@ -181,8 +182,8 @@ def test_pipeline_stages_match_transformers(gqa, stages, micro_batches, decode_s
     bounds = stage_bounds(model.config.num_layers, stages)
     for s, device in enumerate(jax.devices()[:stages]):
         assert all(leaf.sharding.device_set == {device} for leaf in jax.tree.leaves(engine.stage_params[s]))
-        assert engine.caches[s].k.sharding.device_set == {device}
-        assert engine.caches[s].k.shape[0] == len(engine.stage_params[s]["layers"]) == bounds[s + 1] - bounds[s]
+        assert all(a.sharding.device_set == {device} for a in engine.caches[s].k + engine.caches[s].v)
+        assert len(engine.caches[s].k) == len(engine.stage_params[s]["layers"]) == bounds[s + 1] - bounds[s]
     assert "embed" in engine.stage_params[0] and "lm_head" in engine.stage_params[-1]
     assert "lm_head" not in engine.stage_params[0] and "embed" not in engine.stage_params[-1]
     assert engine.state.tokens.sharding.device_set == {jax.devices()[stages - 1]}

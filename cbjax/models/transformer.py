@@ -4,8 +4,8 @@
 cache slot `slot_ids[b]`; its chunk starts at absolute position `starts[b]` and
 its first `num_valid[b]` tokens are real (the rest is bucket padding). Every query
 attends to its slot's cached positions before `starts[b]` (read from the first
-`kv_len` positions, a static bucket) and to the chunk's own keys up to itself; after
-the last layer, all layers' new keys and values are written into the slot at once.
+`kv_len` positions, a static bucket) and to the chunk's own keys up to itself; each
+layer writes the chunk's keys and values into its own cache array before reading it.
 So:
 
 - a fresh prefill is `B=1` (or a few) rows with `starts=0` and `kv_len=0`: no cache read;
@@ -46,11 +46,10 @@ def _qkv(x, p, config, cos, sin):
     return q, k, v
 
 
-def _kernel_attention(q, cache, k_all, v_all, layer, slot_ids, starts, ragged):
+def _kernel_attention(q, cache, pool_k, pool_v, slot_ids, starts, ragged):
     """Attention by the Pallas kernels over the page pool (interpret mode where there is no GPU)."""
     scale = q.shape[-1] ** -0.5
     interpret = jax.default_backend() == "cpu"
-    pool_k, pool_v = k_all[layer], v_all[layer]
     if ragged is not None:
         # A flat mixed batch (one token per row): the ragged kernel attends each sequence's
         # new tokens over its pages, loading each page once per query tile, not per token.
@@ -67,18 +66,18 @@ def _kernel_attention(q, cache, k_all, v_all, layer, slot_ids, starts, ragged):
                            backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
 
 
-def _reference_attention(q, k, v, cache, k_all, v_all, layer, window, slot_ids, positions, history_end, num_valid,
+def _reference_attention(q, k, v, cache, layer_k, layer_v, window, slot_ids, positions, history_end, num_valid,
                          kv_len, all_slots, flat_rows):
-    """The old cache's first `kv_len` positions (those before `history_end`) plus the new
-    keys `k`/`v` (`[B, T, kv_heads, d]`), without writing the cache."""
+    """The layer cache's first `kv_len` positions before `history_end` (the history) plus
+    the new keys `k`/`v` (`[B, T, kv_heads, d]`), merged by their softmax statistics."""
     scale = q.shape[-1] ** -0.5
     t = q.shape[1]
     parts = []
     if kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
         mask = (k_pos < history_end[:, None, None]) & visible(positions[:, :, None], k_pos, window)
-        keys = cache.read(k_all, layer, slot_ids, kv_len, all_slots)
-        values = cache.read(v_all, layer, slot_ids, kv_len, all_slots)
+        keys = cache.read(layer_k, slot_ids, kv_len, all_slots)
+        values = cache.read(layer_v, slot_ids, kv_len, all_slots)
         parts.append(attention_part(q, keys, values, mask, scale))
     if flat_rows is None:
         offsets = jnp.arange(t, dtype=jnp.int32)
@@ -141,40 +140,33 @@ def forward(
         x = tokens
     cos, sin = rope_tables(positions, rope_inv_freq(config))
     history_end = starts if history_end is None else history_end
-    k_all, v_all = cache.k, cache.v
-    new_keys, new_values = [], []
-    # The layers are a Python loop over per-layer weight arrays, not a lax.scan over stacked
-    # ones: XLA:CPU copies each scanned slice of a weight before its matmul (3x the weight
-    # traffic of a decode step); unrolled, every matmul reads its weights in place.
+    ks, vs = list(cache.k), list(cache.v)
+    # The layers are a Python loop over per-layer weight and cache arrays, not a lax.scan over
+    # stacked ones: XLA:CPU copies each scanned slice of a weight before its matmul (3x the
+    # weight traffic of a decode step) and copies a loop-carried cache around its reads;
+    # unrolled, every matmul reads its weights in place and every cache write is in place.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
         q, k, v = _qkv(x, p, config, cos, sin)
-        if paged_kernel:  # the kernels read the new token from the pages: write it first
-            k_all = cache.write(k_all, layer, slot_ids, starts, num_valid, k)
-            v_all = cache.write(v_all, layer, slot_ids, starts, num_valid, v)
-            out = _kernel_attention(q, cache, k_all, v_all, layer, slot_ids, starts, ragged)
+        # Written before it is read: the read then depends on the write, so XLA updates the
+        # layer's buffer in place instead of keeping a copy of the old one for the read.
+        ks[layer] = cache.write(ks[layer], slot_ids, starts, num_valid, k)
+        vs[layer] = cache.write(vs[layer], slot_ids, starts, num_valid, v)
+        if paged_kernel:
+            out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged)
         else:
-            out = _reference_attention(q, k, v, cache, k_all, v_all, layer, window, slot_ids, positions, history_end,
-                                       num_valid, kv_len, all_slots, flat_rows)
-            new_keys.append(k)
-            new_values.append(v)
+            out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
+                                       history_end, num_valid, kv_len, all_slots, flat_rows)
         x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
-    if new_keys:
-        # Every layer's cache read must happen before the one in-place write of all layers'
-        # new keys; the barrier ties the write to the last layer's output, or XLA may
-        # schedule the write first and copy the whole cache to keep the old one readable.
-        x, new_k, new_v = jax.lax.optimization_barrier((x, jnp.stack(new_keys), jnp.stack(new_values)))
-        k_all = cache.write_layers(k_all, slot_ids, starts, num_valid, new_k)
-        v_all = cache.write_layers(v_all, slot_ids, starts, num_valid, new_v)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
-        k_all, v_all = (jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in (k_all, v_all))
+        ks, vs = ([jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in kv] for kv in (ks, vs))
 
     # Rows with nothing valid (idle slots, batch padding) leave their slot's length alone.
     touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
     lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
-    cache = dataclasses.replace(cache, k=k_all, v=v_all, lengths=lengths)
+    cache = dataclasses.replace(cache, k=tuple(ks), v=tuple(vs), lengths=lengths)
     if not head:
         return x, cache
     if logits_rows is not None:

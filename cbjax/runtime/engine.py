@@ -96,6 +96,9 @@ class EngineConfig:
 
 class Engine:
     reads_block_tables = True  # the paged cache's tables are copied to the device each round
+    # Its decode reads each slot's last token from the device state, so the host may dispatch the
+    # next decode before reading this one's tokens (EngineCore's overlap).
+    can_run_ahead = True
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
@@ -282,9 +285,9 @@ class Engine:
             # Made in place on the mesh (a jitted init with output shardings), never whole on one device.
             rep = sharding.replicated(self.mesh)
             shape = jax.eval_shape(init_cache)
-            kv = sharding.kv_sharding(self.model.config, self.mesh, shape.head_axis, shape.k.ndim)
+            kv = sharding.kv_sharding(self.model.config, self.mesh, shape.head_axis, shape.k[0].ndim)
             layout = jax.tree.map(lambda _: rep, shape)
-            layout = dataclasses.replace(layout, k=kv, v=kv)
+            layout = dataclasses.replace(layout, k=(kv,) * len(shape.k), v=(kv,) * len(shape.v))
             self.cache = dataclasses.replace(jax.jit(init_cache, out_shardings=layout)(), kv_sharding=kv)
             self.state = jax.jit(init_state, out_shardings=rep)()
         self._tables = None
