@@ -21,6 +21,7 @@ POLICIES = {
     "static-length-aware": dict(policy="static", length_aware=True, batch_size=3),
     "dynamic": dict(policy="dynamic", window_ms=0.5),
     "continuous-r1": dict(policy="continuous", refill_interval=1),
+    "continuous-no-overlap": dict(policy="continuous", overlap=False),
     "continuous-r3": dict(policy="continuous", refill_interval=3),
     "continuous-r8-steps2": dict(policy="continuous", refill_interval=8, decode_steps=2),
     "continuous-tgi-ratio": dict(policy="continuous", waiting_served_ratio=1.5, max_waiting_steps=4),
@@ -30,6 +31,8 @@ POLICIES = {
     "paged-prefix-cache": dict(policy="continuous", kv_cache="paged", page_size=8, enable_prefix_caching=True),
     # 14 pages of 8 tokens for 4 slots of up to 64 tokens: forces preemptions.
     "paged-preempt": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14, decode_steps=2),
+    "paged-preempt-no-overlap": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14,
+                                     overlap=False),
     "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
     "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
     # Mixed steps. A budget of 13 tokens cuts prompts at odd offsets (13 minus the running decodes).

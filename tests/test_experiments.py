@@ -242,3 +242,14 @@ def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
         assert ours["ms_per_step"] > 0
         assert ours["throughput_vs_llama_cpp"] == pytest.approx(
             ours["tg_tokens_per_s"] / result["llama_cpp"]["rows"][b]["tg_tokens_per_s"])
+
+
+def test_bench_overlap_reports_both_settings_with_equal_tokens(tmp_path):
+    out = tmp_path / "overlap.json"
+    run_script("bench_overlap.py", "--model=tiny-llama", "--sequences=2,4", "--prompt_len=4", "--new_tokens=6",
+               "--repeats=1", f"--output_json={out}")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["sequences"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["same_tokens"] and r["rounds_off"] > 0 and r["rounds_on"] > 0
+        assert r["round_ms_off"] > 0 and r["round_ms_on"] > 0 and r["device_ms_on"] > 0

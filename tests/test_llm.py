@@ -217,3 +217,33 @@ def test_kv_cache_bytes_sizes_both_layouts():
     assert paged.pages.num_pages == budget // PagedCache.bytes_per_page(cfg, 8) == 24
     with pytest.raises(ValueError, match="holds no"):
         LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=10)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(kv_cache="paged", page_size=8, num_pages=40)])
+def test_overlap_runs_decode_ahead_without_changing_outputs(layout):
+    """With overlap on, decode calls are dispatched before the previous one is recorded;
+    requests that finish mid-way (short budgets, an abort while a call runs ahead, a late
+    arrival) get exactly the tokens of the run without overlap, and nothing stays held."""
+    rng = np.random.default_rng(11)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(3, 30, size=6)]
+    budgets = [3, 25, 9, 40, 1, 17]
+    results = {}
+    for overlap in (False, True):
+        llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, overlap=overlap, **layout)
+        ids = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+               for p, m in zip(prompts[:4], budgets[:4])]
+        finished = {}
+        for _ in range(6):
+            finished.update((o.request_id, o) for o in llm.step() if o.finished)
+        aborted = llm.abort(ids[3])  # running, with a decode call in flight when overlapping
+        assert aborted.finish_reason == "abort"
+        ids += [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+                for p, m in zip(prompts[4:], budgets[4:])]
+        finished.update((o.request_id, o) for o in llm.run_until_done())
+        results[overlap] = [finished[i].token_ids for i in ids if i != ids[3]]
+        assert [len(t) for t in results[overlap]] == [3, 25, 9, 1, 17]
+        assert (llm.stats.ahead_calls > 0) == overlap
+        assert llm.scheduler.free_slots == list(range(4)) and not llm.requests
+        if llm.pages is not None:
+            assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+    assert results[True] == results[False]

@@ -55,4 +55,4 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching)
     scheduler = Scheduler(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                           pages=pages)
-    return model, EngineCore(engine, scheduler, pages, clock)
+    return model, EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)

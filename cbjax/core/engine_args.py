@@ -38,6 +38,8 @@ class EngineArgs:
     ordering: str = _knob("fcfs", "Admission order of waiting requests.", ORDERINGS)
     length_aware: bool = _knob(False, "Static/dynamic: batch requests of similar expected length.")
     decode_steps: int = _knob(1, "Decode steps per device call (the host syncs once per call).", lower=1)
+    overlap: bool = _knob(True, "Host/device overlap: when nothing waits to be admitted, dispatch the next "
+                          "decode call before recording the one in flight.")
     merge_mode: str = _knob("prefill_first", "How prefills meet running decodes: prefill_first, fused (Orca) "
                             "or chunked (Sarathi-Serve).", MERGE_MODES)
     max_num_batched_tokens: int = _knob(None, "Token budget of a mixed step (fused/chunked); default "

@@ -35,13 +35,16 @@ class Load:
 
 
 class EngineCore:
-    def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float]):
+    def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float],
+                 overlap: bool = False):
         self.engine = engine
         self.scheduler = scheduler
         self.pages = pages
         self.clock = clock
+        self.overlap = overlap
         self.stats = StepStats()
         self.last_plan: Plan | None = None
+        self._ahead: jax.Array | None = None  # a decode call dispatched before the last one was recorded
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -124,6 +127,8 @@ class EngineCore:
     # --------------------------------------------------------------- round
     def run_round(self) -> list[Request]:
         """One scheduling round; returns the requests it touched (got tokens or finished)."""
+        if self._ahead is not None:
+            return self._ahead_round()
         sched, engine, stats = self.scheduler, self.engine, self.stats
         t0 = time.perf_counter()
         plan = sched.schedule(self.clock())
@@ -146,6 +151,8 @@ class EngineCore:
             longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
                           for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing))
             decoded = engine.decode(longest)
+            if not calls:
+                self._run_ahead()
         # The one host copy of the round: every prefill's (token, done) and the decode tokens.
         t2 = time.perf_counter()
         host_prefill, host_decode = jax.device_get(([out for out, _ in calls], decoded))
@@ -159,18 +166,62 @@ class EngineCore:
                 firsts[i] = (int(out[r, 0]), int(out[r, 1]))
         touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
         if host_decode is not None:
-            decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
-            mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
-            idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
-            if idle.size:
-                raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
-                                   f"for running request {decoding[idle[0]].request_id!r}")
-            sched.on_decode(host_decode.tolist(), now)
-            touched.update((r.request_id, r) for r in decoding if r is not None)
-            stats.decode_steps += len(host_decode)
-            stats.active_slot_steps += int((host_decode >= 0).sum())
+            self._record_decode(host_decode, now, touched)
         self._count_round(plan, t3)
         return list(touched.values())
+
+    def _run_ahead(self) -> None:
+        """Host/device overlap: with a decode call in flight and nothing to admit, dispatch the
+        next decode call now (the device state holds each slot's last token), so the device
+        runs it while the host records the one in flight. A sequence that finishes in the call
+        in flight is inactive on the device by then, so the extra call computes nothing for it;
+        its row comes back -1 and outputs are unchanged."""
+        sched, steps = self.scheduler, self.engine.config.decode_steps
+        if not (self.overlap and getattr(self.engine, "can_run_ahead", False)) or sched.waiting:
+            return
+        holders = [r for r in sched.slots if r is not None]
+        if not holders or any(r.state != RequestState.RUNNING for r in holders):
+            return
+        # Tokens each holder will have when the call in flight is recorded.
+        after = [r.num_tokens + steps for r in holders]
+        if self.pages is not None:
+            need = sched.reservations.decode_need
+            if any(need(r, n) > len(self.pages.tables[r.request_id]) * self.pages.page_size
+                   for r, n in zip(holders, after)):
+                return  # the next call would grow a table: let the scheduler reserve (or preempt) first
+        self._ahead = self.engine.decode(min(max(after), self.engine.max_len))
+        self.stats.ahead_calls += 1
+
+    def _ahead_round(self) -> list[Request]:
+        """A round whose decode call was dispatched by the previous round: dispatch the next
+        one if it may run ahead too, then record this one."""
+        out, self._ahead = self._ahead, None
+        stats = self.stats
+        t1 = time.perf_counter()
+        self._run_ahead()
+        t2 = time.perf_counter()
+        host_decode = jax.device_get(out)
+        now = self.clock()
+        t3 = time.perf_counter()
+        stats.dispatch_s += t2 - t1
+        stats.device_wait_s += t3 - t2
+        touched: dict[str, Request] = {}
+        self._record_decode(host_decode, now, touched)
+        self._count_round(self.last_plan, t3)
+        return list(touched.values())
+
+    def _record_decode(self, host_decode: np.ndarray, now: float, touched: dict[str, Request]) -> None:
+        sched, stats = self.scheduler, self.stats
+        decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
+        mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
+        idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
+        if idle.size:
+            raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
+                               f"for running request {decoding[idle[0]].request_id!r}")
+        sched.on_decode(host_decode.tolist(), now)
+        touched.update((r.request_id, r) for r in decoding if r is not None)
+        stats.decode_steps += len(host_decode)
+        stats.active_slot_steps += int((host_decode >= 0).sum())
 
     def _mixed_round(self, plan: Plan, t_dispatch: float) -> list[Request]:
         """The round as one mixed step: the plan's chunks, then a decode row per running request."""

@@ -17,6 +17,7 @@ class StepStats:
     device_wait_s: float = 0.0  # waiting for the round's one host copy
     process_s: float = 0.0  # recording tokens, stop checks, building outputs
     active_slot_steps: int = 0  # sum over decode steps of slots that produced a token
+    ahead_calls: int = 0  # decode calls dispatched before the previous one was recorded (overlap)
 
     @property
     def mean_running(self) -> float:

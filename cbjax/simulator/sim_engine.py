@@ -33,6 +33,7 @@ class SimClock:
 
 class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
+    can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
 
     def __init__(self, model, config: EngineConfig, cost, clock: SimClock):
         self._configure(model, config)
