@@ -31,8 +31,8 @@ POLICIES = {
     "paged-prefix-cache": dict(policy="continuous", kv_cache="paged", page_size=8, enable_prefix_caching=True),
     # 14 pages of 8 tokens for 4 slots of up to 64 tokens: forces preemptions.
     "paged-preempt": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14, decode_steps=2),
-    "paged-preempt-no-overlap": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=14,
-                                     overlap=False),
+    "paged-preempt-no-overlap": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=10,
+                                     decode_steps=2, overlap=False),
     "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
     "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
     # Mixed steps. A budget of 13 tokens cuts prompts at odd offsets (13 minus the running decodes).
