@@ -184,12 +184,9 @@ class EngineCore:
             return
         # Tokens each holder will have when the call in flight is recorded.
         after = [r.num_tokens + steps for r in holders]
-        if self.pages is not None:
-            need = sched.reservations.decode_need
-            if any(need(r, n) > len(self.pages.tables[r.request_id]) * self.pages.page_size
-                   for r, n in zip(holders, after)):
-                return  # the next call would grow a table: let the scheduler reserve (or preempt) first
-        self._ahead = self.engine.decode(min(max(after), self.engine.max_len))
+        if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
+            return  # the next call would grow a table: let the scheduler reserve (or preempt) first
+        self._ahead = self.engine.decode(max(after))  # decode caps the attended length at max_len
         self.stats.ahead_calls += 1
 
     def _ahead_round(self) -> list[Request]:

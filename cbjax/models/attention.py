@@ -1,12 +1,9 @@
 """Attention as two parts merged by their softmax statistics: the keys already in the cache
 (the history, positions before the chunk) and the chunk's own new keys.
 
-Splitting them lets the forward read the cache without writing it first: every layer
-attends to the old cache plus its fresh keys, and all layers' new keys and values are
-written once after the last layer (cbjax/models/transformer.py). Writing each layer's
-keys into the loop-carried cache before reading them back made XLA:CPU copy the whole
-cache around the read (4 full copies per layer at the top length bucket: SmolLM2's decode
-step went from 37 ms to 67 ms when the bucket reached `max_seq_len`).
+Splitting them lets a fresh prefill read no cache at all (its history is empty) and lets
+the tokens of one sequence in the mixed step's flat buffer share their new keys, instead
+of each token gathering its own copy of the sequence's keys from the cache.
 
 Each part returns its unnormalised output with the running max and sum of its
 exponentials (flash attention's bookkeeping), so merging is exact: the result is the

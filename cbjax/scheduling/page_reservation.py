@@ -28,9 +28,15 @@ class PageReservations:
         """The cache positions a request holding a slot needs for its next decode call, when
         they exceed the pages it holds; else 0."""
         done = len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != RequestState.RUNNING)
-        capacity = len(self.pages.tables[r.request_id]) * self.pages.page_size
         need = self.decode_need(r, done)
-        return need if need > capacity else 0
+        return need if need > self._capacity(r) else 0
+
+    def covers(self, r: Request, num_tokens: int) -> bool:
+        """Whether the pages `r` holds take its next decode call once it holds `num_tokens`."""
+        return self.decode_need(r, num_tokens) <= self._capacity(r)
+
+    def _capacity(self, r: Request) -> int:
+        return len(self.pages.tables[r.request_id]) * self.pages.page_size
 
     def growing(self, holders: list[Request]) -> list[Request]:
         """The requests among `holders` whose next decode call needs more pages. Most rounds
