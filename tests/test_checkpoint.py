@@ -43,6 +43,22 @@ def test_orbax_of_hf_checkpoint_keeps_the_tokenizer_source(llama_dir, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_orbax_checkpoint_in_the_old_matrix_layout_is_refused(tmp_path):
+    """Before the layout was recorded, matrices were saved [in, out]: a square one would load
+    transposed without a word, so the missing layout is refused by name."""
+    import json
+
+    from cbjax.loading.orbax_io import ORBAX_CONFIG_FILE
+
+    save_orbax(load_model("tiny-llama"), str(tmp_path / "old"))
+    meta_path = tmp_path / "old" / ORBAX_CONFIG_FILE
+    meta = json.loads(meta_path.read_text())
+    del meta["params_layout"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="in_out.*convert the original checkpoint"):
+        load_orbax(str(tmp_path / "old"))
+
+
 def test_presets_are_seeded():
     a = load_model("tiny-llama", seed=3).params
     b = load_model("tiny-llama", seed=3).params

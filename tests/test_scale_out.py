@@ -68,9 +68,10 @@ def _assert_tensor_parallel_layout(llm, tp: int, kv_split: bool):
     devices = set(jax.devices()[:tp])
     for leaf in jax.tree.leaves(engine.params) + jax.tree.leaves(engine.cache) + jax.tree.leaves(engine.state):
         assert leaf.sharding.device_set == devices
-    assert _spec(layers["wq"]) == _spec(layers["w_up"]) == (None, "tp")
-    assert _spec(layers["wo"]) == _spec(layers["w_down"]) == ("tp", None)
-    assert _spec(layers["wk"]) == _spec(layers["wv"]) == ((None, "tp") if kv_split else (None, None))
+    # Matrices are [out, in]: column-parallel ones split their rows, row-parallel ones their columns.
+    assert _spec(layers["wq"]) == _spec(layers["w_up"]) == ("tp", None)
+    assert _spec(layers["wo"]) == _spec(layers["w_down"]) == (None, "tp")
+    assert _spec(layers["wk"]) == _spec(layers["wv"]) == (("tp", None) if kv_split else (None, None))
     assert engine.params["embed"].sharding.is_fully_replicated
     kv_spec = [None] * engine.cache.k[0].ndim
     if kv_split:

@@ -20,16 +20,16 @@ SUPPORTED_GGUF_ARCHS = ("llama",)
 _GGUF_NAMES = [
     (r"token_embd\.weight", "embed", lambda w: w),
     (r"output_norm\.weight", "final_norm/scale", lambda w: w),
-    (r"output\.weight", "lm_head", lambda w: w.T),
+    (r"output\.weight", "lm_head", lambda w: w),
     (r"blk\.(\d+)\.attn_norm\.weight", "layers/attn_norm/scale", lambda w: w),
     (r"blk\.(\d+)\.ffn_norm\.weight", "layers/mlp_norm/scale", lambda w: w),
     (r"blk\.(\d+)\.attn_q\.weight", "layers/wq", None),  # un-permuted, see below
     (r"blk\.(\d+)\.attn_k\.weight", "layers/wk", None),
-    (r"blk\.(\d+)\.attn_v\.weight", "layers/wv", lambda w: w.T),
-    (r"blk\.(\d+)\.attn_output\.weight", "layers/wo", lambda w: w.T),
-    (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate", lambda w: w.T),
-    (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up", lambda w: w.T),
-    (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down", lambda w: w.T),
+    (r"blk\.(\d+)\.attn_v\.weight", "layers/wv", lambda w: w),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers/wo", lambda w: w),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate", lambda w: w),
+    (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up", lambda w: w),
+    (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down", lambda w: w),
 ]
 
 
@@ -140,9 +140,9 @@ def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
                                  f"({t.tensor_type.name}): {e}") from e
             w = np.asarray(w, np.float32)
             if t.name.endswith("attn_q.weight"):
-                return _unpermute(w, config.num_heads).T
+                return _unpermute(w, config.num_heads)
             if t.name.endswith("attn_k.weight"):
-                return _unpermute(w, config.num_kv_heads).T
+                return _unpermute(w, config.num_kv_heads)
             return w
         return load
 

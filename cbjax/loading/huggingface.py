@@ -12,28 +12,28 @@ from cbjax.loading.model import Model, convert_tensors
 
 # (HF tensor name pattern, our flat name, transform). `L` in our name means the
 # tensor is per layer and `{i}` in the pattern captures the layer index.
-_T = lambda w: w.T  # noqa: E731  HF Linear stores [out, in]; we store [in, out].
+_T = lambda w: w.T  # noqa: E731  GPT-2's Conv1D stores [in, out]; we store [out, in] as Linear does.
 _ID = lambda w: w  # noqa: E731
 
 _LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed", _ID),
     (r"model\.norm\.weight", "final_norm/scale", _ID),
-    (r"lm_head\.weight", "lm_head", _T),
+    (r"lm_head\.weight", "lm_head", _ID),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers/attn_norm/scale", _ID),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers/mlp_norm/scale", _ID),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers/wq", _T),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers/wk", _T),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers/wv", _T),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers/wo", _T),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers/wq", _ID),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers/wk", _ID),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers/wv", _ID),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers/wo", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "layers/bq", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers/bk", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers/bv", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers/bo", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers/q_norm", _ID),
     (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers/k_norm", _ID),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers/w_gate", _T),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers/w_up", _T),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers/w_down", _T),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers/w_gate", _ID),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers/w_up", _ID),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers/w_down", _ID),
     (r"model\.layers\.(\d+)\.mlp\.gate_proj\.bias", "layers/b_gate", _ID),
     (r"model\.layers\.(\d+)\.mlp\.up_proj\.bias", "layers/b_up", _ID),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "layers/b_down", _ID),
@@ -45,18 +45,18 @@ _GPT2_NAMES = [
     (r"(?:transformer\.)?wpe\.weight", "pos_embed", _ID),
     (r"(?:transformer\.)?ln_f\.weight", "final_norm/scale", _ID),
     (r"(?:transformer\.)?ln_f\.bias", "final_norm/bias", _ID),
-    (r"lm_head\.weight", "lm_head", _T),
+    (r"lm_head\.weight", "lm_head", _ID),
     (r"(?:transformer\.)?h\.(\d+)\.ln_1\.weight", "layers/attn_norm/scale", _ID),
     (r"(?:transformer\.)?h\.(\d+)\.ln_1\.bias", "layers/attn_norm/bias", _ID),
     (r"(?:transformer\.)?h\.(\d+)\.ln_2\.weight", "layers/mlp_norm/scale", _ID),
     (r"(?:transformer\.)?h\.(\d+)\.ln_2\.bias", "layers/mlp_norm/bias", _ID),
-    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.weight", "layers/c_attn_w", _ID),
+    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.weight", "layers/c_attn_w", _T),
     (r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.bias", "layers/c_attn_b", _ID),
-    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.weight", "layers/wo", _ID),
+    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.weight", "layers/wo", _T),
     (r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.bias", "layers/bo", _ID),
-    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.weight", "layers/w_up", _ID),
+    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.weight", "layers/w_up", _T),
     (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.bias", "layers/b_up", _ID),
-    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.weight", "layers/w_down", _ID),
+    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.weight", "layers/w_down", _T),
     (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.bias", "layers/b_down", _ID),
 ]
 

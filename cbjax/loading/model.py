@@ -52,7 +52,7 @@ def _split_c_attn(flat: dict, config: ModelConfig) -> None:
             x = flat.pop(f"layers/{i}/{fused}", None)
             if x is not None:
                 for j, part in enumerate(parts):
-                    flat[f"layers/{i}/{part}"] = x[..., j * d:(j + 1) * d]
+                    flat[f"layers/{i}/{part}"] = x[j * d:(j + 1) * d]
 
 
 def convert_tensors(

@@ -13,6 +13,10 @@ from cbjax.models.params import check_params
 
 ORBAX_CONFIG_FILE = "cbjax_config.json"
 ORBAX_PARAMS_DIR = "params"
+# Matrices are stored `[out, in]` (cbjax/models/params.py). Checkpoints saved before the
+# layout was recorded hold them `[in, out]`; a square matrix would pass the shape check
+# transposed, so those are refused by name instead of loaded wrong.
+PARAMS_LAYOUT = "out_in"
 
 
 def save_orbax(model: Model, path: str) -> None:
@@ -24,7 +28,8 @@ def save_orbax(model: Model, path: str) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, ORBAX_PARAMS_DIR), model.params, force=True)
     with open(os.path.join(path, ORBAX_CONFIG_FILE), "w") as f:
-        json.dump({"config": model.config.to_dict(), "source": model.source}, f, indent=1)
+        json.dump({"config": model.config.to_dict(), "source": model.source, "params_layout": PARAMS_LAYOUT},
+                  f, indent=1)
 
 
 def is_orbax_dir(path: str) -> bool:
@@ -39,6 +44,10 @@ def load_orbax(path: str, dtype=None) -> Model:
     with open(config_path) as f:
         meta = json.load(f)
     config = ModelConfig.from_dict(meta["config"])
+    layout = meta.get("params_layout", "in_out")
+    if layout != PARAMS_LAYOUT:
+        raise ValueError(f"{config_path}: params saved in the {layout!r} matrix layout, this version stores "
+                         f"{PARAMS_LAYOUT!r}; convert the original checkpoint again and save it")
     params_dir = os.path.join(path, ORBAX_PARAMS_DIR)
     if not os.path.isdir(params_dir):
         raise FileNotFoundError(f"{path!r} has {ORBAX_CONFIG_FILE} but no {ORBAX_PARAMS_DIR}/ directory")

@@ -30,6 +30,18 @@ def _zeros_per_layer(num_layers: int, shape: tuple, dtype) -> tuple:
     return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
 
 
+def _scatter_rows(index: jax.Array, positions: jax.Array, new: jax.Array, dropped: int):
+    """Add a dropped second row when `new` is a single `[1, 1, ...]` row. XLA turns a
+    one-row scatter into a dynamic-update-slice, duplicates that into the layer's read,
+    and must then keep the old buffer alive past the in-place update: it copied every
+    layer's cache twice per decode step of one sequence (120 copies per SmolLM2 step).
+    Two rows stay a scatter, updated in place as at any other batch size."""
+    if new.shape[0] * new.shape[1] != 1:
+        return index, positions, new
+    pair = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
+    return jnp.concatenate([index, jnp.full_like(index, dropped)], axis=1), pair(positions), pair(new)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotCache:
@@ -74,6 +86,7 @@ class SlotCache:
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
         valid = (jnp.arange(t)[None, :] < num_valid[:, None]) & (positions < self.max_len)
         slots = jnp.where(valid, slot_ids[:, None], self.num_slots)
+        slots, positions, new = _scatter_rows(slots, positions, new, self.num_slots)
         # cache[slots, :, positions] with [B, T] index arrays indexes [B, T, kv_heads, hd]
         # (NumPy puts the broadcast index dimensions first when a slice separates them).
         return cache.at[slots, :, positions].set(new.astype(cache.dtype), mode="drop")
@@ -145,6 +158,7 @@ class PagedCache:
         page = jnp.take_along_axis(table, jnp.clip(positions // ps, 0, table.shape[1] - 1), axis=1)
         valid = jnp.arange(t)[None, :] < num_valid[:, None]
         page = jnp.where(valid, page, self.num_pages)
+        page, positions, new = _scatter_rows(page, positions, new, self.num_pages)
         # cache[:, page, offset] with adjacent [B, T] index arrays indexes [kv_heads, B, T, hd]
         return cache.at[:, page, positions % ps].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
 

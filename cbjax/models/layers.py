@@ -70,7 +70,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = x @ w
+    """`x @ w.T + b` for a weight stored `[out, in]` (see cbjax/models/params.py)."""
+    y = jnp.einsum("...d,od->...o", x, w)
     return y if b is None else y + b
 
 

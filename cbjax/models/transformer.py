@@ -149,7 +149,8 @@ def forward(
         window = config.windows[first_layer + layer]
         q, k, v = _qkv(x, p, config, cos, sin)
         # Written before it is read: the read then depends on the write, so XLA updates the
-        # layer's buffer in place instead of keeping a copy of the old one for the read.
+        # layer's buffer in place instead of keeping a copy of the old one for the read
+        # (written after, every layer's cache was copied twice per call).
         ks[layer] = cache.write(ks[layer], slot_ids, starts, num_valid, k)
         vs[layer] = cache.write(vs[layer], slot_ids, starts, num_valid, v)
         if paged_kernel:
@@ -174,10 +175,7 @@ def forward(
     elif logits_index is not None:
         x = x[jnp.arange(b), logits_index]
     x = norm(x, params["final_norm"], config)
-    if config.tie_embeddings:
-        # Contract against the embedding's own rows: `x @ embed.T` made XLA:CPU copy the whole
-        # transposed embedding (113 MB for SmolLM2) in every decode step.
-        logits = jnp.einsum("...d,vd->...v", x, params["embed"])
-    else:
-        logits = x @ params["lm_head"]
+    # Contract against the rows of `[vocab, hidden]`: `x @ embed.T` made XLA:CPU copy the whole
+    # transposed embedding (113 MB for SmolLM2) in every decode step.
+    logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"])
     return logits.astype(jnp.float32), cache

@@ -30,9 +30,9 @@ from cbjax.config import ModelConfig
 AXIS = "tp"
 
 # The split axis of each per-layer tensor; absent ones are replicated.
-_COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up")  # split the last (output) axis
-_ROW = ("wo", "w_down")  # split the input axis (axis 0 of [in, out])
-_KV = ("wk", "wv", "bk", "bv")  # the last axis, when KV heads are split
+_COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up")  # split the output axis (axis 0 of [out, in])
+_ROW = ("wo", "w_down")  # split the input axis (axis 1 of [out, in])
+_KV = ("wk", "wv", "bk", "bv")  # the output axis, when KV heads are split
 
 
 def tensor_parallel_mesh(tensor_parallel: int, devices=None) -> Mesh:
@@ -69,9 +69,9 @@ def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     def spec(name: str, leaf) -> P:
         axes = [None] * leaf.ndim
         if name in _COLUMN or (split_kv and name in _KV):
-            axes[-1] = AXIS
-        elif name in _ROW:
             axes[0] = AXIS
+        elif name in _ROW:
+            axes[-1] = AXIS
         return P(*axes)
 
     layers = [{name: spec(name, leaf) if not isinstance(leaf, dict) else jax.tree.map(lambda x: P(), leaf)
