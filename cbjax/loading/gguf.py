@@ -17,19 +17,20 @@ from cbjax.config import ModelConfig
 
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
+# (GGUF tensor name pattern, our flat name); ggml stores matrices [out, in] as we do.
 _GGUF_NAMES = [
-    (r"token_embd\.weight", "embed", lambda w: w),
-    (r"output_norm\.weight", "final_norm/scale", lambda w: w),
-    (r"output\.weight", "lm_head", lambda w: w),
-    (r"blk\.(\d+)\.attn_norm\.weight", "layers/attn_norm/scale", lambda w: w),
-    (r"blk\.(\d+)\.ffn_norm\.weight", "layers/mlp_norm/scale", lambda w: w),
-    (r"blk\.(\d+)\.attn_q\.weight", "layers/wq", None),  # un-permuted, see below
-    (r"blk\.(\d+)\.attn_k\.weight", "layers/wk", None),
-    (r"blk\.(\d+)\.attn_v\.weight", "layers/wv", lambda w: w),
-    (r"blk\.(\d+)\.attn_output\.weight", "layers/wo", lambda w: w),
-    (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate", lambda w: w),
-    (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up", lambda w: w),
-    (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down", lambda w: w),
+    (r"token_embd\.weight", "embed"),
+    (r"output_norm\.weight", "final_norm/scale"),
+    (r"output\.weight", "lm_head"),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers/attn_norm/scale"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers/mlp_norm/scale"),
+    (r"blk\.(\d+)\.attn_q\.weight", "layers/wq"),  # un-permuted by the loader
+    (r"blk\.(\d+)\.attn_k\.weight", "layers/wk"),
+    (r"blk\.(\d+)\.attn_v\.weight", "layers/wv"),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers/wo"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate"),
+    (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up"),
+    (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down"),
 ]
 
 
@@ -146,7 +147,7 @@ def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
             return w
         return load
 
-    names = [(p, ours, fn or (lambda w: w)) for p, ours, fn in _GGUF_NAMES]
+    names = [(p, ours, lambda w: w) for p, ours in _GGUF_NAMES]
     params = convert_tensors({n: loader(t) for n, t in tensors.items()}, config, names, dtype,
                              lambda n: path)
     tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
