@@ -5,14 +5,14 @@ shardings, and XLA's partitioner (GSPMD) inserts the collectives. The layout is
 Megatron's: attention by heads and the MLP by its width, so each layer needs one
 all-reduce after `wo` and one after `w_down`.
 
-- `wq`/`bq` by query heads, `wo` by its input (query heads) rows.
+- `wq`/`bq` by query heads, `wo` by its input (query heads) columns.
 - `wk`/`wv`/`bk`/`bv` and the KV cache by KV heads, when the tensor-parallel size
   divides the KV head count. Otherwise (a GQA model with fewer KV heads than devices,
   or a count it does not divide) they are replicated: every device holds every KV
   head and computes K/V for all of them, which costs memory but keeps each device's
   query heads next to the keys they read. vLLM instead replicates each KV head over
   `tp / kv_heads` devices; under GSPMD full replication is the simple, correct rule.
-- `w_gate`/`w_up`/`b_gate`/`b_up` by the MLP width, `w_down` by its input rows.
+- `w_gate`/`w_up`/`b_gate`/`b_up` by the MLP width, `w_down` by its input columns.
 - Embeddings, norms, the LM head and every small per-slot array are replicated.
 
 The query head count and the MLP width must be divisible by the tensor-parallel size.
