@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from cbjax import checks
-from cbjax.runtime.engine import EngineConfig
+from cbjax.runtime.engine import CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +56,9 @@ class EngineArgs:
     enable_prefix_caching: bool = _knob(False, "Share cached prompt pages between requests (paged cache).")
     attention: str = _knob("reference", "Attention: reference (pure JAX) or pallas (paged kernels).",
                            ("reference", "pallas"))
+    cpu_kernels: str = _knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
+                             "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
+                             CPU_KERNEL_CHOICES)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
@@ -94,7 +97,7 @@ class EngineArgs:
             num_pages=self.num_pages if num_pages is None else num_pages, max_seq_len=self.max_seq_len,
             prefill_floor=self.prefill_floor, decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
-            max_num_batched_tokens=self.max_num_batched_tokens)
+            max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels)
 
     # ------------------------------------------------------------- flags
     @classmethod

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import ModelConfig
+from cbjax.models import cpu_kernels
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -69,16 +70,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """`x @ w.T + b` for a weight stored `[out, in]` (see cbjax/models/params.py)."""
-    y = jnp.einsum("...d,od->...o", x, w)
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, cpu_kernel: bool = False) -> jax.Array:
+    """`x @ w.T + b` for a weight stored `[out, in]` (see cbjax/models/params.py);
+    `cpu_kernel` is the program's `ModelConfig.cpu_kernels`."""
+    if cpu_kernel and cpu_kernels.fits(x, w):
+        y = cpu_kernels.matmul_nt(x, w)
+    else:
+        y = jnp.einsum("...d,od->...o", x, w)
     return y if b is None else y + b
 
 
 def mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
-    up = dense(x, p["w_up"], p.get("b_up"))
+    up = dense(x, p["w_up"], p.get("b_up"), config.cpu_kernels)
     if config.is_gpt2:
         h = jax.nn.gelu(up, approximate=True)
     else:
-        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"))) * up
-    return dense(h, p["w_down"], p.get("b_down"))
+        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), config.cpu_kernels)) * up
+    return dense(h, p["w_down"], p.get("b_down"), config.cpu_kernels)

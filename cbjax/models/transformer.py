@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from cbjax.config import ModelConfig
+from cbjax.models import cpu_kernels
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
@@ -34,9 +35,9 @@ def _qkv(x, p, config, cos, sin):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
-    q = dense(h, p["wq"], p.get("bq")).reshape(b, t, config.num_heads, hd)
-    k = dense(h, p["wk"], p.get("bk")).reshape(b, t, config.num_kv_heads, hd)
-    v = dense(h, p["wv"], p.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    q = dense(h, p["wq"], p.get("bq"), config.cpu_kernels).reshape(b, t, config.num_heads, hd)
+    k = dense(h, p["wk"], p.get("bk"), config.cpu_kernels).reshape(b, t, config.num_kv_heads, hd)
+    v = dense(h, p["wv"], p.get("bv"), config.cpu_kernels).reshape(b, t, config.num_kv_heads, hd)
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.norm_eps)
         k = rms_norm(k, p["k_norm"], config.norm_eps)
@@ -67,13 +68,19 @@ def _kernel_attention(q, cache, pool_k, pool_v, slot_ids, starts, ragged):
 
 
 def _reference_attention(q, k, v, cache, layer_k, layer_v, window, slot_ids, positions, history_end, num_valid,
-                         kv_len, all_slots, flat_rows):
+                         kv_len, all_slots, flat_rows, cpu_kernel=False):
     """The layer cache's first `kv_len` positions before `history_end` (the history) plus
     the new keys `k`/`v` (`[B, T, kv_heads, d]`), merged by their softmax statistics."""
     scale = q.shape[-1] ** -0.5
     t = q.shape[1]
     parts = []
-    if kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
+    if kv_len and cpu_kernel and cpu_kernels.attends(q, layer_k):
+        # The same history part, each row reading its keys once up to its own length
+        pos = positions[:, 0]
+        lo = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)
+        hi = jnp.minimum(jnp.minimum(history_end, pos + 1), kv_len)
+        parts.append(cpu_kernels.history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi))
+    elif kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
         mask = (k_pos < history_end[:, None, None]) & visible(positions[:, :, None], k_pos, window)
         keys = cache.read(layer_k, slot_ids, kv_len, all_slots)
@@ -157,8 +164,8 @@ def forward(
             out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged)
         else:
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
-                                       history_end, num_valid, kv_len, all_slots, flat_rows)
-        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"))
+                                       history_end, num_valid, kv_len, all_slots, flat_rows, config.cpu_kernels)
+        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), config.cpu_kernels)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
@@ -177,5 +184,5 @@ def forward(
     x = norm(x, params["final_norm"], config)
     # Contract against the rows of `[vocab, hidden]`: `x @ embed.T` made XLA:CPU copy the whole
     # transposed embedding (113 MB for SmolLM2) in every decode step.
-    logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"])
+    logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"], cpu_kernel=config.cpu_kernels)
     return logits.astype(jnp.float32), cache

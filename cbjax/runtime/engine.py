@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from cbjax import checks
+from cbjax.models import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
 from cbjax.runtime import programs, sharding
@@ -30,6 +31,25 @@ from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState
 from cbjax.runtime.mixed_step import mixed_step, pack, row_bucket, token_buckets
 from cbjax.scheduling.config import MERGE_MODES
 from cbjax.scheduling.plan import Row
+
+
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def use_cpu_kernels(choice: str, params, mesh) -> bool:
+    """ModelConfig.cpu_kernels for an engine: the kernels need f32 weights on one CPU device."""
+    if choice == "off":
+        return False
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    embed = params["embed"]
+    why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
+               else f"the weights are {embed.dtype}, the kernel is f32" if embed.dtype != np.float32
+               else cpu_kernels.build_error())
+    if why_not is None:
+        return True
+    if choice == "on":
+        raise ValueError(f"cpu_kernels='on' is unavailable: {why_not}")
+    return False
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -66,6 +86,10 @@ class EngineConfig:
     # step (cbjax/mixed_step.py) per round over at most `max_num_batched_tokens` tokens.
     merge_mode: str = "prefill_first"
     max_num_batched_tokens: int | None = None
+    # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
+    # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
+    # "on" (those, or an error) or "off" (XLA).
+    cpu_kernels: str = "auto"
 
     def __post_init__(self):
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
@@ -77,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
         if self.attention not in ("reference", "pallas"):
             raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
+        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
         if self.attention == "pallas" and self.kv_cache != "paged":
@@ -114,6 +140,8 @@ class Engine:
             self.params = sharding.shard_params(model.params, mc, mesh)
         else:
             self.params = model.params
+        # The model config the programs are traced with: the model's, plus which kernels they use.
+        self.program_config = mc.replace(cpu_kernels=use_cpu_kernels(config.cpu_kernels, self.params, mesh))
         self.reset()
 
     def _configure(self, model, config: EngineConfig) -> None:
@@ -186,7 +214,7 @@ class Engine:
     def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> jax.Array:
         tokens, ints, floats = self._pack_prefill(chunks, bucket)
         out, self.cache, self.state = programs.prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
-                                                            config=self.model.config, max_len=self.max_len,
+                                                            config=self.program_config, max_len=self.max_len,
                                                             kv_len=kv_len)
         return out
 
@@ -211,7 +239,7 @@ class Engine:
 
     def _mixed_call(self, packed: tuple[np.ndarray, ...], kv_len: int) -> jax.Array:
         out, self.cache, self.state = mixed_step(self.params, self.cache, self.state, *packed,
-                                                 config=self.model.config, max_len=self.max_len, kv_len=kv_len,
+                                                 config=self.program_config, max_len=self.max_len, kv_len=kv_len,
                                                  paged_kernel=self.config.attention == "pallas")
         return out
 
@@ -221,7 +249,7 @@ class Engine:
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
         out, self.cache, self.state = programs.decode_steps(
-            self.params, self.cache, self.state, config=self.model.config, max_len=self.max_len, kv_len=kv_len,
+            self.params, self.cache, self.state, config=self.program_config, max_len=self.max_len, kv_len=kv_len,
             steps=steps, paged_kernel=self.config.attention == "pallas")
         return out
 
