@@ -4,13 +4,15 @@ For each batch size (default 1, 8 and 32 sequences of a 64-token prompt making 1
 new tokens each, greedy, EOS ignored) this prints:
 
 - cbjax: the engine's decode steps alone (time per step and generated tokens/s, as
-  llama.cpp's S_TG counts them) and the whole `LLM.generate` (prefill, scheduling and
-  decode: tokens/s as llama.cpp's S t/s counts them);
+  llama.cpp's S_TG counts them), also with the CPU kernels off (`--compare_xla`), and the
+  whole `LLM.generate` (prefill, scheduling and decode: tokens/s as llama.cpp's S t/s
+  counts them);
 - llama.cpp's `llama-batched-bench` on the same weights (SmolLM2's GGUF requantized
   to F32 by `llama-quantize --allow-requantize`, so both sides hold the same f32
   numbers), when its binaries are found (`--llama_cpp_dir` or PATH);
-- the weight-streaming roofline: weight bytes / the bandwidth of one XLA matvec over
-  the embedding matrix, measured in this run.
+- the weight-streaming roofline: weight bytes / the bandwidth of one matvec over a matrix
+  as large as all the weights, measured in this run (the faster of XLA's and the CPU
+  kernel's); the embedding matrix's own matvec bandwidth is printed beside it.
 
 llama.cpp is an optional external peer, never installed by the project; how to build
 it is in docs/experiments.md. Without it the script prints cbjax and the roofline.
@@ -45,6 +47,8 @@ flags.DEFINE_string("llama_cpp_gguf", None, "An F32 GGUF for llama.cpp (default:
 flags.DEFINE_integer("threads", None, "llama.cpp threads (default: the cores this process may use).", lower_bound=1)
 flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax (the median is kept).",
                      lower_bound=1)
+flags.DEFINE_enum("cpu_kernels", "auto", ["auto", "on", "off"], "cbjax's CPU kernels (EngineConfig.cpu_kernels).")
+flags.DEFINE_bool("compare_xla", True, "Also time cbjax's decode with the CPU kernels off (XLA only), side by side.")
 flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to write the results.")
 
 
@@ -52,14 +56,17 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def matvec_bandwidth(matrix) -> float:
-    """Bytes per second of one XLA matvec over `matrix` `[rows, d]` (the median of 30)."""
+def matvec_bandwidth(matrix, kernel: bool = False) -> float:
+    """Bytes per second of one matvec over `matrix` `[rows, d]` (the median of 30), by XLA or
+    by the CPU kernel."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from cbjax.models import cpu_kernels
+
     x = jnp.ones((1, matrix.shape[1]), matrix.dtype)
-    f = jax.jit(lambda x, m: jnp.einsum("bd,vd->bv", x, m))
+    f = jax.jit(cpu_kernels.matmul_nt if kernel else lambda x, m: jnp.einsum("bd,vd->bv", x, m))
     f(x, matrix).block_until_ready()
     times = []
     for _ in range(30):
@@ -69,7 +76,7 @@ def matvec_bandwidth(matrix) -> float:
     return matrix.nbytes / float(np.median(times))
 
 
-def cbjax_decode(model, batch: int, max_seq_len: int) -> dict:
+def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
     """Prefill `batch` prompts into an engine of `batch` slots, then time `new_tokens - 1`
     decode steps (the first token comes from the prefill)."""
     import numpy as np
@@ -78,7 +85,7 @@ def cbjax_decode(model, batch: int, max_seq_len: int) -> dict:
     from cbjax.runtime.engine import Engine, EngineConfig
     from cbjax.scheduling.plan import Row
 
-    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len))
+    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels))
     engine.warmup(max_prompt_len=FLAGS.prompt_len)
     rng = np.random.default_rng(batch)
     sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
@@ -106,7 +113,7 @@ def cbjax_generate(model, batch: int, max_seq_len: int) -> dict:
 
     from cbjax import LLM, SamplingParams
 
-    llm = LLM(model, policy="continuous", num_slots=batch, max_seq_len=max_seq_len)
+    llm = LLM(model, policy="continuous", num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=FLAGS.cpu_kernels)
     llm.warmup()
     rng = np.random.default_rng(1000 + batch)
     prompts = [rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
@@ -167,19 +174,39 @@ def main(argv):
     model = load_model(FLAGS.model, dtype="float32")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
-    bandwidth = matvec_bandwidth(model.params["embed"])
+    from cbjax.models import cpu_kernels
+
+    # The roofline's bandwidth: one matvec over a matrix as large as all the weights (a decode
+    # step streams them all), the faster of XLA's and the CPU kernel's. The embedding alone
+    # (113 MB for SmolLM2) stays partly in this VM's 480 MB L3 between repeats and measured
+    # 31-42 GB/s where a weights-sized matrix streams at 24-27 GB/s.
+    import jax.numpy as jnp
+    import numpy as np
+
+    d = model.params["embed"].shape[1]
+    streamed = jnp.asarray(np.random.default_rng(0).standard_normal((weight_bytes // (4 * d), d), np.float32))
+    bandwidths = {"xla": matvec_bandwidth(streamed), "xla_embedding": matvec_bandwidth(model.params["embed"])}
+    if cpu_kernels.available():
+        bandwidths["cpu_kernel"] = matvec_bandwidth(streamed, kernel=True)
+    del streamed
+    bandwidth = max(v for k, v in bandwidths.items() if k != "xla_embedding")
     roofline_ms = 1000 * weight_bytes / bandwidth
-    print(f"weights {weight_bytes / 1e6:.0f} MB, matvec bandwidth {bandwidth / 1e9:.1f} GB/s: "
-          f"roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
+    print(f"weights {weight_bytes / 1e6:.0f} MB, matvec bandwidth "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidths.items())
+          + f": roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
     ours = {}
     for b in batches:
-        ours[b] = {**cbjax_decode(model, b, max_seq_len), **cbjax_generate(model, b, max_seq_len)}
+        ours[b] = {**cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels), **cbjax_generate(model, b, max_seq_len)}
+        if FLAGS.compare_xla and FLAGS.cpu_kernels != "off":
+            ours[b]["xla_only_ms_per_step"] = cbjax_decode(model, b, max_seq_len, "off")["ms_per_step"]
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
+    xla_column = all("xla_only_ms_per_step" in ours[b] for b in batches)
     with tempfile.TemporaryDirectory() as tmp:
         peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
 
-    header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}"
+    header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}" + (
+        f" | {'XLA-only ms/step':>16}" if xla_column else "")
     if peer:
         header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>15}"
     print("\n" + header + "\n" + "-" * len(header))
@@ -187,7 +214,8 @@ def main(argv):
         r = ours[b]
         r["fraction_of_roofline"] = roofline_ms / r["ms_per_step"] if b == 1 else None
         line = f"{b:>5} | {r['ms_per_step']:>13.1f} | {r['tg_tokens_per_s']:>11.1f} | " + (
-            f"{100 * r['fraction_of_roofline']:>7.0f}%" if b == 1 else f"{'':>8}")
+            f"{100 * r['fraction_of_roofline']:>7.0f}%" if b == 1 else f"{'':>8}") + (
+            f" | {r['xla_only_ms_per_step']:>16.1f}" if xla_column else "")
         if peer and b in peer["rows"]:
             theirs = peer["rows"][b]
             r["throughput_vs_llama_cpp"] = r["tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
@@ -195,7 +223,8 @@ def main(argv):
                      f"{r['throughput_vs_llama_cpp']:>14.2f}x")
         print(line)
     result = {"model": FLAGS.model, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
-              "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "roofline_ms_per_step": roofline_ms,
+              "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
+              "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
               "cbjax": ours, "llama_cpp": peer,
               "machine": {"platform": platform.platform(), "cores": _cores(), "jax": jax.__version__,
                           "backend": jax.default_backend()}}

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention")
-# Rows (batch x tokens) up to which the kernel beats XLA:CPU; measured on SmolLM2's shapes
-# (30 layers plus the LM head, 2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs 45.6 ms,
-# 32 rows 60.3 vs 62.7 ms.
-MAX_ROWS = 32
+# Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
+# layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
+# 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
+MAX_ROWS = 16
 SOURCE = Path(__file__).with_suffix(".cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
@@ -101,6 +101,11 @@ def available() -> bool:
     return build_error() is None
 
 
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+
+
 def fits(x: jax.Array, w: jax.Array) -> bool:
     """Whether `x @ w.T` is the kernel's: f32, a 2-D weight, at most MAX_ROWS rows."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
@@ -110,6 +115,7 @@ def fits(x: jax.Array, w: jax.Array) -> bool:
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w.T` for x `[..., K]` and w `[N, K]` (f32) by the kernel."""
+    _require()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
     return jax.ffi.ffi_call("cbjax_matmul_nt", out, vmap_method="sequential")(x, w)
 
@@ -125,6 +131,7 @@ def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Arra
     positions [lo[b], hi[b]) of row b's slot in one layer of `cache` (slot or paged). Returns
     the same triple: out `[B, kv_heads, group, 1, d]` unnormalised, max and sum
     `[B, kv_heads, group, 1]`."""
+    _require()
     b, _, hq, d = q.shape
     if hasattr(cache, "block_tables"):  # pool [kv_heads, pages, page_size, d]
         kv_heads, num_pages, page_size, _ = layer_k.shape
