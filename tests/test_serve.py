@@ -292,11 +292,17 @@ def test_disconnects_free_slots_and_pages(paged_server):
                 assert response.status == 200
                 await response.content.readline()
                 streams.append(response)
-            # A fifth request queues behind them; its client gives up while it waits.
-            with pytest.raises(asyncio.TimeoutError):
-                await session.post(server.url + "/v1/completions", json=long,
-                                   timeout=aiohttp.ClientTimeout(total=0.3))
+            # A fifth request queues behind them; its client gives up once it waits in the engine
+            # (a fixed client timeout could expire before a loaded machine had even submitted it).
+            queued = asyncio.ensure_future(session.post(server.url + "/v1/completions", json=long))
+            deadline = time.monotonic() + 30
+            while _metrics(server).get("vllm:num_requests_waiting", 0) < 1:
+                assert time.monotonic() < deadline and not queued.done(), "the fifth request never queued"
+                await asyncio.sleep(0.05)
             waiting = _metrics(server)
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
             for response in streams:
                 response.close()
             return waiting
