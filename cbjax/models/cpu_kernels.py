@@ -54,16 +54,19 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
 def library_path() -> Path:
-    compiler = os.environ.get("CXX", "c++")
-    key = "\n".join([SOURCE.read_text(), compiler, " ".join(_FLAGS), jax.__version__, platform.machine(),
+    key = "\n".join([SOURCE.read_text(), _compiler(), " ".join(_FLAGS), jax.__version__, platform.machine(),
                      _cpu_signature()])
     cache = Path(os.environ.get("CBJAX_CACHE_DIR") or Path.home() / ".cache" / "cbjax")
     return cache / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r}) on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
