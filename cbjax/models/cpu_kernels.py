@@ -12,7 +12,8 @@ The pure-JAX code they replace is the reference (tests compare the two). The ker
 compiled once per machine with the system C++ compiler (`$CXX`, else `c++`) against the XLA
 FFI headers that jaxlib ships, cached under `$CBJAX_CACHE_DIR` (default `~/.cache/cbjax`), and
 registered as XLA FFI targets. Without a compiler `available()` is False and everything runs
-through XLA as before.
+through XLA as before. They use one thread per CPU this process may run on, or
+`$CBJAX_CPU_KERNEL_THREADS`.
 """
 
 from __future__ import annotations
