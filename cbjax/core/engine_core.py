@@ -148,9 +148,9 @@ class EngineCore:
         if plan.decode:
             finishing = {c.request.request_id for c in plan.prefills if c.is_last}
             running = RequestState.RUNNING
-            longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running)
-                          for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing))
-            decoded = engine.decode(longest)
+            live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
+            longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running) for r in live)
+            decoded = engine.decode(longest, [r.slot for r in live])
             if not calls:
                 self._run_ahead()
         # The one host copy of the round: every prefill's (token, done) and the decode tokens.
@@ -186,7 +186,8 @@ class EngineCore:
         after = [r.num_tokens + steps for r in holders]
         if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
             return  # the next call would grow a table: let the scheduler reserve (or preempt) first
-        self._ahead = self.engine.decode(max(after))  # decode caps the attended length at max_len
+        # decode caps the attended length at max_len
+        self._ahead = self.engine.decode(max(after), [r.slot for r in holders])
         self.stats.ahead_calls += 1
 
     def _ahead_round(self) -> list[Request]:

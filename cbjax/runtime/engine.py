@@ -243,19 +243,37 @@ class Engine:
                                                  paged_kernel=self.config.attention == "pallas")
         return out
 
-    def decode(self, longest: int) -> jax.Array:
+    def decode(self, longest: int, slots=None) -> jax.Array:
         """`decode_steps` steps for every active slot; `longest` is the largest sequence length
-        (prompt + generated) among active slots, which sets the attended-length bucket."""
+        (prompt + generated) among active slots, which sets the attended-length bucket.
+        `slots`: the slots that may be active (None: all); only those are computed, in a row
+        bucket of a power of two (every slot once the bucket would reach `num_slots`)."""
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
         out, self.cache, self.state = programs.decode_steps(
-            self.params, self.cache, self.state, config=self.program_config, max_len=self.max_len, kv_len=kv_len,
-            steps=steps, paged_kernel=self.config.attention == "pallas")
+            self.params, self.cache, self.state, self._decode_rows(slots), config=self.program_config,
+            max_len=self.max_len, kv_len=kv_len, steps=steps, paged_kernel=self.config.attention == "pallas")
         return out
+
+    def decode_row_buckets(self) -> list[int]:
+        """Row counts a decode call is compiled for: powers of two below `num_slots`, then
+        every slot (None)."""
+        return [1 << i for i in range((self.num_slots - 1).bit_length())] + [None]
+
+    def _decode_rows(self, slots) -> jax.Array | None:
+        if slots is None:
+            return None
+        slots = sorted(slots)
+        rows = 1 << max(len(slots) - 1, 0).bit_length()
+        if rows >= self.num_slots:
+            return None
+        padded = np.full((rows,), self.num_slots, np.int32)
+        padded[:len(slots)] = slots
+        return self._put(padded)
 
     def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
         """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
-        and ("decode", attended length). `max_prompt_len` leaves out prefill buckets no
+        and ("decode", attended length, rows or None for every slot). `max_prompt_len` leaves out prefill buckets no
         prompt of the workload reaches."""
         if self.mixed:
             return [("mixed", t, kv) for t in self._mixed_token_buckets() for kv in self.buckets]
@@ -270,7 +288,7 @@ class Engine:
         most_rows = min(self.config.max_prefill_batch, 1 << (self.num_slots - 1).bit_length())
         rows = [1 << i for i in range(most_rows.bit_length())]
         progs = [("prefill", r, b, kv) for r in rows for b, kv in shapes]
-        return progs + [("decode", kv) for kv in self.buckets]
+        return progs + [("decode", kv, rows) for kv in self.buckets for rows in self.decode_row_buckets()]
 
     def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
@@ -283,7 +301,8 @@ class Engine:
                 out = self._mixed_call(pack([], num_tokens, row_bucket(num_tokens, self.num_slots),
                                             self.stop_ids_for), kv_len)
             elif prog[0] == "decode":
-                out = self.decode(max(prog[1] - self.config.decode_steps, 0))
+                _, kv_len, rows = prog
+                out = self.decode(max(kv_len - self.config.decode_steps, 0), None if rows is None else range(rows))
             else:
                 _, rows, bucket, kv_len = prog
                 chunk = [Row(0, [0] * bucket, max(kv_len - bucket, 0), True, greedy)]

@@ -184,9 +184,11 @@ class PipelineEngine(Engine):
         self._log(last, chain, "prefill", rows, bucket, kv_len)
         return out
 
-    def decode(self, longest: int) -> jax.Array:
-        """`decode_steps` steps of every slot, micro-batch by micro-batch through the stages;
-        returns `[steps, slots]` tokens (or -1), as `Engine.decode`."""
+    def decode(self, longest: int, slots=None) -> jax.Array:
+        """`decode_steps` steps of every slot (whatever `slots` says: the micro-batches are
+        fixed), micro-batch by micro-batch through the stages; returns `[steps, slots]` tokens
+        (or -1), as `Engine.decode`."""
+        del slots
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
         last = self.stages - 1

@@ -71,10 +71,12 @@ class BlockManager:
         return keys
 
     def _cached_prefix(self, tokens: list[int]) -> list[int]:
+        """The cached pages a prompt can reuse: whole pages, and never one holding its last
+        token, which must be computed to produce the first output token."""
         if not self.enable_prefix_caching:
             return []
         pages = []
-        for key in self._keys(tokens):
+        for key in self._keys(tokens[:len(tokens) - 1]):
             page = self.cached.get(key)
             if page is None:
                 break
@@ -112,9 +114,6 @@ class BlockManager:
         if not self.can_allocate(tokens):
             raise MemoryError(f"not enough free pages for {len(tokens)} tokens")
         cached = self._cached_prefix(tokens)
-        # Keep at least one token to compute: drop a cached page that would cover them all.
-        while cached and len(cached) * self.page_size >= len(tokens):
-            cached.pop()
         if self.enable_prefix_caching:
             self.stats.queries += len(tokens) // self.page_size
             self.stats.hits += len(cached)

@@ -48,9 +48,9 @@ class ShadowedEngine:
             self._compare("prefill done flags", np.asarray(jax.device_get(device))[:, 1], sim[:, 1])
         return calls
 
-    def decode(self, longest: int):
-        shadow = self.shadow.decode(longest)
-        out = self.real.decode(longest)
+    def decode(self, longest: int, slots=None):
+        shadow = self.shadow.decode(longest, slots)
+        out = self.real.decode(longest, slots)
         self._compare("decode activity", np.asarray(jax.device_get(out)) >= 0, shadow >= 0)
         return out
 

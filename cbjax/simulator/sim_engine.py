@@ -84,9 +84,11 @@ class SimulatedEngine(Engine):
                           rows=len(chunks)))
         return out
 
-    def decode(self, longest: int) -> np.ndarray:
+    def decode(self, longest: int, slots=None) -> np.ndarray:
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
+        computed = self.num_slots if slots is None else (1 << max(len(slots) - 1, 0).bit_length())
+        computed = min(computed, self.num_slots)  # the real engine's row bucket
         slots = self.config.num_slots
         out = np.full((steps, slots), -1, np.int32)
         rows = int(self.active.sum())
@@ -99,8 +101,8 @@ class SimulatedEngine(Engine):
             out[step, act] = self.filler[act]
             done = act & ((self.generated >= self.max_tokens) | (self.length + 1 >= self.max_len))
             self.active = act & ~done
-        read = live_keys if self.reads_live_pages else steps * slots * kv_len
-        self._charge(Call("decode", tokens=steps * slots, attended=read, kv_read=read, rows=rows, steps=steps))
+        read = live_keys if self.reads_live_pages else steps * computed * kv_len
+        self._charge(Call("decode", tokens=steps * computed, attended=read, kv_read=read, rows=rows, steps=steps))
         return out
 
     def mixed_step(self, rows: list[Row]) -> np.ndarray:
