@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -155,6 +157,7 @@ def test_stop_strings_cut_the_text(served):
                 and "\ufffd" not in text[i:i + 2])
     cut = text[:text.index(stop)]
     client = _client(server)
+    before = _wait_idle(server)
     r = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                   stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
@@ -162,7 +165,11 @@ def test_stop_strings_cut_the_text(served):
                                             temperature=0, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
-    _wait_idle(server)
+    after = _wait_idle(server)
+    # Counted as the client saw them: two stops (the front aborted both in the engine), no abort.
+    key = "vllm:request_success_total{{finished_reason={}}}"
+    assert after.get(key.format("stop"), 0) - before.get(key.format("stop"), 0) == 2
+    assert after.get(key.format("abort"), 0) == before.get(key.format("abort"), 0)
 
 
 def test_concurrent_streams_lose_nothing(served):
@@ -253,6 +260,20 @@ MALFORMED = {
     "unknown route": dict(path="/v1/embeddings", body={"model": MODEL, "input": "hi"}, status=404),
     "wrong method": dict(path="/v1/completions", method="GET", status=405),
     "body over the size limit": dict(raw=b'{"prompt": "' + b"x" * (9 << 20) + b'"}', status=413),
+    "nested past the recursion limit": dict(raw=b"[" * 100_000 + b"]" * 100_000),
+    "prompt nested past the recursion limit": dict(
+        raw=b'{"model": "' + MODEL.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "a 10,000-digit max_tokens": dict(raw=b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "max_tokens": '
+                                      + b"9" * 10_000 + b"}"),
+    "a lone surrogate in the prompt": dict(raw=b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800x"}'),
+    "a lone surrogate in a batch": dict(raw=b'{"model": "' + MODEL.encode() + b'", "prompt": ["ok", "\\udfffx"]}'),
+    "a lone surrogate in a stop string": dict(raw=b'{"model": "' + MODEL.encode()
+                                              + b'", "prompt": "hi", "stop": "\\ud800"}'),
+    "a lone surrogate in chat": dict(path="/v1/chat/completions", raw=b'{"model": "' + MODEL.encode()
+                                     + b'", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    "tokenize: unknown model": dict(path="/tokenize", body={"model": "gpt-4", "prompt": "hi"}, status=404),
+    "detokenize: id outside the vocabulary": dict(path="/detokenize", body={"model": MODEL, "tokens": [10 ** 6]}),
+    "model card of an unknown model": dict(path="/v1/models/gpt-4", method="GET", status=404),
 }
 
 
@@ -271,6 +292,84 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served):
     _wait_idle(server)
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_huge_prompt_is_refused_without_stalling_other_streams(served):
+    """A 7 MB text prompt (under the body limit) is refused before it is tokenized, off the
+    event loop: the other streams keep their pace and the memory comes back."""
+    server, _ = served
+    huge = json.dumps({"model": MODEL, "prompt": "lorem ipsum " * (7_000_000 // 12), "max_tokens": 4}).encode()
+    stream_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                   "stream": True}
+
+    async def read_stream(session, gaps):
+        async with session.post(server.url + "/v1/completions", json=stream_body) as response:
+            await response.content.readline()
+            last = time.perf_counter()
+            async for line in response.content:
+                if line.strip():
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+    async def main(huge_requests: int):
+        gaps: list[float] = []
+        statuses = []
+        async with aiohttp.ClientSession() as session:
+            streams = [asyncio.ensure_future(read_stream(session, gaps)) for _ in range(4)]
+            await asyncio.sleep(0.05)
+            for _ in range(huge_requests):
+                async with session.post(server.url + "/v1/completions", data=huge,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    statuses.append((r.status, (await r.json())["error"]["param"]))
+            await asyncio.gather(*streams)
+        return gaps, statuses
+
+    asyncio.run(main(0))  # the same streams alone first, so every program they need is compiled
+    _wait_idle(server)
+    rss = _rss_bytes()
+    gaps, statuses = asyncio.run(main(3))
+    assert statuses == [(400, "prompt")] * 3
+    assert len(gaps) >= 4 * 40 and max(gaps) < 0.2, f"a stream stalled {max(gaps):.3f}s"
+    _wait_idle(server)
+    assert _rss_bytes() - rss < 50 << 20
+
+
+def test_routes_tokenize_detokenize_version_and_model_card(served):
+    server, _ = served
+    assert _client(server).models.retrieve(MODEL).id == MODEL
+    status, body = _post(server, "/tokenize", {"model": MODEL, "prompt": TEXT_PROMPTS[2]})
+    ids = server.llm.tokenizer(TEXT_PROMPTS[2])["input_ids"]
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids)
+    status, body = _post(server, "/tokenize", {"model": MODEL, "messages": CHAT[1:]})
+    assert status == 200 and body["tokens"] == chat_prompt_ids(server.llm.tokenizer, CHAT[1]["content"])
+    status, body = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert status == 200 and body["prompt"] == server.llm.tokenizer.decode(ids)
+    status, body = _post(server, "/version", None, method="GET")
+    assert status == 200 and body["version"]
+
+
+def test_api_key(model_dir):
+    llm = LLM(model_dir, num_slots=2, max_seq_len=64)
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    with Server(llm, MODEL, port=0, api_key="sesame") as server:
+        for headers in ({}, {"Authorization": "Bearer sesam"}, {"Authorization": "Bearer sesame-not"},
+                        {"Authorization": "sesame"}):
+            req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert len(client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].token_ids) == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert json.loads(urllib.request.urlopen(server.url + "/health").read()) == {"status": "ok"}
+
+
 # ----------------------------------------------------- disconnects, limits
 @pytest.fixture(scope="module")
 def paged_server(model_dir):
@@ -279,8 +378,9 @@ def paged_server(model_dir):
         yield server
 
 
-def test_disconnects_free_slots_and_pages(paged_server):
+def test_disconnects_free_slots_and_pages(paged_server, caplog, capfd):
     server = paged_server
+    caplog.set_level(logging.INFO)
     pages = server.llm.pages
 
     async def main():
@@ -316,10 +416,14 @@ def test_disconnects_free_slots_and_pages(paged_server):
         return after.get(key, 0) - before.get(key, 0)
     # A stream can reach max_tokens before its client drops it on a slow, loaded machine (CI saw one in
     # 345 tests): it then counts as "length". The queued request and at least one stream must be aborts.
-    assert finished("abort") + finished("length") == 5
+    counts = {k: after[k] - before.get(k, 0) for k in after if k.startswith("vllm:request_success_total")}
+    assert finished("abort") + finished("length") == 5, counts
     assert finished("abort") >= 2
     assert pages.num_free == pages.num_pages
     assert server.pending == 0
+    # A client going away is ordinary: an INFO line, never an error or a traceback.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_queue_limit_gives_429(paged_server):
@@ -332,7 +436,7 @@ def test_queue_limit_gives_429(paged_server):
                                             extra_body={"ignore_eos": True})
             return "ok"
         except openai.RateLimitError as e:
-            assert e.status_code == 429
+            assert e.status_code == 429 and e.response.headers.get("retry-after") == "1"
             return "429"
 
     async def main():

@@ -12,7 +12,8 @@ for the same thing.
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
+import hmac
 import logging
 import threading
 import time
@@ -24,18 +25,11 @@ from cbjax.llm import LLM
 from cbjax.serve import protocol
 from cbjax.serve.detokenizer import TextStream
 from cbjax.serve.engine_loop import EngineLoop
+from cbjax.serve.info_routes import InfoRoutes, json_response
 from cbjax.serve.prometheus import CONTENT_TYPE, ServerMetrics
 from cbjax.serve.protocol import APIError
 
 log = logging.getLogger("cbjax.serve")
-
-
-def _dumps(body: dict) -> str:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-
-
-def _json_response(body: dict, status: int = 200) -> web.Response:
-    return web.Response(text=_dumps(body), status=status, content_type="application/json")
 
 
 @web.middleware
@@ -45,17 +39,37 @@ async def _errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return _json_response(e.body(), e.status)
+        response = json_response(e.body(), e.status)
+        response.headers.update(e.headers)
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _json_response(APIError(e.status, e.reason or e.text or "error", type=_http_type(e.status)).body(),
+        return json_response(APIError(e.status, e.reason or e.text or "error", type=_http_type(e.status)).body(),
                               e.status)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
         log.error("internal error on %s %s:\n%s", request.method, request.path, traceback.format_exc())
-        return _json_response(APIError(500, f"internal error: {e}").body(), 500)
+        return json_response(APIError(500, f"internal error: {e}").body(), 500)
+
+
+def _api_key_check(api_key: str):
+    """A middleware refusing requests without `Authorization: Bearer <api_key>` (401 with
+    OpenAI's body); /health stays open for load balancers. The comparison takes the same time
+    whatever prefix of the key a caller guessed."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path != "/health":
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                raise APIError(401, "Incorrect API key provided", type="authentication_error",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return check
 
 
 def _http_type(status: int) -> str:
@@ -68,8 +82,13 @@ class Server:
     `await server.serve()` / `server.run()` serve on the caller's loop (the CLI)."""
 
     def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False):
+                 max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False,
+                 api_key: str | None = None):
         self.llm = llm
+        self.api_key = api_key
+        # Bodies are parsed and prompts tokenized here, off the event loop (two: one huge prompt
+        # does not hold up the next request's parse).
+        self._parser = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cbjax-parse")
         self.model_name = model_name
         self.host = host
         self.port = port
@@ -86,10 +105,11 @@ class Server:
 
     # -------------------------------------------------------------- life
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_as_json], client_max_size=self.max_body_bytes)
+        middlewares = [_errors_as_json] + ([_api_key_check(self.api_key)] if self.api_key else [])
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
+        InfoRoutes(self).add_to(app)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
@@ -107,6 +127,7 @@ class Server:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
         if self._runner is not None:
             await self._runner.cleanup()
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     async def serve(self) -> None:
         """Serve until cancelled (Ctrl-C under `asyncio.run`)."""
@@ -165,15 +186,16 @@ class Server:
         return f"http://{self.host}:{self.port}"
 
     # ------------------------------------------------------------ routes
-    async def models(self, request: web.Request) -> web.Response:
-        return _json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "cbjax",
-             "max_model_len": self.llm.engine.max_len}]})
+    async def off_loop(self, request: web.Request, job):
+        """`job(body)` on the parser threads, `body` the request's parsed JSON."""
+        raw = await request.read()
+        return await asyncio.get_running_loop().run_in_executor(self._parser,
+                                                                lambda: job(protocol.parse_body(raw)))
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.alive:
             raise APIError(503, self.engine.error or "the engine loop is not running")
-        return _json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.engine.load)
@@ -186,21 +208,21 @@ class Server:
         return await self._generate(request, protocol.parse_chat)
 
     # -------------------------------------------------------- generation
-    async def _body(self, request: web.Request) -> dict:
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    async def _parse(self, request: web.Request, parse):
+        """The body parsed and its prompts tokenized on the parser threads, never on the event
+        loop: a megabyte prompt takes the tokenizer seconds, which would stall every stream."""
+        return await self.off_loop(request, lambda body: parse(body, self.model_name, self.llm.tokenizer,
+                                                                self.llm.engine.max_len))
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         received = self.llm.clock()
-        job = parse(await self._body(request), self.model_name, self.llm.tokenizer, self.llm.engine.max_len)
+        job = await self._parse(request, parse)
         if not self.engine.alive:
             raise APIError(503, self.engine.error or "the engine loop is not running")
         n = len(job.prompts)
         if self.max_pending is not None and self.pending + n > self.max_pending:
             raise APIError(429, f"the server holds {self.pending} requests (limit {self.max_pending}); "
-                                "retry later", code="queue_full")
+                                "retry later", code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         # The front names the requests, so it can abort one whose submission is still queued.
@@ -250,7 +272,7 @@ class Server:
             reason = out.finish_reason
             if stream.stopped:
                 reason = "stop"
-                self.engine.abort(rid)
+                self.engine.abort(rid, reason="stop")
             if reason is not None:
                 live.discard(rid)
             yield index, delta, reason, out.new_token_ids
@@ -262,31 +284,36 @@ class Server:
         choices = [protocol.choice(job, i, s.text, reasons[i], s.token_ids) for i, s in enumerate(streams)]
         completion_tokens = sum(len(s.token_ids) for s in streams)
         usage = protocol.usage(sum(map(len, job.prompts)), completion_tokens)
-        return _json_response(protocol.response(job, response_id, choices, usage))
+        return json_response(protocol.response(job, response_id, choices, usage))
 
     async def _stream(self, request, job, response_id, outputs, ids, live, streams) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
         async def send(body: dict) -> None:
-            await response.write(f"data: {_dumps(body)}\n\n".encode())
+            await response.write(f"data: {protocol.dumps(body)}\n\n".encode())
 
-        if job.kind == "chat":
-            for i in range(len(ids)):
-                await send(protocol.chunk(job, response_id, i, None, None, [], first=True))
         try:
-            async for index, delta, reason, new_ids in self._outputs(outputs, ids, live, streams):
-                if delta or new_ids or reason:
-                    await send(protocol.chunk(job, response_id, index, delta, reason, new_ids))
-        except APIError as e:  # the status line is gone: the error travels as an event
-            await send(e.body())
-        except Exception as e:
-            log.error("internal error in a stream:\n%s", traceback.format_exc())
-            await send(APIError(500, f"internal error: {e}").body())
-        if job.include_usage:
-            await send(protocol.usage_chunk(job, response_id, protocol.usage(
-                sum(map(len, job.prompts)), sum(len(s.token_ids) for s in streams))))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            if job.kind == "chat":
+                for i in range(len(ids)):
+                    await send(protocol.chunk(job, response_id, i, None, None, [], first=True))
+            try:
+                async for index, delta, reason, new_ids in self._outputs(outputs, ids, live, streams):
+                    if delta or new_ids or reason:
+                        await send(protocol.chunk(job, response_id, index, delta, reason, new_ids))
+            except APIError as e:  # the status line is gone: the error travels as an event
+                await send(e.body())
+            except ConnectionResetError:
+                raise
+            except Exception as e:
+                log.error("internal error in a stream:\n%s", traceback.format_exc())
+                await send(APIError(500, f"internal error: {e}").body())
+            if job.include_usage:
+                await send(protocol.usage_chunk(job, response_id, protocol.usage(
+                    sum(map(len, job.prompts)), sum(len(s.token_ids) for s in streams))))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away: the caller's finally frees its requests
+            log.info("client disconnected from stream %s", response_id)
         return response
 

@@ -79,9 +79,11 @@ class EngineLoop:
         self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future)))
         return future
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request if it is still live (a no-op once it has finished)."""
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request if it is still live (a no-op once it has finished). `reason` is the
+        finish reason its last output carries: "stop" when the front ends it on a stop string,
+        so the metrics count what the client saw."""
+        self._commands.put(("abort", request_id, reason))
 
     # -------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -115,7 +117,7 @@ class EngineLoop:
             if command[0] == "submit":
                 self._add(command[1])
             elif command[0] == "abort":
-                self._abort(command[1])
+                self._abort(*command[1:])
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -134,11 +136,11 @@ class EngineLoop:
         submit.future.set_result(request_id)
         self._note_load()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         request = self.llm.requests.get(request_id)
         if request is None or request.finished:
             return
-        self._deliver(self.llm.abort(request_id))
+        self._deliver(dataclasses.replace(self.llm.abort(request_id), finish_reason=reason))
         self._note_load()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

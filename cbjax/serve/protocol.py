@@ -11,6 +11,8 @@ Responses carry `token_ids` in each choice (an extension; standard clients ignor
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import time
 import uuid
@@ -22,8 +24,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param
@@ -59,8 +62,59 @@ class Job:
         return "cmpl" if self.kind == "completion" else "chatcmpl"
 
 
+# -------------------------------------------------------------------- body
+def dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+MAX_INT_DIGITS = 40  # a 128-bit integer has 39 digits; no field needs more
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise bad(f"an integer of {len(text)} digits is out of range (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as JSON. Whatever the parser cannot take is a 400: invalid JSON or
+    UTF-8, nesting past the interpreter's recursion limit, integers past `MAX_INT_DIGITS`
+    (Python refuses to convert more than 4300 digits, and no field needs them)."""
+    try:
+        return json.loads(raw, parse_int=_bounded_int)
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise bad(f"the request body is not valid JSON: {e}") from None
+
+
+def _utf8(text: str, param: str) -> str:
+    """Text the tokenizer can take: JSON may carry a lone surrogate (\\ud800), which no UTF-8
+    encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{param}' is not valid Unicode: {e.reason} at character {e.start}", param) from None
+    return text
+
+
+@functools.cache
+def _longest_token_chars(tokenizer) -> int:
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def check_text_length(chars: int, tokenizer, max_len: int, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit: each token covers at most the longest
+    vocabulary entry's characters, so more than `max_len` times that is more than `max_len`
+    tokens. Tokenizing a 7 MB prompt only to refuse it held 1-2 GB of memory for seconds."""
+    most = max_len * _longest_token_chars(tokenizer)
+    if chars > most:
+        raise bad(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                  f"{chars} characters, more than {max_len} tokens can hold ({most}).", param)
+
+
 # ------------------------------------------------------------------ fields
-def _get(body: dict, name: str, kinds, default=None, allow_none: bool = True):
+def get_field(body: dict, name: str, kinds, default=None, allow_none: bool = True):
     value = body.get(name, default)
     if value is None:
         if not allow_none:
@@ -87,9 +141,10 @@ def _stop_fields(body: dict, tokenizer) -> tuple[tuple[str, ...], tuple[int, ...
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
         raise bad("'stop' must be a string or a list of at most 16 strings", "stop")
+    stop = [_utf8(s, "stop") for s in stop]
     if any(stop) and tokenizer is None:
         raise bad("this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)", "stop")
-    ids = _get(body, "stop_token_ids", (list,), [])
+    ids = get_field(body, "stop_token_ids", (list,), [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
     return tuple(s for s in stop if s), tuple(ids)
@@ -100,12 +155,12 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...]) -> S
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(_get(body, "temperature", numbers, 1.0)),
-            top_p=float(_get(body, "top_p", numbers, 1.0)),
-            top_k=_top_k(_get(body, "top_k", (int,), 0)),
-            seed=_get(body, "seed", (int,)),
+            temperature=float(get_field(body, "temperature", numbers, 1.0)),
+            top_p=float(get_field(body, "top_p", numbers, 1.0)),
+            top_k=_top_k(get_field(body, "top_k", (int,), 0)),
+            seed=get_field(body, "seed", (int,)),
             stop_token_ids=stop_token_ids,
-            ignore_eos=_get(body, "ignore_eos", (bool,), False))
+            ignore_eos=get_field(body, "ignore_eos", (bool,), False))
     except ValueError as e:
         raise bad(str(e)) from None
 
@@ -127,18 +182,18 @@ def _common_refusals(body: dict) -> None:
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
-    options = _get(body, "stream_options", (dict,))
+    options = get_field(body, "stream_options", (dict,))
     if options is None:
         return False
     if not stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return bool(_get(options, "include_usage", (bool,), False))
+    return bool(get_field(options, "include_usage", (bool,), False))
 
 
 def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) -> int:
-    value = _get(body, "max_completion_tokens", (int,))
+    value = get_field(body, "max_completion_tokens", (int,))
     if value is None:
-        value = _get(body, "max_tokens", (int,))
+        value = get_field(body, "max_tokens", (int,))
     room = max_len - prompt_len
     if room < 1:
         raise bad(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
@@ -155,7 +210,7 @@ def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) 
 
 
 def check_model(body: dict, served: str) -> str:
-    model = _get(body, "model", (str,), allow_none=False)
+    model = get_field(body, "model", (str,), allow_none=False)
     if model != served:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'", "model",
                        code="model_not_found")
@@ -172,10 +227,11 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     _common_refusals(body)
     _refuse_unless(body, "echo", lambda v: v is False)
     _refuse_unless(body, "suffix", lambda v: v == "")
-    prompts = [_prompt_ids(p, tokenizer) for p in _prompt_list(body.get("prompt"))]
+    prompts = prompt_list(body.get("prompt"))
     if len(prompts) > 64:
         raise bad("at most 64 prompts per request", "prompt")
-    stream = _get(body, "stream", (bool,), False)
+    prompts = [prompt_ids(p, tokenizer, max_len) for p in prompts]
+    stream = get_field(body, "stream", (bool,), False)
     stop, stop_ids = _stop_fields(body, tokenizer)
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, longest, max_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -183,7 +239,7 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
                _stream_options(body, stream), stop)
 
 
-def _prompt_list(prompt) -> list:
+def prompt_list(prompt) -> list:
     if prompt is None:
         raise bad("'prompt' is required", "prompt")
     if isinstance(prompt, str):
@@ -197,12 +253,13 @@ def _prompt_list(prompt) -> list:
               "of token ids", "prompt")
 
 
-def _prompt_ids(prompt, tokenizer) -> list[int]:
+def prompt_ids(prompt, tokenizer, max_len: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("empty prompt", "prompt")
         if tokenizer is None:
             raise bad("this model has no tokenizer: send prompts as token ids", "prompt")
+        check_text_length(len(_utf8(prompt, "prompt")), tokenizer, max_len, "prompt")
         return [int(t) for t in tokenizer(prompt)["input_ids"]]
     if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise bad("a token-id prompt must be a non-empty list of integers", "prompt")
@@ -221,6 +278,7 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     messages = _messages(body.get("messages"))
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad("this model has no chat template: use /v1/completions", "messages")
+    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_len, "messages")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as e:  # a template may reject roles or orderings
@@ -228,7 +286,7 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     ids = [int(t) for t in ids]
-    stream = _get(body, "stream", (bool,), False)
+    stream = get_field(body, "stream", (bool,), False)
     stop, stop_ids = _stop_fields(body, tokenizer)
     max_tokens = _max_tokens(body, len(ids), max_len, None)
     return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids), stream,
@@ -251,10 +309,10 @@ def _messages(messages) -> list[dict]:
 
 def _content(content, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return _utf8(content, "messages")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _utf8("".join(p["text"] for p in content), "messages")
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 

@@ -1,0 +1,85 @@
+"""The routes beside generation: the model card (`/v1/models`, `/v1/models/{id}`), `/version`,
+and vLLM's `/tokenize` and `/detokenize`. Parsing and tokenizing run on the server's
+parser threads, as the generation routes' do."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from cbjax import __version__
+from cbjax.serve import protocol
+
+
+class InfoRoutes:
+    def __init__(self, server):
+        self.server = server
+        self.llm = server.llm
+        self.model_name = server.model_name
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.server.created, "owned_by": "cbjax",
+                "max_model_len": self.llm.engine.max_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        protocol.check_model({"model": request.match_info["model_id"]}, self.model_name)
+        return json_response(self._card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": __version__})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """`prompt` (text or token ids) or chat `messages` to token ids."""
+        def job(body):
+            ids = parse_tokenize(body, self.model_name, self.llm.tokenizer, self.llm.engine.max_len)
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.engine.max_len}
+
+        return json_response(await self.server.off_loop(request, job))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        def job(body):
+            return {"prompt": parse_detokenize(body, self.model_name, self.llm.tokenizer,
+                                               self.llm.model.config.vocab_size)}
+
+        return json_response(await self.server.off_loop(request, job))
+
+
+def json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(text=protocol.dumps(body), status=status, content_type="application/json")
+
+
+def parse_tokenize(body: dict, served: str, tokenizer, max_len: int) -> list[int]:
+    """`/tokenize` (vLLM's): a text or token-id `prompt`, or chat `messages` with their template."""
+    if not isinstance(body, dict):
+        raise protocol.bad("the request body must be a JSON object")
+    if body.get("model") is not None:
+        protocol.check_model(body, served)
+    if "messages" in body:
+        return protocol.parse_chat({**body, "model": served}, served, tokenizer, max_len).prompts[0]
+    prompts = protocol.prompt_list(body.get("prompt"))
+    if len(prompts) != 1:
+        raise protocol.bad("'prompt' must be one prompt", "prompt")
+    return protocol.prompt_ids(prompts[0], tokenizer, max_len)
+
+
+def parse_detokenize(body: dict, served: str, tokenizer, vocab_size: int) -> str:
+    """`/detokenize`: `tokens` (ids within the vocabulary) to text."""
+    if not isinstance(body, dict):
+        raise protocol.bad("the request body must be a JSON object")
+    if body.get("model") is not None:
+        protocol.check_model(body, served)
+    ids = protocol.get_field(body, "tokens", (list,), allow_none=False)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise protocol.bad(f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
+    if tokenizer is None:
+        raise protocol.bad("this model has no tokenizer", "tokens")
+    return tokenizer.decode(ids)
