@@ -59,6 +59,7 @@ def main(argv):
         options = dict(policy="continuous", num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len,
                        waiting_served_ratio=FLAGS.waiting_served_ratio, dtype=FLAGS.dtype)
         options[keyword] = value
+        common.release_programs()
         llm = LLM(model, **options, **common.llm_options())
         metrics = common.run_replay(llm, workload, desc=f"{FLAGS.knob}={value}")
         runs.append({"value": value, **metrics})

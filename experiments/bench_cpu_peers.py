@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import time
 
-import common  # noqa: F401  (quiets transformers and matplotlib)
+import common  # also quiets transformers and matplotlib
 
 from absl import app, flags
 
@@ -197,8 +197,10 @@ def main(argv):
     ours = {}
     for b in batches:
         ours[b] = {**cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels), **cbjax_generate(model, b, max_seq_len)}
+        common.release_programs()
         if FLAGS.compare_xla and FLAGS.cpu_kernels != "off":
             ours[b]["xla_only_ms_per_step"] = cbjax_decode(model, b, max_seq_len, "off")["ms_per_step"]
+            common.release_programs()
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
     xla_column = all("xla_only_ms_per_step" in ours[b] for b in batches)

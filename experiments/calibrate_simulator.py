@@ -70,6 +70,7 @@ def main(argv):
         work = synthetic(FLAGS.num_requests, prompt_len=LengthDist("uniform", low=4, high=max_len // 2),
                          output_len=LengthDist("capped_exponential", mean=max_len / 6, cap=max_len // 2 - 1),
                          vocab_size=model.config.vocab_size, seed=FLAGS.seed + len(profiled))
+        common.release_programs()
         llm = LLM(model, **options)
         llm.warmup(max_prompt_len=max_len // 2)
         measured = profile_rounds(llm, [(w.prompt, w.sampling) for w in work])

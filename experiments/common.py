@@ -94,6 +94,19 @@ def load_model(name: str, dtype: str, with_tokenizer: bool = False):
     return load(name, dtype=dtype, with_tokenizer=with_tokenizer)
 
 
+def release_programs() -> None:
+    """Drop every compiled program before building the next engine of another shape. XLA:CPU
+    maps about three memory regions per compiled kernel (~370 per SmolLM2 step program) and
+    Linux allows a process 65,530 by default: bench_cpu_peers, holding every engine's programs,
+    aborted with "LLVM compilation error: Cannot allocate memory" at ~180 programs."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+
+
 def llm_options() -> dict:
     """Extra `LLM(...)` arguments the common flags ask for."""
     return {"simulate": FLAGS.simulate} if "simulate" in FLAGS and FLAGS.simulate else {}

@@ -195,7 +195,10 @@ def main(argv):
         print(f"transformers peers: {peer_settings}, generate_batch KV cache sized to the batch (16-token pages)")
     if peers and peer is None:
         print(f"no transformers twin for {FLAGS.model}: peers skipped")
-    columns = [run_column(model, int(g), peer) for g in FLAGS.max_gen_lens]
+    columns = []
+    for g in FLAGS.max_gen_lens:  # each column's engines have their own shapes
+        columns.append(run_column(model, int(g), peer))
+        common.release_programs()
     table = print_table(columns)
     print("\n" + table)
     os.makedirs(FLAGS.output_dir, exist_ok=True)

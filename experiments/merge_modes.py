@@ -70,6 +70,7 @@ def run(model, items, mode: str, budget: int | None) -> dict:
     from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
+    common.release_programs()
     llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
               dtype=FLAGS.dtype, merge_mode=mode, max_num_batched_tokens=budget, **common.llm_options())
     name = mode if budget is None or mode == "fused" else f"{mode}@{budget}"

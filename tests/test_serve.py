@@ -374,7 +374,7 @@ def test_api_key(model_dir):
 @pytest.fixture(scope="module")
 def paged_server(model_dir):
     llm = LLM(model_dir, num_slots=4, max_seq_len=256, kv_cache="paged", page_size=8)
-    with Server(llm, MODEL, port=0, max_pending=6) as server:
+    with Server(llm, MODEL, port=0, max_pending=6, body_timeout_s=1.0) as server:
         yield server
 
 
@@ -424,6 +424,27 @@ def test_disconnects_free_slots_and_pages(paged_server, caplog, capfd):
     # A client going away is ordinary: an INFO line, never an error or a traceback.
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_short_body_gets_408_and_its_connection_back(paged_server):
+    """Fewer bytes than Content-Length says: the body read times out, the client gets OpenAI's
+    error body, and the server goes on serving."""
+    import socket
+
+    server = paged_server
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 10, reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert _client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].token_ids
 
 
 def test_queue_limit_gives_429(paged_server):

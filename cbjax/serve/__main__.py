@@ -28,6 +28,8 @@ flags.DEFINE_bool("warmup", True, "Compile every program before serving (first r
 flags.DEFINE_integer("warmup_max_prompt_len", None, "Skip compiling prefill buckets for prompts longer than this "
                      "(they compile on first use).", lower_bound=1)
 flags.DEFINE_bool("access_log", False, "Log one line per HTTP request.")
+flags.DEFINE_float("body_timeout_s", 30.0, "Seconds a request body may take to arrive; slower gets 408.",
+                   lower_bound=0.001)
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on every route but /health (default: "
                     "the CBJAX_API_KEY environment variable; unset: no key).")
 
@@ -49,7 +51,8 @@ def main(argv):
         print(f"compiled {llm.warmup(FLAGS.warmup_max_prompt_len)} programs in {time.perf_counter() - t0:.1f}s", flush=True)
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                     max_pending=FLAGS.max_pending, access_log=FLAGS.access_log,
-                    api_key=FLAGS.api_key or os.environ.get("CBJAX_API_KEY") or None)
+                    api_key=FLAGS.api_key or os.environ.get("CBJAX_API_KEY") or None,
+                    body_timeout_s=FLAGS.body_timeout_s)
     server.run()
 
 

@@ -83,8 +83,9 @@ class Server:
 
     def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, body_timeout_s: float = 30.0):
         self.llm = llm
+        self.body_timeout_s = body_timeout_s
         self.api_key = api_key
         # Bodies are parsed and prompts tokenized here, off the event loop (two: one huge prompt
         # does not hold up the next request's parse).
@@ -187,8 +188,14 @@ class Server:
 
     # ------------------------------------------------------------ routes
     async def off_loop(self, request: web.Request, job):
-        """`job(body)` on the parser threads, `body` the request's parsed JSON."""
-        raw = await request.read()
+        """`job(body)` on the parser threads, `body` the request's parsed JSON. A body that
+        does not arrive within `body_timeout_s` (a client that sent fewer bytes than its
+        Content-Length, or trickles them) gets 408 instead of holding its connection forever."""
+        try:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                           code="request_timeout") from None
         return await asyncio.get_running_loop().run_in_executor(self._parser,
                                                                 lambda: job(protocol.parse_body(raw)))
 
