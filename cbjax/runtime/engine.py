@@ -260,13 +260,17 @@ class Engine:
         every slot (None)."""
         return [1 << i for i in range((self.num_slots - 1).bit_length())] + [None]
 
-    def _decode_rows(self, slots) -> jax.Array | None:
+    def decode_rows_computed(self, slots) -> int:
+        """How many rows a decode call over `slots` (None: all) computes."""
         if slots is None:
+            return self.num_slots
+        return min(1 << max(len(slots) - 1, 0).bit_length(), self.num_slots)
+
+    def _decode_rows(self, slots) -> jax.Array | None:
+        rows = self.decode_rows_computed(slots)
+        if rows == self.num_slots:
             return None
         slots = sorted(slots)
-        rows = 1 << max(len(slots) - 1, 0).bit_length()
-        if rows >= self.num_slots:
-            return None
         padded = np.full((rows,), self.num_slots, np.int32)
         padded[:len(slots)] = slots
         return self._put(padded)

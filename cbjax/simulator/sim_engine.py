@@ -87,8 +87,7 @@ class SimulatedEngine(Engine):
     def decode(self, longest: int, slots=None) -> np.ndarray:
         steps = self.config.decode_steps
         kv_len = self._attended_len(longest + steps)
-        computed = self.num_slots if slots is None else (1 << max(len(slots) - 1, 0).bit_length())
-        computed = min(computed, self.num_slots)  # the real engine's row bucket
+        computed = self.decode_rows_computed(slots)
         slots = self.config.num_slots
         out = np.full((steps, slots), -1, np.int32)
         rows = int(self.active.sum())
