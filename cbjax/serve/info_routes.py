@@ -59,9 +59,7 @@ def json_response(body: dict, status: int = 200) -> web.Response:
 
 def parse_tokenize(body: dict, served: str, tokenizer, max_len: int) -> list[int]:
     """`/tokenize` (vLLM's): a text or token-id `prompt`, or chat `messages` with their template."""
-    if not isinstance(body, dict):
-        raise protocol.bad("the request body must be a JSON object")
-    if body.get("model") is not None:
+    if protocol.require_object(body).get("model") is not None:
         protocol.check_model(body, served)
     if "messages" in body:
         return protocol.parse_chat({**body, "model": served}, served, tokenizer, max_len).prompts[0]
@@ -73,9 +71,7 @@ def parse_tokenize(body: dict, served: str, tokenizer, max_len: int) -> list[int
 
 def parse_detokenize(body: dict, served: str, tokenizer, vocab_size: int) -> str:
     """`/detokenize`: `tokens` (ids within the vocabulary) to text."""
-    if not isinstance(body, dict):
-        raise protocol.bad("the request body must be a JSON object")
-    if body.get("model") is not None:
+    if protocol.require_object(body).get("model") is not None:
         protocol.check_model(body, served)
     ids = protocol.get_field(body, "tokens", (list,), allow_none=False)
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):

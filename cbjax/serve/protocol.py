@@ -209,6 +209,12 @@ def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) 
     return value
 
 
+def require_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
 def check_model(body: dict, served: str) -> str:
     model = get_field(body, "model", (str,), allow_none=False)
     if model != served:
@@ -221,9 +227,7 @@ def check_model(body: dict, served: str) -> str:
 def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     """`/v1/completions`: `prompt` is a string, a list of strings, a list of token ids or a
     list of lists of token ids; each prompt is a choice."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = check_model(body, served)
+    model = check_model(require_object(body), served)
     _common_refusals(body)
     _refuse_unless(body, "echo", lambda v: v is False)
     _refuse_unless(body, "suffix", lambda v: v == "")
@@ -268,9 +272,7 @@ def prompt_ids(prompt, tokenizer, max_len: int) -> list[int]:
 
 def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     """`/v1/chat/completions`: the messages through the tokenizer's chat template."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = check_model(body, served)
+    model = check_model(require_object(body), served)
     _common_refusals(body)
     _refuse_unless(body, "tools", lambda v: v == [])
     _refuse_unless(body, "tool_choice", lambda v: v == "none")
