@@ -162,8 +162,13 @@ class LLM:
         if self.tokenizer is not None and tokens and r.finished:  # streamed steps carry new_token_ids only
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         reason = None if r.finish_reason is None else r.finish_reason.value
+        logprobs = cumulative = None
+        if r.sampling.logprobs is not None:
+            logprobs = r.logprobs[len(tokens) - len(new):] if stream else list(r.logprobs)
+            cumulative = r.cumulative_logprob
         return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics,
-                             prompt=r.prompt, error=r.error, new_token_ids=new)
+                             prompt=r.prompt, error=r.error, new_token_ids=new, logprobs=logprobs,
+                             cumulative_logprob=cumulative)
 
     def error_output(self, request_id: str, prompt, message: str) -> RequestOutput:
         """The output of a request refused with `message`."""

@@ -13,7 +13,19 @@ from cbjax import checks
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off."""
+    """How to sample one request. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off.
+
+    The logits processors follow vLLM and run on the device in this order: `logit_bias`
+    (token id -> added to its logit, clipped to [-100, 100] as OpenAI does), `min_tokens`
+    (EOS and `stop_token_ids` masked until that many tokens are out), then the penalties:
+    `repetition_penalty` (transformers' and vLLM's: a logit of a token seen in the prompt
+    or the output is divided by it when positive, multiplied when negative; 1 is off),
+    `frequency_penalty` and `presence_penalty` (OpenAI's: minus `frequency x count` and
+    `presence x [count > 0]` over the output's tokens). `logprobs=k` returns, per output
+    token, its log-probability and the k most likely tokens', from the raw logits (before
+    any processor or temperature, as vLLM's default). `n` samples come back per prompt;
+    with `best_of`, that many are drawn and the `n` of highest cumulative log-probability
+    kept. Sample i draws with seed `seed + i`, so it equals a single run with that seed."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -22,6 +34,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # or a dict {token id: bias}
+    logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         # Normalised to plain Python values that fit the device's int32/float32 arrays.
@@ -40,10 +60,50 @@ class SamplingParams:
         put("stop_token_ids", tuple(checks.integer("stop_token_ids", t, 0) for t in stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        put("min_tokens", checks.integer("min_tokens", self.min_tokens, 0, self.max_tokens))
+        put("presence_penalty", checks.real("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        put("frequency_penalty", checks.real("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        put("repetition_penalty", checks.real("repetition_penalty", self.repetition_penalty, 0.0, 1e4,
+                                              low_open=True))
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(checks.integer("a logit_bias token id", t, 0), checks.real("a logit_bias value", b))
+                     for t, b in items]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+        put("logit_bias", tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in dict(pairs).items())))
+        if self.logprobs is not None:
+            put("logprobs", checks.integer("logprobs", self.logprobs, 0, 1024))
+        put("n", checks.integer("n", self.n, 1, 1024))
+        if self.best_of is not None:
+            put("best_of", checks.integer("best_of", self.best_of, self.n, 1024))
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn for the request: `best_of`, else `n`."""
+        return self.best_of or self.n
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor is on (the device skips them when no row has one)."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and the `k` likeliest tokens', best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(str, enum.Enum):
@@ -93,11 +153,16 @@ class Request:
     state: RequestState = RequestState.WAITING
     slot: int | None = None
     num_prefilled: int = 0  # prompt tokens already in the cache
+    placed_at: int = 0  # num_prefilled when it took its slot (past 0: cached prefix pages or a fork)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     seq_index: int = 0  # admission order, breaks ties after priority and arrival
     metrics: RequestMetrics = None  # type: ignore[assignment]
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when sampling.logprobs is set
+    # Parallel sampling (n / best_of): the sibling whose prompt this one may copy instead of
+    # prefilling it (the scheduler forks it once that prefill is in the cache).
+    fork_of: "Request | None" = None
 
     def __post_init__(self):
         if self.metrics is None:
@@ -106,6 +171,10 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob for t in self.logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +215,9 @@ class RequestOutput:
     prompt: str | None = None
     error: str | None = None
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # since the last step (streaming)
+    logprobs: list[TokenLogprob] | None = None  # per output token, when asked for (streaming: the new ones)
+    cumulative_logprob: float | None = None
+    index: int = 0  # which of the request's n samples
 
     @property
     def finished(self) -> bool:

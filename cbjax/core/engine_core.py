@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from cbjax.core.step_stats import StepStats
-from cbjax.request import Request, RequestState, SamplingParams
+from cbjax.request import Request, RequestState, SamplingParams, TokenLogprob
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
 
 
@@ -32,6 +32,25 @@ class Load:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
     num_preemptions: int = 0
+
+
+def split_logprobs(out):
+    """A program's host result and its logprob columns (None when the engine computes none)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def add_logprobs(r: Request, columns) -> None:
+    """Attach logprob columns (`[n, 1 + 2 max_logprobs]`, one per token the call sampled for
+    `r`, in order) to the output tokens that have none yet; a request that asked for none
+    gets none."""
+    k = r.sampling.logprobs
+    if k is None:
+        return
+    width = (columns.shape[-1] - 1) // 2 if len(columns) else 0
+    start = len(r.logprobs)
+    for token, row in zip(r.output_token_ids[start:], columns):
+        top = tuple((int(i), float(v)) for v, i in zip(row[1:1 + k], row[1 + width:1 + width + k]))
+        r.logprobs.append(TokenLogprob(token, float(row[0]), top))
 
 
 class EngineCore:
@@ -62,7 +81,7 @@ class EngineCore:
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        self.engine.stop_ids_for(sampling)
+        self.engine.check_sampling(sampling)
         if self.pages is not None:
             # Positions it can write: its last token is returned, never written back (the
             # scheduler's decode reservations use the same cap).
@@ -161,10 +180,16 @@ class EngineCore:
         stats.dispatch_s += t2 - t1
         stats.device_wait_s += t3 - t2
         firsts: dict[int, tuple[int, int]] = {}
+        first_logprobs: dict[int, np.ndarray] = {}
         for out, rows in zip(host_prefill, (rows for _, rows in calls)):
+            out, logprobs = split_logprobs(out)
             for r, i in enumerate(rows):
                 firsts[i] = (int(out[r, 0]), int(out[r, 1]))
+                if logprobs is not None:
+                    first_logprobs[i] = logprobs[r]
         touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
+        for i, logprobs in first_logprobs.items():
+            add_logprobs(plan.prefills[i].request, logprobs[None])
         if host_decode is not None:
             self._record_decode(host_decode, now, touched)
         self._count_round(plan, t3)
@@ -208,8 +233,9 @@ class EngineCore:
         self._count_round(self.last_plan, t3)
         return list(touched.values())
 
-    def _record_decode(self, host_decode: np.ndarray, now: float, touched: dict[str, Request]) -> None:
+    def _record_decode(self, host_decode, now: float, touched: dict[str, Request]) -> None:
         sched, stats = self.scheduler, self.stats
+        host_decode, logprobs = split_logprobs(host_decode)
         decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
         mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
         idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
@@ -217,6 +243,10 @@ class EngineCore:
             raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
                                f"for running request {decoding[idle[0]].request_id!r}")
         sched.on_decode(host_decode.tolist(), now)
+        if logprobs is not None:
+            for slot, r in enumerate(decoding):
+                if r is not None:
+                    add_logprobs(r, logprobs[host_decode[:, slot] >= 0, slot])
         touched.update((r.request_id, r) for r in decoding if r is not None)
         stats.decode_steps += len(host_decode)
         stats.active_slot_steps += int((host_decode >= 0).sum())
@@ -227,7 +257,7 @@ class EngineCore:
         decoding = [r for r in sched.running if r.state == RequestState.RUNNING]
         out = self.engine.mixed_step(plan.prefills + [Row.decode(r) for r in decoding])
         t2 = time.perf_counter()
-        host = jax.device_get(out)  # the one host copy of the round
+        host, logprobs = split_logprobs(jax.device_get(out))  # the one host copy of the round
         now = self.clock()
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
@@ -239,6 +269,9 @@ class EngineCore:
                 per_slot[r.slot] = token
             sched.on_decode([per_slot], now)
             touched.update((r.request_id, r) for r in decoding)
+        if logprobs is not None:
+            for i, row in enumerate(plan.prefills + decoding):
+                add_logprobs(row if isinstance(row, Request) else row.request, logprobs[i:i + 1])
             stats.decode_steps += 1
             stats.active_slot_steps += len(decoding)
         self._count_round(plan, t3)

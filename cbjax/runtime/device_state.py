@@ -1,5 +1,5 @@
 """What the engine's jitted steps share: the per-slot decode state on the device, the
-stop test, and the compilation counters."""
+packed layout of a row's sampling parameters, the stop test, and the compilation counters."""
 
 from __future__ import annotations
 
@@ -8,12 +8,20 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# A request's sampling parameters, packed per row (one host-to-device copy for every row's
+# scalars): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
+MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
+TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION = range(5)
+NUM_INTS = NUM_FLOATS = 5
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotState:
-    """Per-slot decode state on the device."""
+    """Per-slot decode state on the device: what the last step left (`tokens`, `active`,
+    `num_generated`), the request's sampling parameters, and the penalties' history."""
 
     tokens: jax.Array  # [S] int32: last sampled token, the next decode input
     active: jax.Array  # [S] bool
@@ -24,31 +32,76 @@ class SlotState:
     top_p: jax.Array  # [S] float32
     seeds: jax.Array  # [S] int32
     stop_ids: jax.Array  # [S, max_stop_tokens] int32, -1 padded
+    min_tokens: jax.Array  # [S] int32
+    presence: jax.Array  # [S] float32
+    frequency: jax.Array  # [S] float32
+    repetition: jax.Array  # [S] float32, 1 = off
+    logprobs: jax.Array  # [S] int32: top-k logprobs asked for, -1 = none
+    bias_ids: jax.Array  # [S, max_logit_bias] int32, -1 padded
+    bias_values: jax.Array  # [S, max_logit_bias] float32
+    seen: jax.Array  # [S, V] bool: token ids of the prompt (repetition penalty)
+    counts: jax.Array  # [S, V] int32: occurrences in the output so far (all three penalties)
 
     @classmethod
-    def init(cls, num_slots: int, max_stop_tokens: int) -> "SlotState":
+    def init(cls, num_slots: int, max_stop_tokens: int, max_logit_bias: int, vocab_size: int) -> "SlotState":
         # Distinct buffers per field: the state is donated, and XLA refuses to donate one buffer twice.
-        def zeros(dtype=jnp.int32):
-            return jnp.zeros((num_slots,), dtype)
+        def full(value, dtype=jnp.int32, *shape):
+            return jnp.full((num_slots, *shape), value, dtype)
 
-        return cls(tokens=zeros(), active=zeros(bool), num_generated=zeros(), max_tokens=zeros(),
-                   temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
-                   seeds=zeros(), stop_ids=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32))
+        return cls(tokens=full(0), active=full(False, bool), num_generated=full(0), max_tokens=full(0),
+                   temperature=full(0, jnp.float32), top_k=full(0), top_p=full(1, jnp.float32), seeds=full(0),
+                   stop_ids=full(-1, jnp.int32, max_stop_tokens), min_tokens=full(0),
+                   presence=full(0, jnp.float32), frequency=full(0, jnp.float32),
+                   repetition=full(1, jnp.float32), logprobs=full(-1), bias_ids=full(-1, jnp.int32, max_logit_bias),
+                   bias_values=full(0, jnp.float32, max_logit_bias), seen=full(False, bool, vocab_size),
+                   counts=full(0, jnp.int32, vocab_size))
 
-    def set_rows(self, target, *, token, done, num_generated, max_tokens, temperature, top_k, top_p, seeds,
-                 stop_ids) -> "SlotState":
-        """The state after row b's sample: slot `target[b]` gets its token, stays active unless
-        `done`, and takes the row's sampling parameters. Rows whose target is out of range
+    def rows(self, slots) -> "SlotState":
+        return jax.tree.map(lambda a: a[slots], self)
+
+    def set_rows(self, target, **fields) -> "SlotState":
+        """Slot `target[b]` takes row b of each given field; rows whose target is out of range
         (`num_slots`) change nothing."""
-        def put(field, value):
-            return field.at[target].set(value, mode="drop")
+        return dataclasses.replace(self, **{name: getattr(self, name).at[target].set(value, mode="drop")
+                                            for name, value in fields.items()})
 
-        return SlotState(tokens=put(self.tokens, token), active=put(self.active, ~done),
-                         num_generated=put(self.num_generated, num_generated),
-                         max_tokens=put(self.max_tokens, max_tokens),
-                         temperature=put(self.temperature, temperature), top_k=put(self.top_k, top_k),
-                         top_p=put(self.top_p, top_p), seeds=put(self.seeds, seeds),
-                         stop_ids=put(self.stop_ids, stop_ids))
+
+def sampling_fields(ints, floats, num_stops: int) -> dict:
+    """The per-row sampling parameters of packed `ints [B, NUM_INTS + stops + bias]` and
+    `floats [B, NUM_FLOATS + bias]`, by `SlotState` field name."""
+    return dict(max_tokens=ints[:, MAX_TOKENS], top_k=ints[:, TOP_K], seeds=ints[:, SEED],
+                min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
+                stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
+                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], presence=floats[:, PRESENCE],
+                frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
+                bias_values=floats[:, NUM_FLOATS:])
+
+
+def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's `(ints, floats)` for `sampling_fields`."""
+    bias_ids = np.full(max_logit_bias, -1, np.int32)
+    bias_values = np.zeros(max_logit_bias, np.float32)
+    for i, (token, bias) in enumerate(sampling.logit_bias):
+        bias_ids[i], bias_values[i] = token, bias
+    logprobs = -1 if sampling.logprobs is None else sampling.logprobs
+    ints = np.concatenate([np.array([sampling.max_tokens, sampling.top_k, seed, sampling.min_tokens, logprobs],
+                                    np.int32), stop_ids, bias_ids])
+    floats = np.concatenate([np.array([sampling.temperature, sampling.top_p, sampling.presence_penalty,
+                                       sampling.frequency_penalty, sampling.repetition_penalty], np.float32),
+                             bias_values])
+    return ints, floats
+
+
+def record_tokens(state: SlotState, reset_slots, token_slots, tokens, in_prompt) -> SlotState:
+    """The penalties' history: rows `reset_slots` cleared (a request starts there), then each
+    token of `tokens` marked seen in its slot's prompt (`in_prompt`) or counted as an output
+    token (as a resumed request's prefill holds). Slot `num_slots` means none."""
+    seen = state.seen.at[reset_slots].set(False, mode="drop")
+    counts = state.counts.at[reset_slots].set(0, mode="drop")
+    num_slots = seen.shape[0]
+    seen = seen.at[jnp.where(in_prompt, token_slots, num_slots), tokens].set(True, mode="drop")
+    counts = counts.at[jnp.where(in_prompt, num_slots, token_slots), tokens].add(1, mode="drop")
+    return dataclasses.replace(state, seen=seen, counts=counts)
 
 
 def is_done(token, stop_ids, num_generated, max_tokens, total_len, max_len):

@@ -27,13 +27,15 @@ from cbjax.models import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
 from cbjax.runtime import programs, sharding
-from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.device_state import (BACKEND_COMPILES, TRACE_COUNTS, SlotState,  # noqa: F401 (re-exported)
+                                        pack_sampling)
 from cbjax.runtime.mixed_step import mixed_step, pack, row_bucket, token_buckets
 from cbjax.scheduling.config import MERGE_MODES
 from cbjax.scheduling.plan import Row
 
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
+BLANK = SamplingParams(max_tokens=1)  # the sampling parameters of a row that samples nothing
 
 
 def use_cpu_kernels(choice: str, params, mesh) -> bool:
@@ -90,12 +92,18 @@ class EngineConfig:
     # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
+    # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0
+    # leaves them out of every program. Computed only in steps where some row asks.
+    max_logprobs: int = 20
+    max_logit_bias: int = 64  # logit_bias entries per request
 
     def __post_init__(self):
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
         self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
         for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
+        self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
         self.max_prefill_batch = checks.integer("max_prefill_batch", self.max_prefill_batch, 1, 1024)
         if self.max_prefill_batch & (self.max_prefill_batch - 1):
             raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
@@ -155,6 +163,7 @@ class Engine:
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.eos_ids = tuple(model.config.eos_token_ids)
+        self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
 
     @property
     def num_slots(self) -> int:
@@ -169,6 +178,28 @@ class Engine:
         out = np.full((self.config.max_stop_tokens,), -1, np.int32)
         out[:len(ids)] = ids
         return out
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse (ValueError) sampling parameters this engine cannot apply."""
+        self.stop_ids_for(sampling)
+        if sampling.logprobs is not None and sampling.logprobs > (self.max_logprobs or -1):
+            raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={self.max_logprobs}"
+                             if self.max_logprobs else f"this engine computes no logprobs (max_logprobs=0)")
+        if len(sampling.logit_bias) > self.config.max_logit_bias:
+            raise ValueError(f"at most {self.config.max_logit_bias} logit_bias entries per request, "
+                             f"got {len(sampling.logit_bias)}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+
+    def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
+        """A row's packed sampling parameters (device_state.pack_sampling); None: a row that
+        samples nothing."""
+        if row is None:
+            return pack_sampling(BLANK, 0, np.full(self.config.max_stop_tokens, -1, np.int32),
+                                 self.config.max_logit_bias)
+        return pack_sampling(row.sampling, row.seed, self.stop_ids_for(row.sampling), self.config.max_logit_bias)
 
     def _attended_len(self, needed: int) -> int:
         return bucket_for(min(needed, self.max_len), self.buckets)
@@ -187,6 +218,7 @@ class Engine:
             # history up to the bucket of where the chunk ends.
             kv_len = 0 if c.start == 0 else self._attended_len(c.start + n)
             groups.setdefault((bucket, kv_len), []).append(i)
+        self._record_histories(chunks)
         calls = []
         limit = self.config.max_prefill_batch
         for (bucket, kv_len), members in groups.items():
@@ -195,27 +227,34 @@ class Engine:
                 calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
         return calls
 
+    def _record_histories(self, rows: list[Row]) -> None:
+        """The penalties' history of rows whose request starts past position 0."""
+        for row in rows:
+            if row.history:
+                tokens = np.full(bucket_for(len(row.history), self.buckets), -1, np.int32)
+                tokens[:len(row.history)] = row.history
+                self.state = programs.record_history(self.state, np.int32(row.slot), tokens,
+                                                     np.int32(row.prompt_len))
+
     def _pack_prefill(self, chunks: list[Row], bucket: int) -> tuple[np.ndarray, ...]:
         """The call's host inputs: tokens `[rows, bucket]`, packed ints and floats per row."""
         rows = 1 << (len(chunks) - 1).bit_length()  # pad the batch to a power of two
-        stops = self.config.max_stop_tokens
+        blank_ints, blank_floats = self.sampling_row(None)
         tokens = np.zeros((rows, bucket), np.int32)
-        ints = np.zeros((rows, programs.STOP + stops), np.int32)
-        floats = np.zeros((rows, 2), np.float32)
+        ints = np.zeros((rows, programs.HEADER + len(blank_ints)), np.int32)
+        ints[:, programs.HEADER:] = blank_ints
+        floats = np.tile(blank_floats, (rows, 1))
         for r, c in enumerate(chunks):
             tokens[r, :len(c.tokens)] = c.tokens
-            s = c.sampling
-            ints[r, :programs.STOP] = (c.slot, c.start, len(c.tokens), c.is_last, s.max_tokens, s.top_k, c.seed,
-                                       c.generated)
-            ints[r, programs.STOP:] = self.stop_ids_for(s)
-            floats[r] = (s.temperature, s.top_p)
+            ints[r, :programs.HEADER] = (c.slot, c.start, len(c.tokens), c.is_last, c.generated, c.prompt_len)
+            ints[r, programs.HEADER:], floats[r] = self.sampling_row(c)
         return tokens, ints, floats
 
     def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> jax.Array:
         tokens, ints, floats = self._pack_prefill(chunks, bucket)
         out, self.cache, self.state = programs.prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
                                                             config=self.program_config, max_len=self.max_len,
-                                                            kv_len=kv_len)
+                                                            kv_len=kv_len, max_logprobs=self.max_logprobs)
         return out
 
     @property
@@ -234,12 +273,14 @@ class Engine:
         total = sum(r.num_tokens for r in rows)
         num_tokens = bucket_for(total, self._mixed_token_buckets())
         kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))
-        return self._mixed_call(pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.stop_ids_for),
+        self._record_histories(rows)
+        return self._mixed_call(pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row),
                                 kv_len)
 
     def _mixed_call(self, packed: tuple[np.ndarray, ...], kv_len: int) -> jax.Array:
         out, self.cache, self.state = mixed_step(self.params, self.cache, self.state, *packed,
                                                  config=self.program_config, max_len=self.max_len, kv_len=kv_len,
+                                                 max_logprobs=self.max_logprobs,
                                                  paged_kernel=self.config.attention == "pallas")
         return out
 
@@ -252,7 +293,8 @@ class Engine:
         kv_len = self._attended_len(longest + steps)
         out, self.cache, self.state = programs.decode_steps(
             self.params, self.cache, self.state, self._decode_rows(slots), config=self.program_config,
-            max_len=self.max_len, kv_len=kv_len, steps=steps, paged_kernel=self.config.attention == "pallas")
+            max_len=self.max_len, kv_len=kv_len, steps=steps, max_logprobs=self.max_logprobs,
+            paged_kernel=self.config.attention == "pallas")
         return out
 
     def decode_row_buckets(self) -> list[int]:
@@ -303,7 +345,7 @@ class Engine:
             if prog[0] == "mixed":
                 _, num_tokens, kv_len = prog
                 out = self._mixed_call(pack([], num_tokens, row_bucket(num_tokens, self.num_slots),
-                                            self.stop_ids_for), kv_len)
+                                            self.sampling_row), kv_len)
             elif prog[0] == "decode":
                 _, kv_len, rows = prog
                 out = self.decode(max(kv_len - self.config.decode_steps, 0), None if rows is None else range(rows))
@@ -311,7 +353,10 @@ class Engine:
                 _, rows, bucket, kv_len = prog
                 chunk = [Row(0, [0] * bucket, max(kv_len - bucket, 0), True, greedy)]
                 out = self._prefill_call(chunk * rows, bucket, kv_len)
-            out.block_until_ready()
+            jax.block_until_ready(out)
+        if chunked:  # a request starting past position 0 whose processors need the tokens before it
+            for bucket in self.buckets:
+                self._record_histories([Row(0, [], 0, history=[0] * bucket)])
         self.deactivate(0)  # abort and preemption
         self.reset()
         return len(progs)
@@ -328,7 +373,7 @@ class Engine:
                 return SlotCache.init(self.model.config, c.num_slots, self.max_len, dtype)
 
         def init_state():
-            return SlotState.init(self.num_slots, c.max_stop_tokens)
+            return SlotState.init(self.num_slots, c.max_stop_tokens, c.max_logit_bias, self.model.config.vocab_size)
 
         if self.mesh is None:
             self.cache, self.state = init_cache(), init_state()

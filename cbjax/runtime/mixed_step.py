@@ -28,14 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.runtime.device_state import TRACE_COUNTS, is_done
+from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens, sampling_fields
 from cbjax.models import forward
-from cbjax.request import SamplingParams
 from cbjax.scheduling.plan import Row
-from cbjax.runtime.sampling import sample
+from cbjax.runtime.sampling import count_sampled, sample_next
 
-# Packed int32 columns of one row (one host-to-device copy for all rows' scalars).
-(_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _MAX_TOKENS, _TOP_K, _SEED, _GENERATED, _STOP) = range(10)
+# Packed int32 columns of one row (one host-to-device copy for all rows' scalars), then the
+# sampling parameters of a row that ends its prompt (device_state.sampling_fields).
+(_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _GENERATED, _PROMPT_LEN) = range(7)
+_HEADER = 7
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -48,15 +49,17 @@ def row_bucket(num_tokens_bucket: int, num_slots: int) -> int:
     return min(num_tokens_bucket, 1 << (num_slots - 1).bit_length())
 
 
-def pack(rows: list[Row], num_tokens: int, num_rows: int, stop_ids_for) -> tuple[np.ndarray, ...]:
-    """Host arrays of a step: tokens, token row, token position `[T]`; row ints `[S, ...]`,
-    row floats `[S, 2]`, cu_q_lens `[S + 1]`. Padding tokens point at row S (none)."""
+def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple[np.ndarray, ...]:
+    """Host arrays of a step: tokens, token row, token position `[T]`; row ints, row floats
+    `[S, ...]`, cu_q_lens `[S + 1]`. Padding tokens point at row S (none). `sampling_row(row)`
+    packs a row's sampling parameters (`Engine.sampling_row`)."""
     tokens = np.zeros(num_tokens, np.int32)
     token_row = np.full(num_tokens, num_rows, np.int32)
     token_pos = np.zeros(num_tokens, np.int32)
-    stops = len(stop_ids_for(SamplingParams()))
-    ints = np.zeros((num_rows, _STOP + stops), np.int32)
-    floats = np.zeros((num_rows, 2), np.float32)
+    blank_ints, blank_floats = sampling_row(None)
+    ints = np.zeros((num_rows, _HEADER + len(blank_ints)), np.int32)
+    ints[:, _HEADER:] = blank_ints
+    floats = np.tile(blank_floats, (num_rows, 1))
     cu_q = np.zeros(num_rows + 1, np.int32)
     t = 0
     for i, row in enumerate(rows):
@@ -65,27 +68,26 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, stop_ids_for) -> tuple
             tokens[t:t + n] = row.tokens
         token_row[t:t + n] = i
         token_pos[t:t + n] = np.arange(row.start, row.start + n)
-        ints[i, :_STOP] = (row.slot, row.start, n, row.is_decode, row.is_last, 0, 0, row.seed, row.generated)
+        ints[i, :_HEADER] = (row.slot, row.start, n, row.is_decode, row.is_last, row.generated, row.prompt_len)
         if row.is_last:
-            s = row.sampling
-            ints[i, _MAX_TOKENS], ints[i, _TOP_K] = s.max_tokens, s.top_k
-            ints[i, _STOP:] = stop_ids_for(s)
-            floats[i] = (s.temperature, s.top_p)
+            ints[i, _HEADER:], floats[i] = sampling_row(row)
         t += n
         cu_q[i + 1] = t
     cu_q[len(rows) + 1:] = t
     return tokens, token_row, token_pos, ints, floats, cu_q
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "kv_len", "paged_kernel"),
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "kv_len", "max_logprobs", "paged_kernel"),
                    donate_argnames=("cache", "state"))
 def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats, cu_q, *, config, max_len, kv_len,
-               paged_kernel=False):
-    """Returns `[S, 2]` int32 (sampled token or -1, done) per row, the cache, the state."""
+               max_logprobs=0, paged_kernel=False):
+    """Returns `[S, 2]` int32 (sampled token or -1, done) per row (with `[S, 1 + 2 max_logprobs]`
+    logprob columns when `max_logprobs`), the cache, the state."""
     num_rows, num_tokens = ints.shape[0], tokens.shape[0]
-    TRACE_COUNTS[("mixed", config, num_tokens, kv_len, cache.num_slots)] += 1
-    slot, start, q_len, is_decode, is_last, generated = (
-        ints[:, i] for i in (_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _GENERATED))
+    num_slots = cache.num_slots
+    TRACE_COUNTS[("mixed", config, num_tokens, kv_len, num_slots)] += 1
+    slot, start, q_len, is_decode, is_last, generated, prompt_len = (
+        ints[:, i] for i in (_SLOT, _START, _QLEN, _IS_DECODE, _IS_LAST, _GENERATED, _PROMPT_LEN))
     is_decode, is_last = (is_decode > 0) & (q_len > 0), (is_last > 0) & (q_len > 0)
     valid = token_row < num_rows
     row = jnp.minimum(token_row, num_rows - 1)
@@ -97,23 +99,24 @@ def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats,
                             slot_ids=token_slot, kv_len=kv_len, logits_rows=last_token, paged_kernel=paged_kernel,
                             ragged=ragged, flat_rows=token_row, history_end=start[row])
     # Several tokens of one slot set its length in any order; one write per row settles it.
-    lengths = cache.lengths.at[jnp.where(q_len > 0, slot, cache.num_slots)].set(start + q_len, mode="drop")
+    lengths = cache.lengths.at[jnp.where(q_len > 0, slot, num_slots)].set(start + q_len, mode="drop")
     cache = dataclasses.replace(cache, lengths=lengths)
+    prompt_row = (q_len > 0) & ~is_decode
+    state = record_tokens(state, jnp.where(prompt_row & (start == 0), slot, num_slots),
+                          jnp.where(valid & prompt_row[row], token_slot, num_slots), tokens,
+                          token_pos < prompt_len[row])
 
     # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.
-    def own_or_slot(own, field):
-        return jnp.where(is_last if own.ndim == 1 else is_last[:, None], own, field[slot])
-
-    temperature, top_p = own_or_slot(floats[:, 0], state.temperature), own_or_slot(floats[:, 1], state.top_p)
-    top_k, seeds = own_or_slot(ints[:, _TOP_K], state.top_k), own_or_slot(ints[:, _SEED], state.seeds)
-    max_tokens = own_or_slot(ints[:, _MAX_TOKENS], state.max_tokens)
-    stop_ids = own_or_slot(ints[:, _STOP:], state.stop_ids)
-    before = jnp.where(is_last, generated, state.num_generated[slot])
-    token = sample(logits, temperature, top_k, top_p, seeds, before)
+    rows = state.rows(jnp.minimum(slot, num_slots - 1))
+    own = sampling_fields(ints[:, _HEADER:], floats, state.stop_ids.shape[1])
+    rows = dataclasses.replace(rows, **{name: jnp.where(is_last.reshape((-1,) + (1,) * (value.ndim - 1)), value,
+                                                        getattr(rows, name)) for name, value in own.items()})
+    before = jnp.where(is_last, generated, rows.num_generated)
+    token, logprobs = sample_next(logits, rows, before, max_logprobs)
     samples = is_decode | is_last
-    done = is_done(token, stop_ids, before + 1, max_tokens, start + q_len + 1, max_len) & samples
-    state = state.set_rows(jnp.where(samples, slot, cache.num_slots), token=token, done=done,
-                           num_generated=before + 1, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seeds=seeds, stop_ids=stop_ids)
+    done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, start + q_len + 1, max_len) & samples
+    state = state.set_rows(jnp.where(samples, slot, num_slots), tokens=token, active=~done, num_generated=before + 1,
+                           counts=count_sampled(rows.counts, token, samples),
+                           **{name: getattr(rows, name) for name in own})
     out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
-    return out, cache, state
+    return (out if logprobs is None else (out, logprobs)), cache, state

@@ -31,7 +31,7 @@ from cbjax.runtime import programs
 from cbjax.runtime.engine import Engine
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
-from cbjax.runtime.sampling import sample
+from cbjax.runtime.sampling import count_sampled, sample_next
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +74,16 @@ def _decode_last(params, cache, state, x, slots, *, config, max_len, kv_len, fir
     """The last stage of a decode micro-batch: its layers, the head, sampling, and the slots'
     state (as one step of `programs.decode_steps`, for rows `slots`). Returns tokens or -1."""
     TRACE_COUNTS[("pipeline-decode-last", config, slots.shape[0], kv_len, first_layer)] += 1
-    active = state.active[slots]
+    rows = state.rows(slots)
+    active = rows.active
     logits, cache = forward(params, config, cache, x, cache.lengths[slots], num_valid=active.astype(jnp.int32),
                             slot_ids=slots, kv_len=kv_len, logits_index=jnp.zeros_like(slots), embed=False,
                             first_layer=first_layer)
-    token = sample(logits, state.temperature[slots], state.top_k[slots], state.top_p[slots], state.seeds[slots],
-                   state.num_generated[slots])
-    generated = state.num_generated[slots] + active
-    done = active & is_done(token, state.stop_ids[slots], generated, state.max_tokens[slots],
-                            cache.lengths[slots] + 1, max_len)
-    state = dataclasses.replace(state, tokens=state.tokens.at[slots].set(jnp.where(active, token, state.tokens[slots])),
-                                active=state.active.at[slots].set(active & ~done),
-                                num_generated=state.num_generated.at[slots].set(generated))
+    token, _ = sample_next(logits, rows, rows.num_generated, 0)
+    generated = rows.num_generated + active
+    done = active & is_done(token, rows.stop_ids, generated, rows.max_tokens, cache.lengths[slots] + 1, max_len)
+    state = state.set_rows(slots, tokens=jnp.where(active, token, rows.tokens), active=active & ~done,
+                           num_generated=generated, counts=count_sampled(rows.counts, token, active))
     return jnp.where(active, token, -1), cache, state
 
 
@@ -118,6 +116,7 @@ class PipelineEngine(Engine):
         self.devices = devices[:self.stages]
         self.bounds = stage_bounds(model.config.num_layers, self.stages)
         super().__init__(model, config)
+        self.max_logprobs = 0  # its last stage's decode program computes none
         self.stage_params = [jax.device_put(self._params_of(s), d) for s, d in enumerate(self.devices)]
         groups = np.arange(config.num_slots, dtype=np.int32).reshape(self.micro_batches, -1)
         self.groups = [[jax.device_put(g, d) for d in self.devices] for g in groups]
@@ -145,7 +144,8 @@ class PipelineEngine(Engine):
         c = self.config
         self.caches = [jax.device_put(SlotCache.init(self._stage_config(s), c.num_slots, self.max_len, dtype), d)
                        for s, d in enumerate(self.devices)]
-        self.state = jax.device_put(SlotState.init(self.num_slots, c.max_stop_tokens), self.devices[-1])
+        self.state = jax.device_put(SlotState.init(self.num_slots, c.max_stop_tokens, c.max_logit_bias,
+                                                   self.model.config.vocab_size), self.devices[-1])
         self._tables = None
         self.call_log: list[list[StageCall]] = []
 
@@ -178,9 +178,9 @@ class PipelineEngine(Engine):
             self._log(s, chain, "prefill", rows, bucket, kv_len)
         last = self.stages - 1
         out, self.caches[last], self.state = programs.prefill_step(
-            self.stage_params[last], self.caches[last], self.state, jax.device_put(x, self.devices[last]), ints,
-            floats, config=self.model.config, max_len=self.max_len, kv_len=kv_len,
-            first_layer=self.bounds[last], embed=False)
+            self.stage_params[last], self.caches[last], self.state, jax.device_put(tokens, self.devices[last]), ints,
+            floats, jax.device_put(x, self.devices[last]), config=self.model.config, max_len=self.max_len,
+            kv_len=kv_len, first_layer=self.bounds[last], embed=False)
         self._log(last, chain, "prefill", rows, bucket, kv_len)
         return out
 

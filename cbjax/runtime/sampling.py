@@ -1,4 +1,6 @@
-"""On-device sampling, one set of parameters per slot: greedy, temperature, top-k, top-p.
+"""On-device sampling, one set of parameters per slot: the logits processors (logit bias,
+min_tokens, repetition / frequency / presence penalties), then greedy, temperature, top-k,
+top-p; and the log-probabilities of the raw logits.
 
 Randomness is a function of (request seed, index of the token in the output), so a
 seeded request samples the same tokens whatever batch or slot it lands in.
@@ -60,3 +62,54 @@ def sample(
 
     # The sort is the expensive part: skip it when every row is greedy.
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+
+
+def process_logits(logits, rows, index) -> jax.Array:
+    """vLLM's order: logit bias, min_tokens (stop ids masked while `index < min_tokens`), then
+    the repetition penalty over prompt and output tokens and the frequency and presence
+    penalties over the output's counts. `rows`: the rows' `SlotState` (history included);
+    `index`: each row's output index. Skipped, as one branch, when no row has any of them."""
+    num_rows, vocab = logits.shape
+    row = jnp.arange(num_rows)[:, None]
+
+    def apply(logits):
+        logits = logits.at[row, jnp.where(rows.bias_ids >= 0, rows.bias_ids, vocab)].add(rows.bias_values,
+                                                                                          mode="drop")
+        masked = (index < rows.min_tokens)[:, None] & (rows.stop_ids >= 0)
+        logits = logits.at[row, jnp.where(masked, rows.stop_ids, vocab)].set(-jnp.inf, mode="drop")
+        penalty = rows.repetition[:, None]
+        repeated = rows.seen | (rows.counts > 0)
+        logits = jnp.where(repeated, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+        return (logits - rows.frequency[:, None] * rows.counts.astype(logits.dtype)
+                - rows.presence[:, None] * (rows.counts > 0))
+
+    on = ((rows.repetition != 1) | (rows.presence != 0) | (rows.frequency != 0) | (index < rows.min_tokens)
+          | jnp.any(rows.bias_ids >= 0, axis=-1))
+    return jax.lax.cond(jnp.any(on), apply, lambda x: x, logits)
+
+
+def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
+    """`[rows, 1 + 2k]` float32: the sampled token's log-probability under the raw logits, the
+    top k log-probabilities (best first) and their token ids (exact in float32 below 2^24).
+    Computed only when some row asked (`wanted >= 0`); zeros otherwise."""
+    def compute(logits):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)
+        top, ids = jax.lax.top_k(logp, k)
+        return jnp.concatenate([chosen, top, ids.astype(jnp.float32)], axis=-1)
+
+    return jax.lax.cond(jnp.any(wanted >= 0), compute,
+                        lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits)
+
+
+def sample_next(logits, rows, index, max_logprobs: int):
+    """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
+    `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`."""
+    token = sample(process_logits(logits, rows, index), rows.temperature, rows.top_k, rows.top_p, rows.seeds,
+                   index)
+    return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
+
+
+def count_sampled(counts, token, sampled) -> jax.Array:
+    """`counts [R, V]` with each row's sampled token counted once where `sampled`."""
+    return counts.at[jnp.arange(token.shape[0]), token].add(sampled.astype(counts.dtype))

@@ -28,19 +28,25 @@ class Row:
     seed: int = 0
     generated: int = 0
     request: Request | None = None  # the scheduler's request, whose result this row carries
+    prompt_len: int = 0  # positions before it are the prompt, after it output (a resumed request's)
+    # The tokens before `start` when the row's request starts past position 0 (cached prefix
+    # pages, a fork of a sibling's prompt) and its logits processors need them on the device.
+    history: list[int] | None = None
 
     @classmethod
     def chunk(cls, request: Request, start: int, length: int) -> "Row":
         """The prompt positions `start:start+length` of a request holding a slot. `is_last`
         and `tokens` are fixed now: recording the chunk grows the request's `prefill_len`,
         and the round still has to know that this chunk ended the prompt."""
-        return cls(request.slot, request.prefill_token_ids[start:start + length], start,
-                   start + length >= request.prefill_len, request.sampling, request.seed,
-                   len(request.output_token_ids), request)
+        ids = request.prefill_token_ids
+        history = ids[:start] if start and start == request.placed_at and request.sampling.processes_logits else None
+        return cls(request.slot, ids[start:start + length], start, start + length >= request.prefill_len,
+                   request.sampling, request.seed, len(request.output_token_ids), request, request.prompt_len,
+                   history)
 
     @classmethod
     def decode(cls, request: Request) -> "Row":
-        return cls(request.slot, [], request.num_tokens - 1, request=request)
+        return cls(request.slot, [], request.num_tokens - 1, request=request, prompt_len=request.prompt_len)
 
     @property
     def length(self) -> int:

@@ -111,6 +111,7 @@ class Scheduler:
         self.slots[slot] = r
         r.slot = slot
         r.state = RequestState.PREFILLING
+        r.placed_at = r.num_prefilled
         r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
         self.waiting.remove(r)
         self._requeued.discard(r.request_id)

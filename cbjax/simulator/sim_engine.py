@@ -37,6 +37,7 @@ class SimulatedEngine(Engine):
 
     def __init__(self, model, config: EngineConfig, cost, clock: SimClock):
         self._configure(model, config)
+        self.max_logprobs = 0  # it samples filler tokens: no distribution to report
         self.cost = cost
         self.clock = clock
         # The Pallas kernels read each sequence's own pages; the reference paths read every
@@ -52,6 +53,9 @@ class SimulatedEngine(Engine):
         self.generated = np.zeros(s, np.int64)
         self.max_tokens = np.zeros(s, np.int64)
         self.filler = np.zeros(s, np.int64)
+
+    def _record_histories(self, rows) -> None:
+        pass  # no logits, so no penalties to keep a history for
 
     def _charge(self, call: Call) -> None:
         seconds = self.cost.seconds(call)
