@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from cbjax import checks
 from cbjax.core import EngineArgs, StepStats, build_core
 from cbjax.core.replay import progress_bar, run_arrivals
+from cbjax.core.sample_groups import SampleGroups
 from cbjax.loading import Model
 from cbjax.request import FinishReason, Request, RequestMetrics, RequestOutput, SamplingParams
 
@@ -54,6 +55,7 @@ class LLM:
         self._finished_unreturned: list[Request] = []  # finished inside another call's loop
         self._ids = itertools.count()
         self._emitted: dict[str, int] = {}
+        self.groups = SampleGroups()  # requests with n > 1 samples
 
     # What the core holds, for tests, experiments and other fronts to read.
     engine = property(lambda self: self.core.engine)
@@ -101,17 +103,51 @@ class LLM:
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
         request_id = self._new_request_id() if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in self.requests or self.groups.live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text,
-                          seed=self._request_seed(request_id, sampling))
+        if sampling.num_samples == 1:
+            self._add(request_id, ids, sampling, arrival, priority, text, self._request_seed(request_id, sampling))
+            return request_id
+        samples = SampleGroups.sample_params(sampling, self._request_seed(request_id, sampling))
+        children = [f"{request_id}/{i}" for i in range(len(samples))]
+        if any(c in self.requests for c in children):
+            raise ValueError(f"request id {request_id!r} clashes with a live request's samples")
+        first = None
+        for child, child_sampling in zip(children, samples):
+            r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first)
+            first = first or r
+        self.groups.add(request_id, children, sampling)
+        return request_id
+
+    def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None) -> Request:
+        request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
+                          fork_of=fork_of)
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.core.add(request)
-        return request_id
+        return request
 
-    def abort(self, request_id: str) -> RequestOutput:
-        request = self.requests.get(str(request_id))
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` (a request, or a group of samples) is still live."""
+        return request_id in self.requests or self.groups.live(request_id)
+
+    def abort(self, request_id: str, index: int | None = None):
+        """Abort a live request; returns its final output. For a request with n > 1 samples:
+        sample `index` alone (its output), or with no index every live sample (their outputs)."""
+        request_id = str(request_id)
+        group = self.groups.groups.get(request_id)
+        if group is not None:
+            ids = group.children if index is None else group.children[checks.integer("index", index, 0):][:1]
+            live = [self.requests[c] for c in ids if c in self.requests and not self.requests[c].finished]
+            if not live:
+                raise ValueError(f"cannot abort unknown or finished sample {index} of {request_id!r}")
+            for r in live:
+                self.core.abort(r)
+            outputs = [self.groups.relabel(self._release(r, self._output(r))) for r in live]
+            for r, o in zip(live, outputs):
+                self.groups.on_output(r.request_id, o)
+            return outputs if index is None else outputs[0]
+        request = self.requests.get(request_id)
         if request is None or request.finished:
             raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
         self.core.abort(request)
@@ -146,8 +182,21 @@ class LLM:
         """One scheduling round. Returns an output for every request that got new tokens or
         finished in this round."""
         touched, self._finished_unreturned = self._finished_unreturned + self.core.run_round(), []
-        outputs = [self._output(r, stream=True) for r in touched]
-        return [self._release(r, o) if r.finished else o for r, o in zip(touched, outputs)]
+        return self._hand_back(touched, stream=True)
+
+    def _hand_back(self, requests: list[Request], stream: bool) -> list[RequestOutput]:
+        """Outputs of `requests` (releasing the finished ones), samples of a group under the
+        group's id."""
+        outputs = []
+        for r in requests:
+            output = self._output(r, stream=stream)
+            if r.finished:
+                self._release(r, output)
+            if r.request_id in self.groups.sample_of:
+                outputs += self.groups.on_output(r.request_id, output)
+            else:
+                outputs.append(output)
+        return outputs
 
     def finish_round(self) -> list[Request]:
         """One round without building outputs; returns the requests that finished in it."""
@@ -172,11 +221,7 @@ class LLM:
 
     def error_output(self, request_id: str, prompt, message: str) -> RequestOutput:
         """The output of a request refused with `message`."""
-        now = self.clock()
-        ids = list(prompt) if not isinstance(prompt, (str, bytes, bytearray)) and _is_int_list(prompt) else []
-        metrics = RequestMetrics(arrival_time=now, finish_time=now)
-        return RequestOutput(request_id, ids, [], None, FinishReason.ERROR.value, metrics,
-                             prompt=prompt if isinstance(prompt, str) else None, error=message)
+        return error_output(self.clock(), request_id, prompt, message)
 
     # ------------------------------------------------------------- offline
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -193,10 +238,15 @@ class LLM:
         """Outputs in workload order. Requests added online that finished while this call drove
         the loop are kept for the next `step()`."""
         mine = set(ids)
-        self._finished_unreturned += [r for r in finished if r.request_id not in mine]
+        self._finished_unreturned += [r for r in finished if r.request_id not in mine
+                                      and self.groups.sample_of.get(r.request_id, ("",))[0] not in mine]
         return [self.error_output(f"error-{i}", workload[i][1], errors[i]) if i in errors
+                else self._group_output(rid) if self.groups.live(rid)
                 else self._release(self.requests[rid], self._output(self.requests[rid]))
                 for i, rid in enumerate(ids)]
+
+    def _group_output(self, group_id: str) -> RequestOutput:
+        return self.groups.collect(group_id, lambda c: self._release(self.requests[c], self._output(self.requests[c])))
 
     def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every request has finished; returns (and releases) the outputs of the
@@ -208,7 +258,7 @@ class LLM:
     def outputs_of(self, finished: list[Request]) -> list[RequestOutput]:
         """Hand back (and release) the outputs of requests that finished in rounds run
         outside `step` (`finish_round`, the engine core's `run_round`)."""
-        return [self._release(r, self._output(r)) for r in finished]
+        return self._hand_back(finished, stream=False)
 
     def _run_until_done(self, total: int | None, use_tqdm: bool, desc: str | None) -> list[Request]:
         return run_arrivals(self, [], progress_bar(total, use_tqdm, desc or self._desc()))[2]
@@ -247,3 +297,11 @@ def _is_int_list(x) -> bool:
             and not isinstance(x, str)
     except TypeError:
         return False
+
+
+def error_output(now: float, request_id: str, prompt, message: str) -> RequestOutput:
+    """The output of a request refused with `message` at `now`."""
+    ids = list(prompt) if not isinstance(prompt, (str, bytes, bytearray)) and _is_int_list(prompt) else []
+    metrics = RequestMetrics(arrival_time=now, finish_time=now)
+    return RequestOutput(request_id, ids, [], None, FinishReason.ERROR.value, metrics,
+                         prompt=prompt if isinstance(prompt, str) else None, error=message)

@@ -218,6 +218,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per output token, when asked for (streaming: the new ones)
     cumulative_logprob: float | None = None
     index: int = 0  # which of the request's n samples
+    samples: list["RequestOutput"] | None = None  # generate() with n > 1: every sample, by index
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,18 @@ def split_logprobs(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
+def prefill_results(host_outs, rows_of_calls) -> tuple[dict, dict]:
+    """Per chunk index: (first token, done), and its logprob columns when there are any."""
+    firsts, logprobs_of = {}, {}
+    for out, rows in zip(host_outs, rows_of_calls):
+        out, logprobs = split_logprobs(out)
+        for r, i in enumerate(rows):
+            firsts[i] = (int(out[r, 0]), int(out[r, 1]))
+            if logprobs is not None:
+                logprobs_of[i] = logprobs[r]
+    return firsts, logprobs_of
+
+
 def add_logprobs(r: Request, columns) -> None:
     """Attach logprob columns (`[n, 1 + 2 max_logprobs]`, one per token the call sampled for
     `r`, in order) to the output tokens that have none yet; a request that asked for none
@@ -158,6 +170,8 @@ class EngineCore:
             return []
         for slot in plan.preempted_slots:
             engine.deactivate(slot)
+        if plan.copies:
+            engine.copy_kv(plan.copies)
         if self.pages is not None and engine.reads_block_tables:
             engine.set_block_tables(self._block_tables())
         if plan.mixed:
@@ -179,14 +193,7 @@ class EngineCore:
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t1
         stats.device_wait_s += t3 - t2
-        firsts: dict[int, tuple[int, int]] = {}
-        first_logprobs: dict[int, np.ndarray] = {}
-        for out, rows in zip(host_prefill, (rows for _, rows in calls)):
-            out, logprobs = split_logprobs(out)
-            for r, i in enumerate(rows):
-                firsts[i] = (int(out[r, 0]), int(out[r, 1]))
-                if logprobs is not None:
-                    first_logprobs[i] = logprobs[r]
+        firsts, first_logprobs = prefill_results(host_prefill, [rows for _, rows in calls])
         touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
         for i, logprobs in first_logprobs.items():
             add_logprobs(plan.prefills[i].request, logprobs[None])

@@ -22,20 +22,15 @@ import dataclasses
 import jax
 import numpy as np
 
-from cbjax import checks
 from cbjax.models import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
-from cbjax.runtime import programs, sharding
-from cbjax.runtime.device_state import (BACKEND_COMPILES, TRACE_COUNTS, SlotState,  # noqa: F401 (re-exported)
-                                        pack_sampling)
+from cbjax.runtime import programs, row_packing, sharding
+from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.engine_config import (CPU_KERNEL_CHOICES, EngineConfig, bucket_for,  # noqa: F401 (re-exported)
+                                         prefill_buckets)
 from cbjax.runtime.mixed_step import mixed_step, pack, row_bucket, token_buckets
-from cbjax.scheduling.config import MERGE_MODES
 from cbjax.scheduling.plan import Row
-
-
-CPU_KERNEL_CHOICES = ("auto", "on", "off")
-BLANK = SamplingParams(max_tokens=1)  # the sampling parameters of a row that samples nothing
 
 
 def use_cpu_kernels(choice: str, params, mesh) -> bool:
@@ -52,80 +47,6 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
     if choice == "on":
         raise ValueError(f"cpu_kernels='on' is unavailable: {why_not}")
     return False
-
-
-def prefill_buckets(floor: int, max_len: int) -> list[int]:
-    buckets, b = [], floor
-    while b < max_len:
-        buckets.append(b)
-        b *= 2
-    return buckets + [max_len]
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    num_slots: int = 8
-    max_seq_len: int = 512
-    prefill_floor: int = 16
-    decode_steps: int = 1
-    max_stop_tokens: int = 16
-    max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
-    kv_cache: str = "slots"  # or "paged"
-    page_size: int = 16
-    num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
-    # Decode attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas"
-    # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
-    # so not the default there.
-    attention: str = "reference"
-    # "prefill_first": bucketed prefill calls, then decode calls. "fused" / "chunked": one mixed
-    # step (cbjax/mixed_step.py) per round over at most `max_num_batched_tokens` tokens.
-    merge_mode: str = "prefill_first"
-    max_num_batched_tokens: int | None = None
-    # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
-    # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
-    # "on" (those, or an error) or "off" (XLA).
-    cpu_kernels: str = "auto"
-    # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0
-    # leaves them out of every program. Computed only in steps where some row asks.
-    max_logprobs: int = 20
-    max_logit_bias: int = 64  # logit_bias entries per request
-
-    def __post_init__(self):
-        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
-        self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
-        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size"):
-            setattr(self, name, checks.integer(name, getattr(self, name), 1))
-        self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
-        self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
-        self.max_prefill_batch = checks.integer("max_prefill_batch", self.max_prefill_batch, 1, 1024)
-        if self.max_prefill_batch & (self.max_prefill_batch - 1):
-            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
-        if self.attention not in ("reference", "pallas"):
-            raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
-        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
-            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
-        if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
-        if self.attention == "pallas" and self.kv_cache != "paged":
-            raise ValueError("attention='pallas' needs kv_cache='paged'")
-        if self.merge_mode not in MERGE_MODES:
-            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
-        if self.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.kv_cache == "paged":
-            if self.max_seq_len % self.page_size:
-                raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
-                                 f"({self.page_size})")
-            if self.num_pages is None:
-                self.num_pages = self.num_slots * self.max_seq_len // self.page_size
-            self.num_pages = checks.integer("num_pages", self.num_pages, 1)
 
 
 class Engine:
@@ -170,36 +91,28 @@ class Engine:
         return self.config.num_slots
 
     def stop_ids_for(self, sampling: SamplingParams) -> np.ndarray:
-        ids = list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(self.eos_ids))
-        ids = sorted(set(ids))
-        if len(ids) > self.config.max_stop_tokens:
-            raise ValueError(f"at most {self.config.max_stop_tokens} stop tokens (EOS included) per request, "
-                             f"got {len(ids)}")
-        out = np.full((self.config.max_stop_tokens,), -1, np.int32)
-        out[:len(ids)] = ids
-        return out
+        return row_packing.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
-        self.stop_ids_for(sampling)
-        if sampling.logprobs is not None and sampling.logprobs > (self.max_logprobs or -1):
-            raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={self.max_logprobs}"
-                             if self.max_logprobs else f"this engine computes no logprobs (max_logprobs=0)")
-        if len(sampling.logit_bias) > self.config.max_logit_bias:
-            raise ValueError(f"at most {self.config.max_logit_bias} logit_bias entries per request, "
-                             f"got {len(sampling.logit_bias)}")
-        vocab = self.model.config.vocab_size
-        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        row_packing.check_sampling(sampling, self.stop_ids_for(sampling), self.max_logprobs,
+                                   self.config.max_logit_bias, self.model.config.vocab_size)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
-        """A row's packed sampling parameters (device_state.pack_sampling); None: a row that
-        samples nothing."""
-        if row is None:
-            return pack_sampling(BLANK, 0, np.full(self.config.max_stop_tokens, -1, np.int32),
-                                 self.config.max_logit_bias)
-        return pack_sampling(row.sampling, row.seed, self.stop_ids_for(row.sampling), self.config.max_logit_bias)
+        """A row's packed sampling parameters; None: a row that samples nothing."""
+        stops = self.stop_ids_for(row.sampling) if row is not None else None
+        return row_packing.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
+
+    def _record_histories(self, rows: list[Row]) -> None:
+        """The penalties' history of rows whose request starts past position 0."""
+        for row in rows:
+            if row.history:
+                self.state = programs.record_history(self.state, np.int32(row.slot),
+                                                     row_packing.history_tokens(row, self.buckets),
+                                                     np.int32(row.prompt_len))
+
+    def _pack_prefill(self, chunks: list[Row], bucket: int) -> tuple[np.ndarray, ...]:
+        return row_packing.pack_prefill(chunks, bucket, self.sampling_row)
 
     def _attended_len(self, needed: int) -> int:
         return bucket_for(min(needed, self.max_len), self.buckets)
@@ -226,29 +139,6 @@ class Engine:
                 rows = members[k:k + limit]
                 calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
         return calls
-
-    def _record_histories(self, rows: list[Row]) -> None:
-        """The penalties' history of rows whose request starts past position 0."""
-        for row in rows:
-            if row.history:
-                tokens = np.full(bucket_for(len(row.history), self.buckets), -1, np.int32)
-                tokens[:len(row.history)] = row.history
-                self.state = programs.record_history(self.state, np.int32(row.slot), tokens,
-                                                     np.int32(row.prompt_len))
-
-    def _pack_prefill(self, chunks: list[Row], bucket: int) -> tuple[np.ndarray, ...]:
-        """The call's host inputs: tokens `[rows, bucket]`, packed ints and floats per row."""
-        rows = 1 << (len(chunks) - 1).bit_length()  # pad the batch to a power of two
-        blank_ints, blank_floats = self.sampling_row(None)
-        tokens = np.zeros((rows, bucket), np.int32)
-        ints = np.zeros((rows, programs.HEADER + len(blank_ints)), np.int32)
-        ints[:, programs.HEADER:] = blank_ints
-        floats = np.tile(blank_floats, (rows, 1))
-        for r, c in enumerate(chunks):
-            tokens[r, :len(c.tokens)] = c.tokens
-            ints[r, :programs.HEADER] = (c.slot, c.start, len(c.tokens), c.is_last, c.generated, c.prompt_len)
-            ints[r, programs.HEADER:], floats[r] = self.sampling_row(c)
-        return tokens, ints, floats
 
     def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> jax.Array:
         tokens, ints, floats = self._pack_prefill(chunks, bucket)
@@ -363,29 +253,8 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every sequence: all slots free and inactive."""
-        dtype = jax.tree.leaves(self.params)[0].dtype
-        c = self.config
-        if c.kv_cache == "paged":
-            def init_cache():
-                return PagedCache.init(self.model.config, c.num_slots, self.max_len, c.num_pages, c.page_size, dtype)
-        else:
-            def init_cache():
-                return SlotCache.init(self.model.config, c.num_slots, self.max_len, dtype)
-
-        def init_state():
-            return SlotState.init(self.num_slots, c.max_stop_tokens, c.max_logit_bias, self.model.config.vocab_size)
-
-        if self.mesh is None:
-            self.cache, self.state = init_cache(), init_state()
-        else:
-            # Made in place on the mesh (a jitted init with output shardings), never whole on one device.
-            rep = sharding.replicated(self.mesh)
-            shape = jax.eval_shape(init_cache)
-            kv = sharding.kv_sharding(self.model.config, self.mesh, shape.head_axis, shape.k[0].ndim)
-            layout = jax.tree.map(lambda _: rep, shape)
-            layout = dataclasses.replace(layout, k=(kv,) * len(shape.k), v=(kv,) * len(shape.v))
-            self.cache = dataclasses.replace(jax.jit(init_cache, out_shardings=layout)(), kv_sharding=kv)
-            self.state = jax.jit(init_state, out_shardings=rep)()
+        self.cache, self.state = init_cache_and_state(self.model.config, self.config,
+                                                      jax.tree.leaves(self.params)[0].dtype, self.mesh)
         self._tables = None
 
     def set_block_tables(self, tables: np.ndarray) -> None:
@@ -400,6 +269,12 @@ class Engine:
             return jax.device_put(host)  # not jnp.asarray: without a dtype it compiles a copy per shape
         return sharding.place(host, sharding.replicated(self.mesh))
 
+    def copy_kv(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV (source, destination): pages of a paged cache, whole slots of the slot cache
+        (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
+        src, dst = row_packing.copy_pairs(copies)
+        self.cache = programs.copy_kv(self.cache, self._put(src), self._put(dst))
+
     def deactivate(self, slot: int) -> None:
         self.state = programs.deactivate(self.state, np.int32(slot))
 
@@ -412,3 +287,27 @@ class Engine:
     def num_backend_compilations() -> int:
         """XLA compilations of anything in this process so far."""
         return BACKEND_COMPILES[0]
+
+
+def init_cache_and_state(model_config, c: EngineConfig, dtype, mesh) -> tuple:
+    """An empty KV cache and slot state; on a mesh, made in place (a jitted init with output
+    shardings), never whole on one device."""
+    if c.kv_cache == "paged":
+        def init_cache():
+            return PagedCache.init(model_config, c.num_slots, c.max_seq_len, c.num_pages, c.page_size, dtype)
+    else:
+        def init_cache():
+            return SlotCache.init(model_config, c.num_slots, c.max_seq_len, dtype)
+
+    def init_state():
+        return SlotState.init(c.num_slots, c.max_stop_tokens, c.max_logit_bias, model_config.vocab_size)
+
+    if mesh is None:
+        return init_cache(), init_state()
+    rep = sharding.replicated(mesh)
+    shape = jax.eval_shape(init_cache)
+    kv = sharding.kv_sharding(model_config, mesh, shape.head_axis, shape.k[0].ndim)
+    layout = jax.tree.map(lambda _: rep, shape)
+    layout = dataclasses.replace(layout, k=(kv,) * len(shape.k), v=(kv,) * len(shape.v))
+    cache = dataclasses.replace(jax.jit(init_cache, out_shardings=layout)(), kv_sharding=kv)
+    return cache, jax.jit(init_state, out_shardings=rep)()

@@ -153,6 +153,11 @@ class PipelineEngine(Engine):
     def cache(self):  # the last stage's (its lengths are every stage's)
         return self.caches[-1]
 
+    def copy_kv(self, copies) -> None:
+        for s, d in enumerate(self.devices):  # each stage holds its own layers of every slot
+            src, dst = (np.asarray(a, np.int32) for a in zip(*copies))
+            self.caches[s] = programs.copy_kv(self.caches[s], jax.device_put(src, d), jax.device_put(dst, d))
+
     def _new_round(self) -> None:
         self.call_log.append([])
 

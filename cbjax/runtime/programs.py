@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from cbjax.models import forward
+from cbjax.models.kv_cache import PagedCache
 from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens, sampling_fields
 from cbjax.runtime.sampling import count_sampled, sample_next
 
@@ -120,6 +121,19 @@ def decode_steps(params, cache, state, rows=None, *, config, max_len, kv_len, st
         logprobs = jnp.zeros((steps, num_slots, logprobs.shape[-1]), jnp.float32).at[:, rows].set(logprobs,
                                                                                                   mode="drop")
     return with_logprobs(out, logprobs), cache, state
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def copy_kv(cache, src, dst):
+    """Copy keys and values from `src` to `dst` (`[N]` int32, `dst` padded with an out-of-range
+    id): whole slots of a `SlotCache`, pages of a `PagedCache` (a fork's copy on write)."""
+    axis = 1 if isinstance(cache, PagedCache) else 0
+
+    def copy(layer):
+        index = (slice(None),) * axis
+        return layer.at[index + (dst,)].set(layer[index + (src,)], mode="drop")
+
+    return dataclasses.replace(cache, k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
 
 
 @functools.partial(jax.jit, donate_argnames="state")

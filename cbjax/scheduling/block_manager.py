@@ -131,6 +131,42 @@ class BlockManager:
         self.lengths[seq_id] = len(tokens)
         return len(cached) * self.page_size
 
+    def _fork_layout(self, src_id: str, shared: int) -> tuple[list[int], int]:
+        """The pages a fork takes by reference (the full pages of the first `shared` tokens) and
+        the number of tokens of a partial page past them, which it copies."""
+        full = shared // self.page_size
+        return self.tables[src_id][:full], shared - full * self.page_size
+
+    def can_fork(self, src_id: str, tokens: list[int], shared: int, num_tokens: int = 0, reserved: int = 0) -> bool:
+        """Whether a fork of `src_id`'s first `shared` tokens, holding `tokens` (grown to
+        `num_tokens`), fits in the free pages while `reserved` of them stay free."""
+        by_reference, _ = self._fork_layout(src_id, shared)
+        return self.pages_needed(max(len(tokens), num_tokens)) - len(by_reference) + reserved <= self.num_free
+
+    def fork(self, src_id: str, seq_id: str, tokens: list[int], shared: int) -> tuple[int, int] | None:
+        """Pages for `seq_id`, whose first `shared` tokens are `src_id`'s (n > 1 samples of one
+        prompt): the full pages among them are `src_id`'s, by reference count; the page holding
+        the rest is a fresh one, returned as (source page, fresh page) for the device to copy
+        before either writes it (copy on write), or None when there is no partial page."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already holds pages")
+        if not self.can_fork(src_id, tokens, shared):
+            raise MemoryError(f"not enough free pages to fork {len(tokens)} tokens")
+        by_reference, partial = self._fork_layout(src_id, shared)
+        for page in by_reference:
+            self.ref_counts[page] += 1
+        table = list(by_reference)
+        copy = (self.tables[src_id][len(table)], None) if partial else None
+        for _ in range(self.pages_needed(len(tokens)) - len(table)):
+            table.append(self._take_free())
+        if copy is not None:
+            copy = (copy[0], table[len(by_reference)])
+        self.tables[seq_id] = table
+        self.lengths[seq_id] = len(tokens)
+        if self.enable_prefix_caching:
+            self._seq_keys[seq_id] = self._keys(tokens[:len(by_reference) * self.page_size])
+        return copy
+
     def register(self, seq_id: str, tokens: list[int], num_computed: int) -> None:
         """Offer the sequence's full pages whose keys and values are now computed (the first
         `num_computed` of `tokens`) to later prompts. Registering only computed pages means a

@@ -63,6 +63,19 @@ class PageReservations:
         r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
+    def take_fork(self, r: Request, shared: int, reserved: int, copies: list) -> int | None:
+        """As `take`, for a fork of `r.fork_of`'s first `shared` tokens: their full pages by
+        reference, the partial one copied (appended to `copies` as (source, destination))."""
+        first_decode = self.decode_need(r, r.prefill_len + 1)
+        src = r.fork_of.request_id
+        if not self.pages.can_fork(src, r.prefill_token_ids, shared, first_decode, reserved):
+            return None
+        copy = self.pages.fork(src, r.request_id, r.prefill_token_ids, shared)
+        if copy is not None:
+            copies.append(copy)
+        r.num_prefilled = shared
+        return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
+
     def grow(self, decoding: list[Request], order_key: Callable, victim: Callable[[], Request],
              preempt: Callable[[Request], int]) -> list[int]:
         """Pages for the coming decode call of each `decoding` request, most important first

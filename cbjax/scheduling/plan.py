@@ -70,6 +70,9 @@ class Plan:
     wake_time: float | None = None
     preempted_slots: list[int] = dataclasses.field(default_factory=list)  # to deactivate on the device
     mixed: bool = False  # prefills and decodes go in one mixed step
+    # KV to copy before the round's steps, (source, destination): pages of the paged cache, or
+    # whole slots of the slot cache (forks of a sibling's prompt, n > 1).
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def idle(self) -> bool:

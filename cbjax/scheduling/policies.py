@@ -27,7 +27,9 @@ def admit(sched, now: float) -> tuple[list[Request], float | None]:
     cfg = sched.config
     if not sched.waiting or not sched.free_slots:
         return [], None
-    ordered = sched.waiting  # kept sorted by order_key
+    ordered = sched.startable()  # kept sorted by order_key
+    if not ordered:
+        return [], None
     if cfg.policy == "continuous":
         return _admit_continuous(sched, ordered), None
     if sched.batch:  # static and dynamic never mix batches; preempted members come back
@@ -125,7 +127,7 @@ def schedule_mixed(sched, now: float) -> Plan:
         if budget <= 0 or (not chunked and r.prefill_len > budget and not fits_alone):
             break
         if sched.pages is not None:
-            reserved = sched.reservations.take(r, reserved)
+            reserved = sched.take_pages(r, reserved)
             if reserved is None:
                 break
         sched.place(r, now)
@@ -134,4 +136,4 @@ def schedule_mixed(sched, now: float) -> Plan:
     chunks = [c for c in chunks if c.request.slot is not None]
     decode = any(r.state == RequestState.RUNNING for r in sched.running)
     return Plan(chunks, decode, wake_time=wake if not chunks and not decode else None,
-                preempted_slots=preempted, mixed=True)
+                preempted_slots=preempted, mixed=True, copies=sched.take_copies())

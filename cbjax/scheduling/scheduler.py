@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 
 from cbjax.request import FinishReason, Request, RequestState
+from cbjax.scheduling import forks
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
 from cbjax.scheduling.page_reservation import PageReservations
@@ -37,9 +38,12 @@ class Scheduler:
         self.draining = False
         self._admitted = 0
         self.num_decode_steps = 0
+        self.forks_seen = False  # some request forks a sibling's prompt (n > 1): admission checks forks
+        self.copies: list[tuple[int, int]] = []  # this round's KV copies for forks (pages or slots)
 
     # ------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
+        self.forks_seen |= request.fork_of is not None
         request.seq_index = self._admitted
         self._admitted += 1
         request.state = RequestState.WAITING
@@ -77,6 +81,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
+    # ------------------------------------------------------------- forks
+    def startable(self) -> list[Request]:
+        """The waiting requests that may start now, in admission order (forks.py)."""
+        return forks.startable(self.waiting) if self.forks_seen else self.waiting
+
+    def take_pages(self, r: Request, reserved: int) -> int | None:
+        """Paged: a newcomer's pages (a fork's by reference where it can); as `PageReservations.take`."""
+        shared = forks.fork_point(r)
+        if shared is None:
+            return self.reservations.take(r, reserved)
+        return self.reservations.take_fork(r, shared, reserved, self.copies)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
     def order_key(self, r: Request):
         if self.config.ordering == "priority":
             return (r.priority, r.arrival_time, r.seq_index)
@@ -93,7 +113,7 @@ class Scheduler:
         reserved = self.reservations.pages_to_grow(self.running) if self.pages is not None and admitted else 0
         for i, r in enumerate(admitted):
             if self.pages is not None:
-                reserved = self.reservations.take(r, reserved)
+                reserved = self.take_pages(r, reserved)
                 if reserved is None:
                     self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
                     break
@@ -103,11 +123,14 @@ class Scheduler:
         prefills = [c for c in prefills if c.request.slot is not None]
         decode = self._should_decode(prefills)
         return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None,
-                    preempted_slots=preempted)
+                    preempted_slots=preempted, copies=self.take_copies())
 
     def place(self, r: Request, now: float) -> None:
         """Give a waiting request a free slot: it starts prefilling."""
         slot = self.free_slots[0]
+        if self.pages is None and (shared := forks.fork_point(r)) is not None:
+            self.copies.append((r.fork_of.slot, slot))  # the slot cache copies the sibling's slot
+            r.num_prefilled = shared
         self.slots[slot] = r
         r.slot = slot
         r.state = RequestState.PREFILLING

@@ -54,6 +54,9 @@ class SimulatedEngine(Engine):
         self.max_tokens = np.zeros(s, np.int64)
         self.filler = np.zeros(s, np.int64)
 
+    def copy_kv(self, copies) -> None:
+        pass  # a fork's copy is a few pages: not charged
+
     def _record_histories(self, rows) -> None:
         pass  # no logits, so no penalties to keep a history for
 

@@ -1,0 +1,86 @@
+"""`EngineConfig`, the device engine's knobs (checked once), and the length buckets its
+programs are compiled for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cbjax import checks
+from cbjax.scheduling.config import MERGE_MODES
+
+
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def prefill_buckets(floor: int, max_len: int) -> list[int]:
+    buckets, b = [], floor
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_len]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    num_slots: int = 8
+    max_seq_len: int = 512
+    prefill_floor: int = 16
+    decode_steps: int = 1
+    max_stop_tokens: int = 16
+    max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
+    kv_cache: str = "slots"  # or "paged"
+    page_size: int = 16
+    num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
+    # Decode attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas"
+    # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
+    # so not the default there.
+    attention: str = "reference"
+    # "prefill_first": bucketed prefill calls, then decode calls. "fused" / "chunked": one mixed
+    # step (cbjax/mixed_step.py) per round over at most `max_num_batched_tokens` tokens.
+    merge_mode: str = "prefill_first"
+    max_num_batched_tokens: int | None = None
+    # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
+    # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
+    # "on" (those, or an error) or "off" (XLA).
+    cpu_kernels: str = "auto"
+    # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0
+    # leaves them out of every program. Computed only in steps where some row asks.
+    max_logprobs: int = 20
+    max_logit_bias: int = 64  # logit_bias entries per request
+
+    def __post_init__(self):
+        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
+        self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
+        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size"):
+            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
+        self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
+        self.max_prefill_batch = checks.integer("max_prefill_batch", self.max_prefill_batch, 1, 1024)
+        if self.max_prefill_batch & (self.max_prefill_batch - 1):
+            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
+        if self.attention not in ("reference", "pallas"):
+            raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
+        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
+        if self.kv_cache not in ("slots", "paged"):
+            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+        if self.attention == "pallas" and self.kv_cache != "paged":
+            raise ValueError("attention='pallas' needs kv_cache='paged'")
+        if self.merge_mode not in MERGE_MODES:
+            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.kv_cache == "paged":
+            if self.max_seq_len % self.page_size:
+                raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
+                                 f"({self.page_size})")
+            if self.num_pages is None:
+                self.num_pages = self.num_slots * self.max_seq_len // self.page_size
+            self.num_pages = checks.integer("num_pages", self.num_pages, 1)
