@@ -22,8 +22,8 @@ import traceback
 from aiohttp import web
 
 from cbjax.llm import LLM
-from cbjax.serve import protocol
-from cbjax.serve.detokenizer import TextStream
+from cbjax.serve import protocol, responses
+from cbjax.serve.choices import Choices
 from cbjax.serve.engine_loop import EngineLoop
 from cbjax.serve.info_routes import InfoRoutes, json_response
 from cbjax.serve.prometheus import CONTENT_TYPE, ServerMetrics
@@ -233,27 +233,25 @@ class Server:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         # The front names the requests, so it can abort one whose submission is still queued.
-        response_id = protocol.new_id(job)
-        ids = [f"{response_id}-{i}" for i in range(n)]
-        live = set(ids)
+        response_id = responses.new_id(job)
+        choices = Choices(job, self.llm.tokenizer, [f"{response_id}-{i}" for i in range(n)])
         self.pending += n
         try:
             futures = [self.engine.submit(prompt, job.sampling, self._sink(loop, outputs, i), arrival_time=received,
                                           request_id=rid)
-                       for i, (prompt, rid) in enumerate(zip(job.prompts, ids))]
-            for rid, future in zip(ids, futures):
+                       for i, (prompt, rid) in enumerate(zip(job.prompts, choices.request_ids))]
+            for future in futures:
                 try:
                     await asyncio.wrap_future(future)
                 except ValueError as e:
                     raise APIError(400, str(e), param="prompt") from None
                 except RuntimeError as e:
                     raise APIError(503, str(e)) from None
-            streams = [TextStream(self.llm.tokenizer, job.stop) for _ in ids]
             if job.stream:
-                return await self._stream(request, job, response_id, outputs, ids, live, streams)
-            return await self._collect(job, response_id, outputs, ids, live, streams)
+                return await self._stream(request, response_id, outputs, choices)
+            return await self._collect(response_id, outputs, choices)
         finally:
-            for rid in live:  # a client that went away, or a refused sibling: free what it holds
+            for rid in choices.live_requests():  # a client that went away, or a refused sibling: free it
                 self.engine.abort(rid)
             self.pending -= n
 
@@ -263,37 +261,36 @@ class Server:
             loop.call_soon_threadsafe(outputs.put_nowait, (index, output))
         return put
 
-    async def _outputs(self, outputs: asyncio.Queue, ids: list[str], live: set[str], streams: list[TextStream]):
-        """Yield `(index, text delta, finish reason, new token ids)` until every choice ends;
-        a stop string ends a choice at once (and aborts its request)."""
-        while live:
-            index, out = await outputs.get()
-            rid = ids[index]
-            if rid not in live:  # the abort that followed a stop string
+    async def _outputs(self, outputs: asyncio.Queue, choices: Choices):
+        """Yield `(choice, text delta, finish reason, new token ids, logprobs)` until every
+        choice ends; a stop string ends a choice at once (and aborts its sample)."""
+        while choices.live:
+            prompt_index, out = await outputs.get()
+            c = choices.index(prompt_index, out.index)
+            if c not in choices.live:  # the abort that followed a stop string
                 continue
             if out.finish_reason == "error":
-                live.discard(rid)
+                choices.live.discard(c)
                 raise APIError(503 if self.engine.error is None else 500, out.error or "request failed")
-            stream = streams[index]
+            stream = choices.streams[c]
             delta = stream.push(out.new_token_ids, final=out.finished)
             reason = out.finish_reason
             if stream.stopped:
                 reason = "stop"
-                self.engine.abort(rid, reason="stop")
+                self.engine.abort(*choices.request_of(c), reason="stop")
             if reason is not None:
-                live.discard(rid)
-            yield index, delta, reason, out.new_token_ids
+                choices.live.discard(c)
+                choices.reasons[c] = reason
+            yield c, delta, reason, out.new_token_ids, choices.logprobs_body(c, out.logprobs)
 
-    async def _collect(self, job, response_id, outputs, ids, live, streams) -> web.Response:
-        reasons: list[str | None] = [None] * len(ids)
-        async for index, _, reason, _ in self._outputs(outputs, ids, live, streams):
-            reasons[index] = reason
-        choices = [protocol.choice(job, i, s.text, reasons[i], s.token_ids) for i, s in enumerate(streams)]
-        completion_tokens = sum(len(s.token_ids) for s in streams)
-        usage = protocol.usage(sum(map(len, job.prompts)), completion_tokens)
-        return json_response(protocol.response(job, response_id, choices, usage))
+    async def _collect(self, response_id, outputs, choices: Choices) -> web.Response:
+        async for _ in self._outputs(outputs, choices):
+            pass
+        usage = responses.usage(sum(map(len, choices.job.prompts)), choices.completion_tokens)
+        return json_response(responses.response(choices.job, response_id, choices.response_choices(), usage))
 
-    async def _stream(self, request, job, response_id, outputs, ids, live, streams) -> web.StreamResponse:
+    async def _stream(self, request, response_id, outputs, choices: Choices) -> web.StreamResponse:
+        job = choices.job
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -301,13 +298,13 @@ class Server:
             await response.write(f"data: {protocol.dumps(body)}\n\n".encode())
 
         try:
-            if job.kind == "chat":
-                for i in range(len(ids)):
-                    await send(protocol.chunk(job, response_id, i, None, None, [], first=True))
+            for c in range(len(choices.streams)):  # chat's role, or the echoed prompt
+                if job.kind == "chat" or choices.prompt_text(c):
+                    await send(responses.chunk(job, response_id, c, choices.prompt_text(c), None, [], first=True))
             try:
-                async for index, delta, reason, new_ids in self._outputs(outputs, ids, live, streams):
+                async for c, delta, reason, new_ids, logprobs in self._outputs(outputs, choices):
                     if delta or new_ids or reason:
-                        await send(protocol.chunk(job, response_id, index, delta, reason, new_ids))
+                        await send(responses.chunk(job, response_id, c, delta, reason, new_ids, logprobs=logprobs))
             except APIError as e:  # the status line is gone: the error travels as an event
                 await send(e.body())
             except ConnectionResetError:
@@ -316,8 +313,8 @@ class Server:
                 log.error("internal error in a stream:\n%s", traceback.format_exc())
                 await send(APIError(500, f"internal error: {e}").body())
             if job.include_usage:
-                await send(protocol.usage_chunk(job, response_id, protocol.usage(
-                    sum(map(len, job.prompts)), sum(len(s.token_ids) for s in streams))))
+                await send(responses.usage_chunk(job, response_id, responses.usage(
+                    sum(map(len, job.prompts)), choices.completion_tokens)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:  # the client went away: the caller's finally frees its requests

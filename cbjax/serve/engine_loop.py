@@ -79,11 +79,11 @@ class EngineLoop:
         self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future)))
         return future
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Abort a request if it is still live (a no-op once it has finished). `reason` is the
-        finish reason its last output carries: "stop" when the front ends it on a stop string,
-        so the metrics count what the client saw."""
-        self._commands.put(("abort", request_id, reason))
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Abort a request (or sample `index` of one with n > 1) if it is still live (a no-op once
+        it has finished). `reason` is the finish reason its last output carries: "stop" when
+        the front ends it on a stop string, so the metrics count what the client saw."""
+        self._commands.put(("abort", request_id, index, reason))
 
     # -------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -136,19 +136,26 @@ class EngineLoop:
         submit.future.set_result(request_id)
         self._note_load()
 
-    def _abort(self, request_id: str, reason: str = "abort") -> None:
-        request = self.llm.requests.get(request_id)
-        if request is None or request.finished:
+    def _abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        if not self.llm.has_request(request_id):
             return
-        self._deliver(dataclasses.replace(self.llm.abort(request_id), finish_reason=reason))
+        try:
+            aborted = self.llm.abort(request_id, index) if index is not None else self.llm.abort(request_id)
+        except ValueError:  # that sample has finished already
+            return
+        aborted = aborted if isinstance(aborted, list) else [aborted]
+        self._dispatch([dataclasses.replace(o, finish_reason=reason) for o in aborted])
         self._note_load()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             self._deliver(output)
+        for output in outputs:  # a request with n > 1 samples keeps its sink until the last one ends
+            if output.finished and not self.llm.has_request(output.request_id):
+                self._sinks.pop(output.request_id, None)
 
     def _deliver(self, output: RequestOutput) -> None:
-        sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+        sink = self._sinks.get(output.request_id)
         if self.on_output is not None:
             self.on_output(output)
         if sink is not None:

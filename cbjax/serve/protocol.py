@@ -2,10 +2,12 @@
 
 Every check raises `APIError`, which the front turns into OpenAI's error body, so a bad
 field is a 4xx naming the field, never a crash. Fields OpenAI defines that the engine
-cannot honour (n > 1, logprobs, penalties, tools ...) are refused rather than ignored:
-a benchmark that asked for them would otherwise measure something else.
-vLLM's extensions `top_k`, `ignore_eos`, `stop_token_ids` and `min_tokens=0` are accepted.
-Responses carry `token_ids` in each choice (an extension; standard clients ignore it).
+cannot honour (tools, suffix, echo with logprobs ...) are refused rather than ignored:
+a benchmark that asked for them would otherwise measure something else. Accepted: `n`,
+`best_of`, `logprobs` / `top_logprobs`, `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `echo`, and vLLM's extensions `top_k`, `ignore_eos`, `stop_token_ids`,
+`min_tokens`, `repetition_penalty`. Responses carry `token_ids` in each choice (an
+extension; standard clients ignore it).
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import dataclasses
 import functools
 import json
 import math
-import time
-import uuid
 
 from cbjax.request import SamplingParams
 
@@ -56,6 +56,12 @@ class Job:
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
+    echo: bool = False  # completions: the prompt's text before each choice's
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return self.sampling.n
 
     @property
     def id_prefix(self) -> str:
@@ -150,8 +156,12 @@ def _stop_fields(body: dict, tokenizer) -> tuple[tuple[str, ...], tuple[int, ...
     return tuple(s for s in stop if s), tuple(ids)
 
 
-def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logprobs: int | None) -> SamplingParams:
     numbers = (int, float)
+    n = get_field(body, "n", (int,), 1)
+    best_of = get_field(body, "best_of", (int,))
+    if best_of is not None and best_of > n and body.get("stream"):
+        raise bad("'best_of' greater than 'n' cannot stream", "best_of")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -160,9 +170,27 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...]) -> S
             top_k=_top_k(get_field(body, "top_k", (int,), 0)),
             seed=get_field(body, "seed", (int,)),
             stop_token_ids=stop_token_ids,
-            ignore_eos=get_field(body, "ignore_eos", (bool,), False))
+            ignore_eos=get_field(body, "ignore_eos", (bool,), False),
+            min_tokens=min(get_field(body, "min_tokens", (int,), 0), max_tokens),
+            presence_penalty=float(get_field(body, "presence_penalty", numbers, 0.0)),
+            frequency_penalty=float(get_field(body, "frequency_penalty", numbers, 0.0)),
+            repetition_penalty=float(get_field(body, "repetition_penalty", numbers, 1.0)),
+            logit_bias=_logit_bias(body),
+            logprobs=logprobs, n=n, best_of=best_of)
     except ValueError as e:
         raise bad(str(e)) from None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids as JSON object keys (strings), biases as numbers."""
+    bias = get_field(body, "logit_bias", (dict,), {})
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10) or \
+                isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("'logit_bias' must map token ids to numbers", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _top_k(value: int) -> int:
@@ -170,15 +198,26 @@ def _top_k(value: int) -> int:
 
 
 def _common_refusals(body: dict) -> None:
-    _refuse_unless(body, "n", lambda v: v == 1)
-    _refuse_unless(body, "best_of", lambda v: v == 1)
-    _refuse_unless(body, "logprobs", lambda v: v is False)
-    _refuse_unless(body, "top_logprobs", lambda v: v == 0)
-    _refuse_unless(body, "frequency_penalty", lambda v: v == 0)
-    _refuse_unless(body, "presence_penalty", lambda v: v == 0)
-    _refuse_unless(body, "repetition_penalty", lambda v: v == 1)
-    _refuse_unless(body, "logit_bias", lambda v: v == {})
-    _refuse_unless(body, "min_tokens", lambda v: v == 0)
+    _refuse_unless(body, "parallel_tool_calls", lambda v: v is False)
+    _refuse_unless(body, "prompt_logprobs", lambda v: v == 0)
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    value = get_field(body, "logprobs", (int,))
+    if value is not None and value < 0:
+        raise bad(f"'logprobs' must be at least 0, got {value}", "logprobs")
+    return value
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: true` and `top_logprobs: k` (k needs logprobs)."""
+    wanted = get_field(body, "logprobs", (bool,), False)
+    top = get_field(body, "top_logprobs", (int,))
+    if top is not None and not wanted:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if top is not None and top < 0:
+        raise bad(f"'top_logprobs' must be at least 0, got {top}", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -229,8 +268,11 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     list of lists of token ids; each prompt is a choice."""
     model = check_model(require_object(body), served)
     _common_refusals(body)
-    _refuse_unless(body, "echo", lambda v: v is False)
     _refuse_unless(body, "suffix", lambda v: v == "")
+    echo = get_field(body, "echo", (bool,), False)
+    logprobs = _completion_logprobs(body)
+    if echo and logprobs is not None:
+        raise bad("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", "echo")
     prompts = prompt_list(body.get("prompt"))
     if len(prompts) > 64:
         raise bad("at most 64 prompts per request", "prompt")
@@ -239,8 +281,8 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stop, stop_ids = _stop_fields(body, tokenizer)
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, longest, max_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids), stream,
-               _stream_options(body, stream), stop)
+    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs), stream,
+               _stream_options(body, stream), stop, echo)
 
 
 def prompt_list(prompt) -> list:
@@ -291,7 +333,7 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stream = get_field(body, "stream", (bool,), False)
     stop, stop_ids = _stop_fields(body, tokenizer)
     max_tokens = _max_tokens(body, len(ids), max_len, None)
-    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids), stream,
+    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body)), stream,
                _stream_options(body, stream), stop)
 
 
@@ -316,51 +358,3 @@ def _content(content, i: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return _utf8("".join(p["text"] for p in content), "messages")
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-# --------------------------------------------------------------- responses
-def new_id(job: Job) -> str:
-    return f"{job.id_prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response(job: Job, response_id: str, choices: list[dict], usage_body: dict) -> dict:
-    """A whole (non-streamed) response; `choices` as from `choice(...)`."""
-    kind = "text_completion" if job.kind == "completion" else "chat.completion"
-    return {"id": response_id, "object": kind, "created": int(time.time()), "model": job.model,
-            "choices": choices, "usage": usage_body}
-
-
-def choice(job: Job, index: int, text: str, reason: str | None, token_ids: list[int]) -> dict:
-    if job.kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": token_ids}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": reason, "token_ids": token_ids}
-
-
-def chunk(job: Job, response_id: str, index: int, text: str | None, reason: str | None,
-          token_ids: list[int], first: bool = False) -> dict:
-    """One streamed event for one choice."""
-    if job.kind == "completion":
-        body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason,
-                "token_ids": token_ids}
-        kind = "text_completion"
-    else:
-        delta: dict = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
-                "token_ids": token_ids}
-        kind = "chat.completion.chunk"
-    return {"id": response_id, "object": kind, "created": int(time.time()), "model": job.model,
-            "choices": [body]}
-
-
-def usage_chunk(job: Job, response_id: str, usage_body: dict) -> dict:
-    kind = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
-    return {"id": response_id, "object": kind, "created": int(time.time()), "model": job.model,
-            "choices": [], "usage": usage_body}

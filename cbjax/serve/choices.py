@@ -1,0 +1,62 @@
+"""The choices of one API call: each prompt's `n` samples, each with its text stream, finish
+reason and log-probabilities, indexed as OpenAI does (prompt i, sample j -> i * n + j)."""
+
+from __future__ import annotations
+
+import functools
+
+from cbjax.serve import responses
+from cbjax.serve.detokenizer import TextStream
+from cbjax.serve.protocol import Job
+
+
+class Choices:
+    def __init__(self, job: Job, tokenizer, request_ids: list[str]):
+        self.job = job
+        self.request_ids = request_ids  # the engine's request per prompt
+        count = len(request_ids) * job.n
+        self.streams = [TextStream(tokenizer, job.stop) for _ in range(count)]
+        self.reasons: list[str | None] = [None] * count
+        self.logprobs: list[list] = [[] for _ in range(count)]
+        self.live = set(range(count))
+        self.prompts = [self._echo(tokenizer, p) if job.echo else "" for p in job.prompts]
+        self._token_text = functools.lru_cache(maxsize=4096)(
+            (lambda i: tokenizer.decode([i])) if tokenizer is not None else str)
+
+    @staticmethod
+    def _echo(tokenizer, prompt: list[int]) -> str:
+        return tokenizer.decode(prompt, skip_special_tokens=True) if tokenizer is not None else ""
+
+    def index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.job.n + sample_index
+
+    def request_of(self, choice: int) -> tuple[str, int | None]:
+        """The engine request of a choice and its sample index (None for a single sample)."""
+        return self.request_ids[choice // self.job.n], (choice % self.job.n if self.job.n > 1 else None)
+
+    def live_requests(self) -> set[str]:
+        return {self.request_of(c)[0] for c in self.live}
+
+    def prompt_text(self, choice: int) -> str:
+        return self.prompts[choice // self.job.n]
+
+    def logprobs_body(self, choice: int, new) -> dict | None:
+        """The logprobs of a choice's `new` tokens (None when not asked for), recorded for
+        the whole response too."""
+        if new is None:
+            return None
+        offset = len(self.prompt_text(choice)) + sum(len(self._token_text(t.token_id))
+                                                     for t in self.logprobs[choice])
+        self.logprobs[choice] += new
+        return responses.logprobs_body(self.job, new, self._token_text, offset)
+
+    def response_choices(self) -> list[dict]:
+        asked = self.job.sampling.logprobs is not None
+        return [responses.choice(self.job, c, self.prompt_text(c) + s.text, self.reasons[c], s.token_ids,
+                                 responses.logprobs_body(self.job, self.logprobs[c], self._token_text,
+                                                         len(self.prompt_text(c))) if asked else None)
+                for c, s in enumerate(self.streams)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.streams)
