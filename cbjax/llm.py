@@ -143,8 +143,9 @@ class LLM:
                 raise ValueError(f"cannot abort unknown or finished sample {index} of {request_id!r}")
             for r in live:
                 self.core.abort(r)
-            outputs = [self.groups.relabel(self._release(r, self._output(r))) for r in live]
-            for r, o in zip(live, outputs):
+            raw = [self._release(r, self._output(r)) for r in live]
+            outputs = [self.groups.relabel(o) for o in raw]  # before the group's last sample drops it
+            for r, o in zip(live, raw):
                 self.groups.on_output(r.request_id, o)
             return outputs if index is None else outputs[0]
         request = self.requests.get(request_id)
