@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -247,8 +248,18 @@ MALFORMED = {
     "stream not a bool": dict(body={"model": MODEL, "prompt": "hi", "stream": "yes"}),
     "prompt past the context": dict(body={"model": MODEL, "prompt": [5] * 200}),
     "prompt plus max_tokens past the context": dict(body={"model": MODEL, "prompt": [5] * 90, "max_tokens": 50}),
-    "n > 1": dict(body={"model": MODEL, "prompt": "hi", "n": 3}),
-    "logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 5}),
+    "n = 0": dict(body={"model": MODEL, "prompt": "hi", "n": 0}),
+    "best_of < n": dict(body={"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}),
+    "streamed best_of": dict(body={"model": MODEL, "prompt": "hi", "n": 1, "best_of": 2, "stream": True}),
+    "logprobs past max_logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 50}),
+    "negative logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": -1}),
+    "echo with logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}),
+    "top_logprobs without logprobs": dict(path="/v1/chat/completions",
+                                          body={"model": MODEL, "messages": CHAT, "top_logprobs": 2}),
+    "logit_bias not ids": dict(body={"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}),
+    "logit_bias id past vocab": dict(body={"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}),
+    "presence_penalty out of range": dict(body={"model": MODEL, "prompt": "hi", "presence_penalty": 5}),
+    "repetition_penalty 0": dict(body={"model": MODEL, "prompt": "hi", "repetition_penalty": 0}),
     "stop not strings": dict(body={"model": MODEL, "prompt": "hi", "stop": [1, 2]}),
     "huge seed": dict(body={"model": MODEL, "prompt": "hi", "seed": 2 ** 70}),
     "chat: no messages": dict(path="/v1/chat/completions", body={"model": MODEL, "messages": []}),
@@ -523,3 +534,79 @@ def test_cli_serves_and_refuses_bad_flags(tmp_path):
     finally:
         server.terminate()
         server.wait(60)
+
+
+def _hf_log_softmax(model_dir, ids):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()
+
+
+def test_logprobs_through_the_openai_client(served, model_dir):
+    """Greedy logprobs equal transformers' log-softmax of the same logits (the first token's,
+    whose logits need no earlier sample), streamed and not; top_logprobs ordered."""
+    server, ref = served
+    client = _client(server)
+    prompt_ids = ref["text"][0].prompt_token_ids
+    expected = _hf_log_softmax(model_dir, prompt_ids)
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  logprobs=4)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].token_ids == ref["text"][0].token_ids and len(lp.token_logprobs) == MAX_TOKENS
+    assert abs(lp.token_logprobs[0] - expected[ref["text"][0].token_ids[0]]) < 1e-4
+    # Completions key top_logprobs by token text: byte-level fragments that decode alike ("\ufffd")
+    # share a key, as in OpenAI's and vLLM's format. Chat's lists (below) carry every one, in order.
+    top4 = np.sort(expected)[::-1][:4]
+    assert all(np.abs(top4 - v).min() < 1e-4 for v in lp.top_logprobs[0].values())
+    streamed = []
+    for event in client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS,
+                                           temperature=0, logprobs=2, stream=True):
+        if event.choices and event.choices[0].logprobs:
+            streamed += event.choices[0].logprobs.token_logprobs
+    np.testing.assert_allclose(streamed, lp.token_logprobs, atol=1e-5)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].token_ids)
+    chat_ids = ref["chat"].prompt_token_ids
+    assert abs(content[0].logprob - _hf_log_softmax(model_dir, chat_ids)[ref["chat"].token_ids[0]]) < 1e-4
+    assert all([t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+               and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    np.testing.assert_allclose(streamed, [e.logprob for e in content], atol=1e-5)
+    _wait_idle(server)
+
+
+def test_n_best_of_penalties_and_echo_through_the_client(served):
+    server, ref = served
+    client = _client(server)
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[:2], max_tokens=6, temperature=0.9, seed=4, n=3)
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    single = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[1], max_tokens=6, temperature=0.9, seed=5)
+    assert r.choices[4].token_ids == single.choices[0].token_ids  # prompt 1, sample 1: seed 4 + 1
+    best = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=6, temperature=1.0, seed=2,
+                                     n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    echoed = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == TEXT_PROMPTS[0] + ref["text"][0].text
+    biased = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={"65": 100})
+    assert biased.choices[0].token_ids == [65] * 4
+    penalized = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                               presence_penalty=1.0, frequency_penalty=1.0,
+                                               extra_body={"repetition_penalty": 1.3, "min_tokens": 20})
+    assert len(penalized.choices[0].token_ids) == 20
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=9, n=2,
+                                          stream=True)
+    by_choice: dict[int, list] = {}
+    for c in chat:
+        for choice in c.choices:
+            by_choice.setdefault(choice.index, []).append(choice.finish_reason)
+    assert sorted(by_choice) == [0, 1] and all(v[-1] in ("stop", "length") for v in by_choice.values())
+    _wait_idle(server)
