@@ -59,6 +59,7 @@ class EngineArgs:
     cpu_kernels: str = _knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
                              "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
                              CPU_KERNEL_CHOICES)
+    max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
@@ -97,7 +98,8 @@ class EngineArgs:
             num_pages=self.num_pages if num_pages is None else num_pages, max_seq_len=self.max_seq_len,
             prefill_floor=self.prefill_floor, decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
-            max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels)
+            max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
+            max_logprobs=self.max_logprobs)
 
     # ------------------------------------------------------------- flags
     @classmethod
