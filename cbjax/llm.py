@@ -186,8 +186,7 @@ class LLM:
         return self._hand_back(touched, stream=True)
 
     def _hand_back(self, requests: list[Request], stream: bool) -> list[RequestOutput]:
-        """Outputs of `requests` (releasing the finished ones), samples of a group under the
-        group's id."""
+        """Outputs of `requests` (the finished ones released), a group's samples under its id."""
         outputs = []
         for r in requests:
             output = self._output(r, stream=stream)
