@@ -242,3 +242,19 @@ def test_bad_sampling_values_are_refused(hf_and_dir, kwargs, message):
         llm.add_request([5, 6, 7], SamplingParams(**kwargs))
     assert not llm.has_unfinished_requests()
     assert [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], use_tqdm=False)] == [o.token_ids for o in outs]
+
+
+def test_n_samples_through_replicas(hf_and_dir):
+    from cbjax.parallel.replicas import Replicas
+
+    _, path = hf_and_dir
+    prompts = _prompts(3, seed=8)
+    sampling = SamplingParams(max_tokens=5, temperature=0.8, seed=2, n=2, ignore_eos=True)
+    front = Replicas(path, data_parallel=2, num_slots=2, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8)
+    try:
+        outs = front.generate(prompts, sampling)
+        assert not front.has_unfinished_requests() and not front._owner
+    finally:
+        front.close()
+    ref = LLM(path, max_seq_len=MAX_SEQ_LEN, num_slots=4).generate(prompts, sampling, use_tqdm=False)
+    assert [[s.token_ids for s in o.samples] for o in outs] == [[s.token_ids for s in o.samples] for o in ref]

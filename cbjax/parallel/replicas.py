@@ -19,6 +19,7 @@ another's scheduling.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -106,12 +107,13 @@ class Replicas:
         self.routed[i] += 1
         return rid
 
-    def abort(self, request_id: str) -> RequestOutput:
+    def abort(self, request_id: str):
+        """As `LLM.abort` (a request with n > 1 samples: every live sample's output)."""
         i = self._owner.get(str(request_id))
         if i is None:
             raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
         out = self.replicas[i].abort(request_id)
-        del self._owner[out.request_id]
+        del self._owner[str(request_id)]
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -127,9 +129,10 @@ class Replicas:
         else:
             per_replica = list(self._pool.map(LLM.step, self.replicas))
         outputs = [o for outs in per_replica for o in outs]
-        for o in outputs:
-            if o.finish_reason is not None:
-                self._owner.pop(o.request_id, None)
+        for o in outputs:  # a request with n > 1 samples is live until its last sample ends
+            i = self._owner.get(o.request_id)
+            if o.finish_reason is not None and i is not None and not self.replicas[i].has_request(o.request_id):
+                del self._owner[o.request_id]
         return outputs
 
     def finish_round(self) -> list[RequestOutput]:
@@ -165,10 +168,20 @@ class Replicas:
     def _run(self, workload, realtime: bool, use_tqdm: bool, desc: str | None = None) -> list[RequestOutput]:
         bar = progress_bar(len(workload), use_tqdm, desc or f"{self.data_parallel} replicas, {self.routing}")
         ids, errors, finished = run_arrivals(self, workload, bar, realtime=realtime, catch_errors=True)
-        done = {o.request_id: o for o in finished}
+        done: dict[str, list[RequestOutput]] = {}
+        for o in finished:
+            done.setdefault(o.request_id, []).append(o)
         return [self.replicas[0].error_output(f"error-{i}", workload[i][1], errors[i]) if i in errors
-                else done[rid] for i, rid in enumerate(ids)]
+                else _one_output(done[rid]) for i, rid in enumerate(ids)]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def _one_output(outputs: list[RequestOutput]) -> RequestOutput:
+    """A request's output: its only one, or with n > 1 samples sample 0's with all in `samples`."""
+    if len(outputs) == 1:
+        return outputs[0]
+    outputs = sorted(outputs, key=lambda o: o.index)
+    return dataclasses.replace(outputs[0], samples=outputs)
