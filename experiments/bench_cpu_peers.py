@@ -79,10 +79,12 @@ def matvec_bandwidth(matrix, kernel: bool = False) -> float:
 def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
     """Prefill `batch` prompts into an engine of `batch` slots, then time `new_tokens - 1`
     decode steps (the first token comes from the prefill)."""
+    import jax
     import numpy as np
 
     from cbjax.request import SamplingParams
     from cbjax.runtime.engine import Engine, EngineConfig
+    from cbjax.runtime.programs import split_logprobs
     from cbjax.scheduling.plan import Row
 
     engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels))
@@ -96,11 +98,11 @@ def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
         rows = [Row(s, rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True, sampling)
                 for s in range(batch)]
         for out, _ in engine.prefill(rows):
-            out.block_until_ready()
+            jax.block_until_ready(out)
         t0 = time.perf_counter()
         for i in range(steps):
             out = engine.decode(FLAGS.prompt_len + i + 1)
-        tokens = np.asarray(out)
+        tokens = np.asarray(split_logprobs(out)[0])
         runs.append(time.perf_counter() - t0)
         assert (tokens >= 0).all(), "a sequence stopped early"
     seconds = float(np.median(runs))

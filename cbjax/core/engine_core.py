@@ -20,6 +20,7 @@ import numpy as np
 
 from cbjax.core.step_stats import StepStats
 from cbjax.request import Request, RequestState, SamplingParams, TokenLogprob
+from cbjax.runtime.programs import split_logprobs
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
 
 
@@ -32,11 +33,6 @@ class Load:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
     num_preemptions: int = 0
-
-
-def split_logprobs(out):
-    """A program's host result and its logprob columns (None when the engine computes none)."""
-    return out if isinstance(out, tuple) else (out, None)
 
 
 def prefill_results(host_outs, rows_of_calls) -> tuple[dict, dict]:
@@ -276,11 +272,11 @@ class EngineCore:
                 per_slot[r.slot] = token
             sched.on_decode([per_slot], now)
             touched.update((r.request_id, r) for r in decoding)
+            stats.decode_steps += 1
+            stats.active_slot_steps += len(decoding)
         if logprobs is not None:
             for i, row in enumerate(plan.prefills + decoding):
                 add_logprobs(row if isinstance(row, Request) else row.request, logprobs[i:i + 1])
-            stats.decode_steps += 1
-            stats.active_slot_steps += len(decoding)
         self._count_round(plan, t3)
         return list(touched.values())
 

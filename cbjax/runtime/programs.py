@@ -35,6 +35,11 @@ def with_logprobs(out, logprobs):
     return out if logprobs is None else (out, logprobs)
 
 
+def split_logprobs(out):
+    """A program's result and its logprob columns (None when the engine computes none)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC + ("first_layer", "embed"), donate_argnames=("cache", "state"))
 def prefill_step(params, cache, state, tokens, ints, floats, hidden=None, *, config, max_len, kv_len,
                  max_logprobs=0, first_layer=0, embed=True):
