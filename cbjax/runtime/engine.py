@@ -95,8 +95,9 @@ class Engine:
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
-        row_packing.check_sampling(sampling, self.stop_ids_for(sampling), self.max_logprobs,
-                                   self.config.max_logit_bias, self.model.config.vocab_size)
+        self.stop_ids_for(sampling)  # refuses too many stop ids
+        row_packing.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias,
+                                   self.model.config.vocab_size)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens, sampling_fields
 from cbjax.models import forward
+from cbjax.runtime.programs import with_logprobs
 from cbjax.scheduling.plan import Row
 from cbjax.runtime.sampling import count_sampled, sample_next
 
@@ -119,4 +120,4 @@ def mixed_step(params, cache, state, tokens, token_row, token_pos, ints, floats,
                            counts=count_sampled(rows.counts, token, samples),
                            **{name: getattr(rows, name) for name in own})
     out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
-    return (out if logprobs is None else (out, logprobs)), cache, state
+    return with_logprobs(out, logprobs), cache, state

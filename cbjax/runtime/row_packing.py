@@ -25,10 +25,8 @@ def stop_ids(sampling: SamplingParams, eos_ids, max_stop_tokens: int) -> np.ndar
     return out
 
 
-def check_sampling(sampling: SamplingParams, stops: np.ndarray, max_logprobs: int, max_logit_bias: int,
-                   vocab: int) -> None:
-    """Refuse (ValueError) what an engine with these limits cannot apply."""
-    del stops  # computing them checked their number
+def check_sampling(sampling: SamplingParams, max_logprobs: int, max_logit_bias: int, vocab: int) -> None:
+    """Refuse (ValueError) logprobs and logit_bias an engine with these limits cannot apply."""
     if sampling.logprobs is not None and sampling.logprobs > (max_logprobs or -1):
         raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={max_logprobs}"
                          if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
