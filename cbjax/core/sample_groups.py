@@ -85,12 +85,10 @@ class SampleGroups:
 
     @staticmethod
     def best(group: _Group) -> list[RequestOutput]:
+        """The `n` finished samples of highest cumulative log-probability, re-indexed, each whole
+        (relabelled outputs: logprobs already left out unless asked for)."""
         ranked = sorted(group.finished.values(), key=lambda o: -(o.cumulative_logprob or 0.0))[:group.sampling.n]
-        drop_logprobs = group.sampling.logprobs is None
-        return [dataclasses.replace(o, index=i, new_token_ids=list(o.token_ids),
-                                    logprobs=None if drop_logprobs else o.logprobs,
-                                    cumulative_logprob=o.cumulative_logprob)
-                for i, o in enumerate(ranked)]
+        return [dataclasses.replace(o, index=i, new_token_ids=list(o.token_ids)) for i, o in enumerate(ranked)]
 
     def _drop(self, group_id: str) -> None:
         for child in self.groups.pop(group_id).children:

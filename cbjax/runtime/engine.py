@@ -245,9 +245,12 @@ class Engine:
                 chunk = [Row(0, [0] * bucket, max(kv_len - bucket, 0), True, greedy)]
                 out = self._prefill_call(chunk * rows, bucket, kv_len)
             jax.block_until_ready(out)
-        if chunked:  # a request starting past position 0 whose processors need the tokens before it
-            for bucket in self.buckets:
-                self._record_histories([Row(0, [], 0, history=[0] * bucket)])
+        # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
+        # KV copies and the penalties' history of the tokens before them.
+        for bucket in self.buckets:
+            self._record_histories([Row(0, [], 0, history=[0] * bucket)])
+        for size in (1 << i for i in range((self.num_slots - 1).bit_length() + 1)):
+            self.copy_kv([(0, 0)] * size)
         self.deactivate(0)  # abort and preemption
         self.reset()
         return len(progs)

@@ -27,7 +27,7 @@ import numpy as np
 
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState, is_done
-from cbjax.runtime import programs
+from cbjax.runtime import programs, row_packing
 from cbjax.runtime.engine import Engine
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
@@ -154,8 +154,8 @@ class PipelineEngine(Engine):
         return self.caches[-1]
 
     def copy_kv(self, copies) -> None:
+        src, dst = row_packing.copy_pairs(copies)
         for s, d in enumerate(self.devices):  # each stage holds its own layers of every slot
-            src, dst = (np.asarray(a, np.int32) for a in zip(*copies))
             self.caches[s] = programs.copy_kv(self.caches[s], jax.device_put(src, d), jax.device_put(dst, d))
 
     def _new_round(self) -> None:
