@@ -163,6 +163,8 @@ class Request:
     # Parallel sampling (n / best_of): the sibling whose prompt this one may copy instead of
     # prefilling it (the scheduler forks it once that prefill is in the cache).
     fork_of: "Request | None" = None
+    # Output tokens a length predictor expects (ordering="sjf"/"score"); None: max_tokens.
+    predicted_len: int | None = None
 
     def __post_init__(self):
         if self.metrics is None:
@@ -184,6 +186,13 @@ class Request:
     def expected_len(self) -> int:
         """What a length-aware scheduler can know ahead: prompt plus the output budget."""
         return self.prompt_len + self.sampling.max_tokens
+
+    @property
+    def predicted_remaining(self) -> int:
+        """Output tokens still expected: the predictor's length (else the max_tokens budget)
+        less those generated, at least 1."""
+        expected = self.sampling.max_tokens if self.predicted_len is None else self.predicted_len
+        return max(expected - len(self.output_token_ids), 1)
 
     @property
     def finished(self) -> bool:

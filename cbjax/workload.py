@@ -132,3 +132,16 @@ def chat(n: int, tokenizer, *, max_tokens: int = 256, seed: int = 0, arrival: st
     arrivals = arrival_times(arrival, len(messages), rng, qps, burstiness)
     return [WorkloadRequest(float(t), chat_prompt_ids(tokenizer, m), SamplingParams(max_tokens=max_tokens))
             for t, m in zip(arrivals, messages)]
+
+
+def recorded_lengths(pairs: list[dict], *, arrival: str = "all_at_once", qps: float = 1.0,
+                     burstiness: float = 1.0, seed: int = 0) -> list[WorkloadRequest]:
+    """Prompts with the output lengths a model gave them (the pairs of
+    experiments/train_length_predictor.py's data: `prompt_token_ids`, `output_len`). Each
+    request generates exactly its recorded length, EOS ignored, so a scheduler that reads
+    max_tokens knows the true length (oracle SJF) and a simulator can replay it."""
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times(arrival, len(pairs), rng, qps, burstiness)
+    return [WorkloadRequest(float(t), list(p["prompt_token_ids"]),
+                            SamplingParams(max_tokens=int(p["output_len"]), ignore_eos=True))
+            for t, p in zip(arrivals, pairs)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
@@ -54,10 +56,13 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
     flags.register_multi_flags_validator(["prompt_low", "prompt_high"],
                                          lambda v: v["prompt_high"] >= v["prompt_low"],
                                          message="--prompt_high must be >= --prompt_low")
-    flags.DEFINE_enum("workload", "synthetic", ["synthetic", "chat"],
+    flags.DEFINE_enum("workload", "synthetic", ["synthetic", "chat", "held_out"],
                       "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
                       "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
-                      "EOS or --output_cap.")
+                      "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
+                      "each generating the length its model gave it.")
+    flags.DEFINE_string("trace", "configs/length_predictor_smollm2", "--workload=held_out: the length predictor "
+                        "checkpoint whose held-out prompts to replay (experiments/train_length_predictor.py).")
     flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
@@ -65,8 +70,6 @@ def _simulate_ok(value) -> bool:
     if value is None:
         return True
     if value.endswith(".json"):
-        import os
-
         return os.path.isfile(value)
     from cbjax.simulator.hardware import ACCELERATORS
 
@@ -112,12 +115,37 @@ def llm_options() -> dict:
     return {"simulate": FLAGS.simulate} if "simulate" in FLAGS and FLAGS.simulate else {}
 
 
+HELD_OUT_FILE = "held_out.json"
+
+
+def held_out_trace(predictor_dir: str) -> tuple[list[dict], list[float]]:
+    """The prompt/length pairs a length predictor held out, and its predictions of them."""
+    with open(os.path.join(predictor_dir, HELD_OUT_FILE)) as f:
+        held_out = json.load(f)
+    with open(os.path.join(predictor_dir, held_out["data"])) as f:
+        pairs = json.load(f)["pairs"]
+    return [pairs[i] for i in held_out["indices"]], held_out["predicted"]
+
+
+def predicted_lengths(predictor_dir: str):
+    """prompt ids -> the predictor's recorded prediction (where no model runs: --simulate)."""
+    pairs, predicted = held_out_trace(predictor_dir)
+    table = {tuple(p["prompt_token_ids"]): int(round(v)) for p, v in zip(pairs, predicted)}
+    return lambda ids: table[tuple(ids)]
+
+
 def make_workload(model, arrival: str, qps: float = 1.0):
-    from cbjax.workload import LengthDist, chat, synthetic
+    from cbjax.workload import LengthDist, chat, recorded_lengths, synthetic
 
     kind = arrival
     if arrival != "all_at_once":
         kind = "poisson" if FLAGS.burstiness == 1.0 else "gamma"
+    if FLAGS.workload == "held_out":
+        pairs, _ = held_out_trace(FLAGS.trace)
+        if "max_seq_len" in FLAGS:  # the requests that fit the engine's sequence length
+            pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
+        return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
+                                seed=FLAGS.seed)
     if FLAGS.workload == "chat":
         if model.tokenizer is None:
             raise ValueError("the chat workload needs a model with a tokenizer")
@@ -179,9 +207,6 @@ def plot_e2e_cdfs(results: dict, qps_list: list[float], labels, title: str, path
 
 def write_json(result: dict, path: str) -> None:
     """Write a result file (making its folder) and say where."""
-    import json
-    import os
-
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -31,9 +31,12 @@ common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
 flags.adopt_module_key_flags(common)
 common.validate_list("qps", float, 1e-6, "positive request rates")
-POLICIES = ("static", "dynamic", "continuous", "continuous-paged")
-common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0,
-                     "policies among static, dynamic, continuous, continuous-paged")
+# continuous-sjf: shortest max_tokens first, the true length where each request generates
+# exactly its budget (oracle SJF); continuous-sjf-predicted: shortest predicted length first
+# (--length_predictor; under --simulate, its recorded predictions of the --trace prompts).
+POLICIES = ("static", "dynamic", "continuous", "continuous-paged", "continuous-sjf", "continuous-sjf-predicted")
+common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0, "policies among " + ", ".join(POLICIES))
+EngineArgs.define_flags(["length_predictor"])
 flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged row (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only).")
@@ -49,6 +52,10 @@ def layout_options(model, policy: str) -> dict:
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
     budget = FLAGS.kv_cache_bytes or FLAGS.num_slots * FLAGS.max_seq_len * per_token
+    if policy.startswith("continuous-sjf"):
+        predicted = policy == "continuous-sjf-predicted" and not FLAGS.simulate
+        return dict(policy="continuous", ordering="sjf", num_slots=max(1, budget // (FLAGS.max_seq_len * per_token)),
+                    **({"length_predictor": FLAGS.length_predictor} if predicted else {}))
     if policy != "continuous-paged":
         return dict(policy=policy, num_slots=max(1, budget // (FLAGS.max_seq_len * per_token)))
     mean_len = (FLAGS.prompt_low + FLAGS.prompt_high) / 2 + FLAGS.output_mean
@@ -71,6 +78,8 @@ def main(argv):
         for policy in FLAGS.policies:
             llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
                       **layout_options(model, policy), **common.llm_options())
+            if policy == "continuous-sjf-predicted" and FLAGS.simulate:
+                llm.core.predict_len = common.predicted_lengths(FLAGS.trace)
             results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo, desc=f"{policy}@{qps:g}")}
 
     header = f"{'policy @ qps':<18}" + "".join(f"{k:>18}" for k in KEYS) + f"{'goodput req/s':>15}"

@@ -124,3 +124,32 @@ def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(eval(done.stdout.strip().splitlines()[-1])) == 4
+
+
+STRESS = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from cbjax.models import cpu_kernels
+calls = []
+for m, k, n in [(1, 576, 1536), (3, 576, 64), (8, 1536, 576), (2, 64, 4096), (1, 576, 20000)]:
+    x, w = jnp.ones((m, k)), jnp.full((n, k), 0.01)
+    f = jax.jit(cpu_kernels.matmul_nt)
+    f(x, w).block_until_ready()
+    calls.append((f, x, w))
+rng = np.random.default_rng(0)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    jax.block_until_ready([f(x, w) for f, x, w in (calls[j] for j in rng.integers(0, len(calls), size=8))])
+print("ok")
+"""
+
+
+@needs_kernels
+def test_thread_pool_survives_back_to_back_calls_of_different_chunk_counts():
+    """Matmuls of different chunk counts, dispatched back to back. The pool once let a worker
+    that had seen one job's last ticket claim a chunk of the next job, which pushed the
+    next job's done count past its chunk count and spun its caller forever (the main job
+    hung in MatmulNT); this loop hung within seconds then. A hang fails on the timeout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", STRESS, "10"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -26,7 +26,10 @@ POLICIES = {
     "continuous-r8-steps2": dict(policy="continuous", refill_interval=8, decode_steps=2),
     "continuous-tgi-ratio": dict(policy="continuous", waiting_served_ratio=1.5, max_waiting_steps=4),
     "continuous-chunked": dict(policy="continuous", max_prefill_tokens=16),
-    "continuous-priority": dict(policy="continuous", ordering="priority"),
+    "continuous-priority-rank-preempt": dict(policy="continuous", ordering="priority"),
+    "continuous-sjf": dict(policy="continuous", ordering="sjf"),
+    "paged-score-rank-preempt": dict(policy="continuous", ordering="score", kv_cache="paged", page_size=8,
+                                     num_pages=20),
     "paged": dict(policy="continuous", kv_cache="paged", page_size=8),
     "paged-prefix-cache": dict(policy="continuous", kv_cache="paged", page_size=8, enable_prefix_caching=True),
     # 14 pages of 8 tokens for 4 slots of up to 64 tokens: forces preemptions.
@@ -42,6 +45,8 @@ POLICIES = {
     "chunked-13": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13),
     "chunked-13-paged-prefix-preempt": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13,
                                             kv_cache="paged", page_size=8, num_pages=14, enable_prefix_caching=True),
+    "chunked-13-priority-rank-preempt": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13,
+                                             ordering="priority"),
     "chunked-11-paged-pallas": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=11,
                                     kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
 }
@@ -103,6 +108,8 @@ def test_online_random_order_matches_transformers(setup, name):
     _check(outputs, prompts, max_tokens, expected)
     assert not llm.has_unfinished_requests() and not llm.requests, "finished requests are released"
     assert llm.scheduler.free_slots == list(range(NUM_SLOTS))
+    if "rank-preempt" in name:
+        assert llm.scheduler.num_preemptions > 0
     if llm.pages is not None:
         assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
         if "preempt" in name:

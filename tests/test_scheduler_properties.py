@@ -81,7 +81,11 @@ configs = st.builds(
     waiting_served_ratio=st.sampled_from([0.0, 0.5, 2.0]),
     max_waiting_steps=st.integers(1, 6),
     max_prefill_tokens=st.sampled_from([None, 8, 20]),
-    ordering=st.sampled_from(["fcfs", "priority"]),
+    ordering=st.sampled_from(["fcfs", "priority", "score", "sjf"]),
+    score_wait=st.sampled_from([0.0, 1.0, 50.0]),
+    score_short=st.sampled_from([0.0, 0.5, 10.0]),
+    score_priority=st.sampled_from([0.0, 2.0]),
+    priority_preemption=st.booleans(),
     length_aware=st.booleans(),
     decode_steps=st.integers(1, 3),
 ).flatmap(lambda c: st.builds(lambda b: dataclasses.replace(c, batch_size=b), st.integers(1, c.num_slots)))
@@ -221,6 +225,27 @@ def test_priority_admits_lower_values_first(config, workload):
             assert max(r.priority for r in admitted_now) <= best_waiting
 
     run(config, workload, check)
+
+
+@settings(max_examples=80, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="continuous", priority_preemption=True,
+                                                 refill_interval=1, waiting_served_ratio=0.0)),
+       st.sampled_from(["priority", "score"]), specs)
+def test_with_priority_preemption_no_waiting_request_outranks_a_holder_after_a_round(config, ordering, workload):
+    """After each round of a continuous engine with priority preemption, every waiting
+    request that could start ranks no better than every request holding a slot."""
+    config = dataclasses.replace(config, ordering=ordering)
+
+    def check(sched, plan, now, admitted):
+        if sched.waiting and sched.running and not sched.free_slots:
+            best = min(sched.order_key(r)[0] for r in sched.waiting)
+            assert best >= max(sched.order_key(r)[0] for r in sched.running)
+        assert len(set(plan.preempted_slots)) == len(plan.preempted_slots)
+
+    sched, requests, finish_events, _ = run(config, workload, check)
+    assert all(n == 1 for n in finish_events.values()) and len(finish_events) == len(workload)
+    for spec, r in zip(workload, requests):
+        assert r.output_token_ids == [fake_token(spec, i) for i in range(expected_output_len(spec))]
 
 
 @settings(max_examples=150, deadline=None)

@@ -262,6 +262,8 @@ MALFORMED = {
     "repetition_penalty 0": dict(body={"model": MODEL, "prompt": "hi", "repetition_penalty": 0}),
     "stop not strings": dict(body={"model": MODEL, "prompt": "hi", "stop": [1, 2]}),
     "huge seed": dict(body={"model": MODEL, "prompt": "hi", "seed": 2 ** 70}),
+    "priority not an integer": dict(body={"model": MODEL, "prompt": "hi", "priority": "high"}),
+    "priority past int32": dict(body={"model": MODEL, "prompt": "hi", "priority": 2 ** 40}),
     "chat: no messages": dict(path="/v1/chat/completions", body={"model": MODEL, "messages": []}),
     "chat: unknown role": dict(path="/v1/chat/completions",
                                body={"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),

@@ -55,4 +55,9 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching)
     scheduler = Scheduler(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                           pages=pages)
-    return model, EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
+    core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
+    if args.length_predictor is not None:
+        from cbjax.models.length_predictor import LengthPredictor
+
+        core.predict_len = LengthPredictor.load(args.length_predictor, model)
+    return model, core

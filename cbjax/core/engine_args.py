@@ -8,6 +8,7 @@ into one (`from_flags`), so a knob's name, default, bounds and help live here on
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from cbjax import checks
 from cbjax.runtime.engine import CPU_KERNEL_CHOICES, EngineConfig
@@ -35,7 +36,19 @@ class EngineArgs:
     max_waiting_steps: int = _knob(20, "Continuous (TGI): decode steps a waiting prefill waits at most.", lower=1)
     max_prefill_tokens: int = _knob(None, "Prompt tokens prefilled per round (chunked prefill); "
                                     "default whole prompts.", lower=1)
-    ordering: str = _knob("fcfs", "Admission order of waiting requests.", ORDERINGS)
+    ordering: str = _knob("fcfs", "Admission order of waiting requests: fcfs, priority (lower first), score "
+                          "(note 004: wait, predicted remaining length, priority) or sjf (shortest predicted "
+                          "remaining output first).", ORDERINGS)
+    score_wait: float = _knob(1.0, "ordering=score: weight of each second waited (aging; 0 turns it off).",
+                              lower=0.0)
+    score_short: float = _knob(0.5, "ordering=score: weight of 1 / predicted remaining output tokens.", lower=0.0)
+    score_priority: float = _knob(2.0, "ordering=score: weight of the priority (lower values rank higher).",
+                                  lower=0.0)
+    length_predictor: str = _knob(None, "Output-length predictor checkpoint for ordering=sjf/score "
+                                  "(experiments/train_length_predictor.py; made for this model). Default: "
+                                  "requests' max_tokens.")
+    priority_preemption: bool = _knob(True, "ordering=priority/score, continuous: a waiting request that outranks "
+                                      "a running one takes its slot when none is free (recompute).")
     length_aware: bool = _knob(False, "Static/dynamic: batch requests of similar expected length.")
     decode_steps: int = _knob(1, "Decode steps per device call (the host syncs once per call).", lower=1)
     overlap: bool = _knob(True, "Host/device overlap: when nothing waits to be admitted, dispatch the next "
@@ -80,6 +93,11 @@ class EngineArgs:
         self.seed = checks.integer("seed", self.seed, 0, 2 ** 63 - 1)
         for name in ("tensor_parallel", "pipeline_stages", "micro_batches"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        if self.length_predictor is not None:
+            if not isinstance(self.length_predictor, (str, os.PathLike)):
+                raise ValueError(f"length_predictor must be a checkpoint directory, got {self.length_predictor!r}")
+            if not os.path.isdir(self.length_predictor):
+                raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r}")
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
 
@@ -90,7 +108,8 @@ class EngineArgs:
             window_ms=self.window_ms, refill_interval=self.refill_interval,
             waiting_served_ratio=self.waiting_served_ratio, max_waiting_steps=self.max_waiting_steps,
             max_prefill_tokens=self.max_prefill_tokens, ordering=self.ordering, length_aware=self.length_aware,
-            decode_steps=self.decode_steps)
+            decode_steps=self.decode_steps, score_wait=self.score_wait, score_short=self.score_short,
+            score_priority=self.score_priority, priority_preemption=self.priority_preemption)
 
     def engine_config(self, num_slots: int | None = None, num_pages: int | None = None) -> EngineConfig:
         return EngineConfig(
@@ -118,6 +137,8 @@ class EngineArgs:
                 flags.DEFINE_enum(name, default, list(meta["choices"]), meta["help"])
             elif kind == "bool":
                 flags.DEFINE_bool(name, default, meta["help"])
+            elif kind == "str":
+                flags.DEFINE_string(name, default, meta["help"])
             elif kind == "float":
                 flags.DEFINE_float(name, default, meta["help"], lower_bound=meta["lower"])
             else:

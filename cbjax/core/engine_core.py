@@ -72,6 +72,9 @@ class EngineCore:
         self.stats = StepStats()
         self.last_plan: Plan | None = None
         self._ahead: jax.Array | None = None  # a decode call dispatched before the last one was recorded
+        # Prompt token ids -> expected output tokens, for the length-aware orderings (a
+        # `LengthPredictor`, or a trace's known lengths); None: requests carry max_tokens only.
+        self.predict_len: Callable[[list[int]], int] | None = None
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -100,6 +103,8 @@ class EngineCore:
                                  f"{self.pages.num_pages}: it could never fit")
 
     def add(self, request: Request) -> None:
+        if self.predict_len is not None and request.predicted_len is None:
+            request.predicted_len = self.predict_len(request.prompt_token_ids)
         self.scheduler.add(request)
 
     def abort(self, request: Request) -> None:

@@ -158,7 +158,14 @@ class Pool {
     }
     cv_.notify_all();
     run_chunks(id);
-    while (done_.load(std::memory_order_acquire) != chunks) cpu_relax();
+    while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();
+    // Close job `id` before the next call rewrites job_: a worker that loaded this job's
+    // ticket (every chunk claimed) and then read the next job's larger chunk count would
+    // otherwise win its compare-exchange, run a chunk of the next job under this id and
+    // bump done_ past that job's count, so its caller spun forever (seen once: a hang in
+    // MatmulNT after 600 decode calls). No compare-exchange on a ticket of `id` can succeed
+    // after this store, since ids only grow.
+    ticket_.store((id << 32) | 0xffffffffu, std::memory_order_release);
     busy_.store(false, std::memory_order_release);
   }
 

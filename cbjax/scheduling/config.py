@@ -7,7 +7,9 @@ import dataclasses
 from cbjax import checks
 
 POLICIES = ("static", "dynamic", "continuous")
-ORDERINGS = ("fcfs", "priority")
+# fcfs: arrival; priority: lower `priority` first (vLLM's convention), then arrival; score:
+# source note 004's score, highest first; sjf: shortest predicted remaining output first.
+ORDERINGS = ("fcfs", "priority", "score", "sjf")
 MERGE_MODES = ("prefill_first", "fused", "chunked")
 
 
@@ -22,6 +24,17 @@ class SchedulerConfig:
     max_waiting_steps: int = 20
     max_prefill_tokens: int | None = None  # prompt tokens per round; None: whole prompts
     ordering: str = "fcfs"
+    # ordering="score" (source note 004): score = score_wait x seconds waited
+    # + score_short / predicted remaining tokens - score_priority x priority (lower priority
+    # values are more important), the note's weights by default. score_wait > 0 is aging: a
+    # waiting request's score grows until it outranks every later arrival.
+    score_wait: float = 1.0
+    score_short: float = 0.5
+    score_priority: float = 2.0
+    # priority / score orderings (continuous policy): a waiting request that outranks the least
+    # important request holding a slot takes that slot when none is free (the other is
+    # preempted and recomputed later, as in vLLM's priority policy).
+    priority_preemption: bool = True
     length_aware: bool = False
     decode_steps: int = 1
     # How prefill meets decode: "prefill_first" (prefill calls, then a decode call), "fused"
@@ -35,6 +48,10 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        for name in ("score_wait", "score_short", "score_priority"):
+            setattr(self, name, checks.real(name, getattr(self, name), 0.0))
+        if not isinstance(self.priority_preemption, bool):
+            raise ValueError(f"priority_preemption must be a bool, got {self.priority_preemption!r}")
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
         if self.batch_size is None:
             self.batch_size = self.num_slots

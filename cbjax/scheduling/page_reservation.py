@@ -77,20 +77,18 @@ class PageReservations:
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
     def grow(self, decoding: list[Request], order_key: Callable, victim: Callable[[], Request],
-             preempt: Callable[[Request], int]) -> list[int]:
+             preempt: Callable[[Request], int]) -> None:
         """Pages for the coming decode call of each `decoding` request, most important first
         (`order_key`). While the pool cannot hold one, `preempt(victim())` frees a slot's
-        pages. Returns the preempted slots."""
-        preempted: list[int] = []
+        pages."""
         for r in sorted(self.growing(decoding), key=order_key):
             if r.slot is None:
                 continue  # preempted below for a more important request
             need = self.positions_to_grow(r)
             while not self.pages.can_grow(r.request_id, need):
                 chosen = victim()
-                preempted.append(preempt(chosen))
+                preempt(chosen)
                 if chosen is r:
                     break
             if r.slot is not None:
                 self.pages.grow(r.request_id, need)
-        return preempted

@@ -25,10 +25,10 @@ from cbjax.scheduling.plan import Plan, Row
 
 def admit(sched, now: float) -> tuple[list[Request], float | None]:
     cfg = sched.config
-    if not sched.waiting or not sched.free_slots:
+    if not sched.waiting or not (sched.free_slots or sched.rank_preemption):
         return [], None
     ordered = sched.startable()  # kept sorted by order_key
-    if not ordered:
+    if not ordered or not (sched.free_slots or can_preempt_for(sched, ordered[0])):
         return [], None
     if cfg.policy == "continuous":
         return _admit_continuous(sched, ordered), None
@@ -73,6 +73,9 @@ def _admit_continuous(sched, ordered: list[Request]) -> list[Request]:
         if not ratio_ok and sched.waiting_steps < cfg.max_waiting_steps:
             return []
     sched.waiting_steps = 0
+    if sched.rank_preemption:
+        preempt_for_rank(sched, ordered)
+        ordered = sched.startable()
     budget = cfg.max_prefill_tokens
     if budget is not None:
         budget -= sum(r.prefill_len - r.num_prefilled for r in sched.slots
@@ -90,6 +93,25 @@ def _admit_continuous(sched, ordered: list[Request]) -> list[Request]:
             budget -= r.prefill_len
         admitted = taken
     return admitted
+
+
+def can_preempt_for(sched, r: Request) -> bool:
+    """Priority preemption: `r` outranks the least important request holding a slot."""
+    return (sched.rank_preemption and bool(sched.running)
+            and sched.order_key(r)[0] < sched.order_key(sched.lowest_holder())[0])
+
+
+def preempt_for_rank(sched, ordered: list[Request]) -> None:
+    """Each waiting request, best first, that finds no free slot left takes the slot of the
+    least important holder it outranks (which waits and recomputes later)."""
+    free = len(sched.free_slots)
+    for r in list(ordered):  # preempting re-queues into `ordered` itself
+        if free:
+            free -= 1
+        elif can_preempt_for(sched, r):
+            sched.preempt(sched.lowest_holder())
+        else:
+            break
 
 
 def schedule_mixed(sched, now: float) -> Plan:
@@ -132,8 +154,9 @@ def schedule_mixed(sched, now: float) -> Plan:
                 break
         sched.place(r, now)
         take(r)
-    preempted = sched.reserve_decode_pages(chunks) if sched.pages is not None else []
+    if sched.pages is not None:
+        sched.reserve_decode_pages(chunks)
     chunks = [c for c in chunks if c.request.slot is not None]
     decode = any(r.state == RequestState.RUNNING for r in sched.running)
     return Plan(chunks, decode, wake_time=wake if not chunks and not decode else None,
-                preempted_slots=preempted, mixed=True, copies=sched.take_copies())
+                preempted_slots=sched.take_preempted(), mixed=True, copies=sched.take_copies())

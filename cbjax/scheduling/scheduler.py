@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 
 from cbjax.request import FinishReason, Request, RequestState
-from cbjax.scheduling import forks
+from cbjax.scheduling import forks, ordering
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
 from cbjax.scheduling.page_reservation import PageReservations
@@ -40,6 +40,9 @@ class Scheduler:
         self.num_decode_steps = 0
         self.forks_seen = False  # some request forks a sibling's prompt (n > 1): admission checks forks
         self.copies: list[tuple[int, int]] = []  # this round's KV copies for forks (pages or slots)
+        self.preempted_slots: list[int] = []  # this round's preemptions, to deactivate on the device
+        self.order_key = ordering.key_function(config)  # admission order (ordering.py)
+        self.rank_preemption = ordering.preempts_for_rank(config)
 
     # ------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
@@ -97,10 +100,13 @@ class Scheduler:
         copies, self.copies = self.copies, []
         return copies
 
-    def order_key(self, r: Request):
-        if self.config.ordering == "priority":
-            return (r.priority, r.arrival_time, r.seq_index)
-        return (r.arrival_time, r.seq_index)
+    def take_preempted(self) -> list[int]:
+        slots, self.preempted_slots = self.preempted_slots, []
+        return slots
+
+    def lowest_holder(self) -> Request:
+        """The least important request holding a slot: the first to preempt."""
+        return max(self.running, key=self.order_key)
 
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float) -> Plan:
@@ -119,11 +125,12 @@ class Scheduler:
                     break
             self.place(r, now)
         prefills = self._prefill_chunks()
-        preempted = self.reserve_decode_pages(prefills) if self.pages is not None else []
+        if self.pages is not None:
+            self.reserve_decode_pages(prefills)
         prefills = [c for c in prefills if c.request.slot is not None]
         decode = self._should_decode(prefills)
         return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None,
-                    preempted_slots=preempted, copies=self.take_copies())
+                    preempted_slots=self.take_preempted(), copies=self.take_copies())
 
     def place(self, r: Request, now: float) -> None:
         """Give a waiting request a free slot: it starts prefilling."""
@@ -154,19 +161,21 @@ class Scheduler:
                 budget -= length
         return chunks
 
-    def reserve_decode_pages(self, prefills: list[Row]) -> list[int]:
+    def reserve_decode_pages(self, prefills: list[Row]) -> None:
         """Pages for the coming decode call of every decoding request. When the pool runs
-        dry, preempt (recompute) the least important request holding a slot: lowest
-        priority, latest arrival. Returns the freed slots."""
+        dry, preempt (recompute) the least important request holding a slot (highest
+        `order_key`: lowest priority, latest arrival under fcfs)."""
         finishing = {c.request.request_id for c in prefills if c.is_last}
         decoding = [r for r in self.slots if r is not None and
                     (r.state == RequestState.RUNNING or r.request_id in finishing)]
-        return self.reservations.grow(decoding, self.order_key, lambda: max(self.running, key=self.order_key),
-                                      self._preempt)
+        self.reservations.grow(decoding, self.order_key, self.lowest_holder, self.preempt)
 
-    def _preempt(self, r: Request) -> int:
+    def preempt(self, r: Request) -> int:
+        """Take `r`'s slot (and pages); it waits again and recomputes its tokens when readmitted."""
         slot = r.slot
-        self.pages.free(r.request_id)
+        if self.pages is not None:
+            self.pages.free(r.request_id)
+        self.preempted_slots.append(slot)
         self.slots[slot] = None
         r.slot, r.num_prefilled, r.state = None, 0, RequestState.WAITING
         r.metrics.num_preemptions += 1

@@ -238,7 +238,7 @@ class Server:
         self.pending += n
         try:
             futures = [self.engine.submit(prompt, job.sampling, self._sink(loop, outputs, i), arrival_time=received,
-                                          request_id=rid)
+                                          request_id=rid, priority=job.priority)
                        for i, (prompt, rid) in enumerate(zip(job.prompts, choices.request_ids))]
             for future in futures:
                 try:

@@ -32,6 +32,7 @@ class _Submit:
     arrival_time: float
     request_id: str | None
     future: concurrent.futures.Future
+    priority: float = 0
 
 
 class EngineLoop:
@@ -67,7 +68,8 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, prompt: Prompt, sampling: SamplingParams, sink: Sink,
-               arrival_time: float | None = None, request_id: str | None = None) -> concurrent.futures.Future:
+               arrival_time: float | None = None, request_id: str | None = None,
+               priority: float = 0) -> concurrent.futures.Future:
         """Queue a request; the future gives its id, or the ValueError that refused it.
         `sink(output)` is then called on the engine thread with each output of the request,
         the last one finished."""
@@ -76,7 +78,7 @@ class EngineLoop:
             future.set_exception(RuntimeError(self.error or "the engine loop is not running"))
             return future
         arrival = self.llm.clock() if arrival_time is None else arrival_time
-        self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future)))
+        self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future, priority)))
         return future
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
@@ -128,7 +130,7 @@ class EngineLoop:
             return
         try:
             request_id = self.llm.add_request(submit.prompt, submit.sampling, arrival_time=submit.arrival_time,
-                                              request_id=submit.request_id)
+                                              request_id=submit.request_id, priority=submit.priority)
         except ValueError as e:
             submit.future.set_exception(e)
             return

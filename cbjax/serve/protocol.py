@@ -57,6 +57,7 @@ class Job:
     include_usage: bool
     stop: tuple[str, ...]
     echo: bool = False  # completions: the prompt's text before each choice's
+    priority: int = 0  # vLLM's extra field: lower values first under --ordering=priority/score
 
     @property
     def n(self) -> int:
@@ -193,6 +194,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+def _priority(body: dict) -> int:
+    value = get_field(body, "priority", (int,), 0)
+    if not -2 ** 31 <= value < 2 ** 31:
+        raise bad(f"'priority' must be an integer in [-2^31, 2^31), got {value}", "priority")
+    return value
+
+
 def _top_k(value: int) -> int:
     return 0 if value == -1 else value  # vLLM spells "off" as -1
 
@@ -282,7 +290,7 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, longest, max_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
     return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs), stream,
-               _stream_options(body, stream), stop, echo)
+               _stream_options(body, stream), stop, echo, _priority(body))
 
 
 def prompt_list(prompt) -> list:
@@ -334,7 +342,7 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stop, stop_ids = _stop_fields(body, tokenizer)
     max_tokens = _max_tokens(body, len(ids), max_len, None)
     return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body)), stream,
-               _stream_options(body, stream), stop)
+               _stream_options(body, stream), stop, priority=_priority(body))
 
 
 def _messages(messages) -> list[dict]:
