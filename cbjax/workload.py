@@ -145,3 +145,50 @@ def recorded_lengths(pairs: list[dict], *, arrival: str = "all_at_once", qps: fl
     return [WorkloadRequest(float(t), list(p["prompt_token_ids"]),
                             SamplingParams(max_tokens=int(p["output_len"]), ignore_eos=True))
             for t, p in zip(arrivals, pairs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """An application profile of source note 003: its length distributions, arrivals and the
+    objective its developers tune for. Lengths are for a GPU-scale model; `profile_workload`
+    scales them down for a small CPU run."""
+
+    name: str
+    prompt_len: LengthDist
+    output_len: LengthDist
+    arrival: str
+    objective: str  # "throughput" (higher wins) or a latency percentile key (lower wins)
+    questions_per_document: int = 1  # > 1: prompts share a document prefix (prefix caching pays)
+
+
+PROFILES = {
+    # Reading comprehension: long documents, several short questions each; an offline batch.
+    "reading": Profile("reading", LengthDist("uniform", low=1024, high=2048), LengthDist("uniform", low=8, high=32),
+                       "all_at_once", "output_throughput", questions_per_document=4),
+    # Chat: short turns both ways, online; the tail of end-to-end latency.
+    "chat": Profile("chat", LengthDist("uniform", low=32, high=256), LengthDist("uniform", low=32, high=256),
+                    "poisson", "p99_e2el_ms"),
+    # Creative writing: a short brief, a long text, online; the first token's tail.
+    "creative": Profile("creative", LengthDist("uniform", low=16, high=96),
+                        LengthDist("uniform", low=512, high=1024), "poisson", "p99_ttft_ms"),
+}
+
+
+def profile_workload(profile: Profile, n: int, *, vocab_size: int, qps: float = 1.0, scale: float = 1.0,
+                     seed: int = 0, first_token: int = 3) -> list[WorkloadRequest]:
+    """`n` requests of `profile`, lengths multiplied by `scale` (at least 1 token). With
+    `questions_per_document` > 1, consecutive requests share a document prefix (85% of the
+    prompt) and differ in the question after it."""
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times(profile.arrival, n, rng, qps)
+    p_lens = np.maximum((profile.prompt_len.sample(rng, n) * scale).astype(np.int64), 2)
+    o_lens = np.maximum((profile.output_len.sample(rng, n) * scale).astype(np.int64), 1)
+    group = profile.questions_per_document
+    out, document = [], []
+    for i, (t, p, o) in enumerate(zip(arrivals, p_lens, o_lens)):
+        if i % group == 0:
+            document = rng.integers(first_token, vocab_size, size=int(p)).tolist()
+        shared = document[:int(0.85 * p)] if group > 1 else []
+        prompt = shared + rng.integers(first_token, vocab_size, size=int(p) - len(shared)).tolist()
+        out.append(WorkloadRequest(float(t), prompt, SamplingParams(max_tokens=int(o), ignore_eos=True)))
+    return out

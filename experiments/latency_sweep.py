@@ -37,6 +37,11 @@ common.validate_list("qps", float, 1e-6, "positive request rates")
 POLICIES = ("static", "dynamic", "continuous", "continuous-paged", "continuous-sjf", "continuous-sjf-predicted")
 common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0, "policies among " + ", ".join(POLICIES))
 EngineArgs.define_flags(["length_predictor"])
+flags.register_multi_flags_validator(
+    ["policies", "length_predictor", "simulate"],
+    lambda v: "continuous-sjf-predicted" not in v["policies"] or v["length_predictor"] or v["simulate"],
+    message="continuous-sjf-predicted needs --length_predictor (or --simulate, which replays the --trace's "
+            "recorded predictions)")
 flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged row (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only).")

@@ -152,3 +152,27 @@ def test_high_priority_request_takes_a_full_engines_slot_within_one_round(hf_and
     late = calm.add_request(prompts[2], SamplingParams(max_tokens=8, ignore_eos=True), priority=0)
     calm.step()
     assert calm.requests[late].slot is None and calm.scheduler.num_preemptions == 0
+
+
+def test_in_the_simulator_shortest_first_orderings_cut_mean_latency_and_a_predictor_steers_sjf():
+    """A bimodal batch (4- and 200-token outputs, interleaved) on 4 simulated H100 slots:
+    shortest-first orderings finish the short half first, so mean end-to-end latency drops
+    well below FCFS's. A predictor overrides max_tokens: one that predicts the reverse of the
+    truth makes sjf run the long half first, worse than FCFS."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 500, size=16).tolist() for _ in range(40)]
+    lengths = [4 if i % 2 else 200 for i in range(40)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+
+    def mean_e2e(predict=None, **options):
+        llm = LLM("tiny-llama", num_slots=4, max_seq_len=256, simulate="h100", **options)
+        llm.core.predict_len = predict
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == lengths
+        return float(np.mean([o.metrics.e2e_latency for o in outs]))
+
+    fcfs = mean_e2e()
+    assert mean_e2e(ordering="sjf") < 0.7 * fcfs
+    assert mean_e2e(ordering="score", score_wait=0.0, score_short=10.0) < 0.7 * fcfs
+    reverse = {tuple(p): 204 - n for p, n in zip(prompts, lengths)}
+    assert mean_e2e(ordering="sjf", predict=lambda ids: reverse[tuple(ids)]) > 1.1 * fcfs

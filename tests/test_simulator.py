@@ -186,3 +186,40 @@ def test_experiments_run_under_simulate(tmp_path):
                            "--simulate=warp-drive"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Flags parsing error" in proc.stderr and "simulate" in proc.stderr
+
+
+def test_profiles_and_held_out_sjf_run_under_simulate(tmp_path):
+    """profiles.py names a winner per profile with its margin; latency_sweep replays a length
+    predictor's held-out trace with FCFS, oracle SJF and predicted SJF (recorded predictions)."""
+    _run_script("profiles.py", "--simulate=h100", "--model=llama3-8b", "--dtype=bfloat16", "--num_requests=40",
+                "--scale=0.25", "--num_slots=8", "--chat_qps=20", "--creative_qps=4", "--budgets=256",
+                f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "profiles.json").read_text())
+    assert set(result["results"]) == {"reading", "chat", "creative"}
+    for name, r in result["results"].items():
+        assert r["winner"] in r["rows"] and "default" in r["rows"]
+        assert r["rows"]["default"]["vs_default"] == 1.0
+        objective = [m[r["objective"]] for m in r["rows"].values()]
+        best = max(objective) if r["objective"] == "output_throughput" else min(objective)
+        assert r["rows"][r["winner"]][r["objective"]] == best
+        assert r["margin_vs_default"] == r["rows"][r["winner"]]["vs_default"]
+    assert "prefix_cache" in result["results"]["reading"]["rows"]
+    assert (tmp_path / "profiles.png").is_file()
+
+    trace = tmp_path / "predictor"
+    trace.mkdir()
+    rng = np.random.default_rng(0)
+    pairs = [{"prompt_token_ids": rng.integers(3, 1000, size=int(k)).tolist(), "output_len": int(n)}
+             for k, n in zip(rng.integers(8, 64, size=30), rng.integers(1, 200, size=30))]
+    (trace / "data.json").write_text(json.dumps({"pairs": pairs}))
+    (trace / "held_out.json").write_text(json.dumps({"data": "data.json", "indices": list(range(0, 30, 2)),
+                                                     "predicted": [float(p["output_len"]) for p in pairs[::2]]}))
+    _run_script("latency_sweep.py", "--simulate=h100", "--model=llama3-8b", "--dtype=bfloat16", "--qps=4",
+                "--workload=held_out", f"--trace={trace}", "--num_requests=15", "--max_seq_len=512",
+                "--policies=continuous,continuous-sjf,continuous-sjf-predicted", "--num_slots=2",
+                f"--output_dir={tmp_path}")
+    sweep = json.loads((tmp_path / "latency_sweep.json").read_text())
+    assert all(r["completed"] == 15 for r in sweep["results"].values())
+    # Predictions equal to the truth: predicted SJF schedules exactly as oracle SJF.
+    assert sweep["results"]["continuous-sjf-predicted@4"]["median_e2el_ms"] == pytest.approx(
+        sweep["results"]["continuous-sjf@4"]["median_e2el_ms"])
