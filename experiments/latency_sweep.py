@@ -46,8 +46,8 @@ flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged row (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only).")
 
-KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
-        "output_throughput")
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "median_e2el_ms",
+        "p99_e2el_ms", "output_throughput")
 
 
 def layout_options(model, policy: str) -> dict:
@@ -87,10 +87,11 @@ def main(argv):
                 llm.core.predict_len = common.predicted_lengths(FLAGS.trace)
             results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo, desc=f"{policy}@{qps:g}")}
 
-    header = f"{'policy @ qps':<18}" + "".join(f"{k:>18}" for k in KEYS) + f"{'goodput req/s':>15}"
+    width = max(18, max(len(name) for name in results) + 2)
+    header = f"{'policy @ qps':<{width}}" + "".join(f"{k:>16}" for k in KEYS) + f"{'goodput req/s':>15}"
     lines = [header, "-" * len(header)]
     for name, m in results.items():
-        lines.append(f"{name:<18}" + "".join(f"{m[k]:>18.1f}" for k in KEYS) + f"{m['request_goodput']:>15.2f}")
+        lines.append(f"{name:<{width}}" + "".join(f"{m[k]:>16.1f}" for k in KEYS) + f"{m['request_goodput']:>15.2f}")
     table = "\n".join(lines)
     print("\n" + table)
 
