@@ -151,6 +151,7 @@ class LengthPredictor:
     @classmethod
     def load(cls, path: str, model) -> "LengthPredictor":
         """The predictor saved at `path`, checked against the serving `model`."""
+        path = os.path.abspath(path)  # orbax restores from absolute paths only
         meta_path = os.path.join(path, META_FILE)
         try:
             with open(meta_path) as f:
