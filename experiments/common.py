@@ -164,15 +164,17 @@ def script_flags() -> dict:
     return {n: FLAGS[n].value for n in sorted(names)}
 
 
-def run_replay(llm, workload, slo=None, desc: str | None = None) -> dict:
-    """Replay a workload on the wall clock through a warmed-up engine; serving metrics."""
+def run_replay(llm, workload, slo=None, desc: str | None = None, concurrency: int | None = None) -> dict:
+    """Replay a workload on the wall clock through a warmed-up engine (or, with
+    `concurrency`, from a closed-loop client with that many requests in flight); serving
+    metrics."""
     from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
     llm.warmup(max_prompt_len=max(len(w.prompt) for w in workload))
     compiled = Engine.num_backend_compilations()
     t0 = time.perf_counter()
-    outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=desc)
+    outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=desc, concurrency=concurrency)
     wall = time.perf_counter() - t0
     if Engine.num_backend_compilations() != compiled:
         print(f"warning: {desc or 'replay'} compiled during the timed run; its latencies include compilation")

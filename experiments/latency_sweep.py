@@ -20,6 +20,8 @@ from cbjax.core.engine_args import EngineArgs
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
 flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second).")
+flags.DEFINE_list("concurrency", [], "Closed-loop clients: also run each policy with this many requests in flight, "
+                  "the next sent as one finishes (AIPerf, vllm bench serve --max-concurrency); rows policy@cN.")
 flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "Policies to compare.")
 EngineArgs.define_flags(["num_slots", "max_seq_len", "window_ms", "dtype", "kv_cache_bytes", "page_size"],
                         max_seq_len=256, window_ms=100.0)
@@ -31,6 +33,7 @@ common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
 flags.adopt_module_key_flags(common)
 common.validate_list("qps", float, 1e-6, "positive request rates")
+common.validate_list("concurrency", int, 1, "positive numbers of requests in flight")
 # continuous-sjf: shortest max_tokens first, the true length where each request generates
 # exactly its budget (oracle SJF); continuous-sjf-predicted: shortest predicted length first
 # (--length_predictor; under --simulate, its recorded predictions of the --trace prompts).
@@ -78,14 +81,17 @@ def main(argv):
     slo = SLO(ttft_ms=FLAGS.ttft_ms, tpot_ms=FLAGS.tpot_ms, e2el_ms=FLAGS.e2e_ms)
     results = {}
     qps_list = [float(q) for q in FLAGS.qps]
-    for qps in qps_list:
-        workload = common.make_workload(model, "poisson", qps)
+    loads = [(f"{q:g}", dict(qps=q), None) for q in qps_list]
+    loads += [(f"c{c}", dict(concurrency=int(c)), int(c)) for c in FLAGS.concurrency]
+    for label, load, concurrency in loads:
+        workload = common.make_workload(model, "poisson", load.get("qps", 1.0))
         for policy in FLAGS.policies:
             llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
                       **layout_options(model, policy), **common.llm_options())
             if policy == "continuous-sjf-predicted" and FLAGS.simulate:
                 llm.core.predict_len = common.predicted_lengths(FLAGS.trace)
-            results[f"{policy}@{qps:g}"] = {"policy": policy, "qps": qps, **common.run_replay(llm, workload, slo, desc=f"{policy}@{qps:g}")}
+            results[f"{policy}@{label}"] = {"policy": policy, **load, **common.run_replay(
+                llm, workload, slo, desc=f"{policy}@{label}", concurrency=concurrency)}
 
     width = max(18, max(len(name) for name in results) + 2)
     header = f"{'policy @ qps':<{width}}" + "".join(f"{k:>16}" for k in KEYS) + f"{'goodput req/s':>15}"

@@ -1,8 +1,13 @@
-"""The simulator against the engine on this machine: the compare_batching and latency_sweep
-settings run for real and simulated (with a calibration from calibrate_simulator.py), side
-by side, with the error of each metric.
+"""The simulator against measurements: on this machine, the compare_batching and
+latency_sweep settings run for real and simulated (with a calibration from
+calibrate_simulator.py), side by side, with the error of each metric; or, with
+--published, against published GPU measurements (configs/published_gpu_measurements.json:
+TensorRT-LLM's, NIM's and vLLM's tables on A100 and H100), source | setup | published |
+simulated | ratio.
 
     python experiments/calibrate_simulator.py && python experiments/validate_simulator.py
+    python experiments/validate_simulator.py --published=configs/published_gpu_measurements.json
+    python experiments/validate_simulator.py --published=configs/published_gpu_measurements.json --fit
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "cont
                      "policies among static, dynamic, continuous")
 common.validate_list("max_gen_lens", int, 1, "positive integers")
 common.validate_list("qps", float, 1e-6, "positive request rates")
-flags.register_validator("calibration", os.path.isfile, message="--calibration must be an existing file "
-                         "(run experiments/calibrate_simulator.py first)")
+flags.DEFINE_string("published", "", "A file of published GPU measurements: compare the simulator's accelerator "
+                    "presets with them instead of this machine's runs.")
+flags.DEFINE_bool("fit", False, "With --published: refit the presets' efficiencies on the rows marked 'fit' and "
+                  "print them (to freeze in cbjax/simulator/hardware.py) before the table.")
+flags.register_multi_flags_validator(
+    ["calibration", "published"], lambda f: bool(f["published"]) or os.path.isfile(f["calibration"]),
+    message="--calibration must be an existing file (run experiments/calibrate_simulator.py first)")
+flags.register_validator("published", lambda p: not p or os.path.isfile(p), message="--published must be a file")
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_e2el_ms")
 
@@ -51,6 +62,11 @@ def throughput_run(llm, work) -> dict:
 
 def main(argv):
     del argv
+    if FLAGS.published:
+        import published_validation
+
+        published_validation.run(FLAGS.published, FLAGS.fit, FLAGS.output_dir)
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -23,24 +23,34 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     `args.tensor_parallel`: a tensor-parallel mesh; `args.pipeline_stages`: layers over devices."""
     if args.pipeline_stages > 1 and mesh is not None:
         raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
-    if mesh is None and args.pipeline_stages == 1 and (args.tensor_parallel > 1 or devices is not None):
+    if (simulate is None and mesh is None and args.pipeline_stages == 1
+            and (args.tensor_parallel > 1 or devices is not None)):
         mesh = sharding.tensor_parallel_mesh(args.tensor_parallel, devices)
-    if (mesh is not None or args.pipeline_stages > 1) and simulate is not None:
-        raise ValueError("simulate runs no device: it takes no tensor_parallel, devices or mesh")
+    if simulate is None and (args.weight_dtype or args.kv_dtype):
+        raise ValueError("weight_dtype and kv_dtype are simulated only: this engine runs dtype "
+                         f"({args.dtype}); pass simulate=<accelerator> to model them")
     if simulate is not None:
+        if mesh is not None or devices is not None or args.pipeline_stages > 1:
+            raise ValueError("simulate runs no device: it takes no devices, mesh or pipeline_stages "
+                             "(tensor_parallel is modelled)")
         from cbjax import simulator
 
         if not isinstance(model, Model):
             model = simulator.model_for_simulation(model, dtype=args.dtype)
         if isinstance(simulate, str):
-            simulate = simulator.load_cost_model(simulate, model.config, 2 if args.dtype == "bfloat16" else 4)
+            simulate = simulator.load_cost_model(simulate, model.config, 2 if args.dtype != "float32" else 4,
+                                                 args.tensor_parallel, args.weight_dtype, args.kv_dtype)
+        elif args.tensor_parallel > 1 and getattr(simulate, "tensor_parallel", 1) != args.tensor_parallel:
+            raise ValueError(f"tensor_parallel={args.tensor_parallel} but the cost model given to simulate "
+                             f"models {getattr(simulate, 'tensor_parallel', 1)} device(s)")
         if clock is time.perf_counter:
             clock = simulator.SimClock()
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype)
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
+        kv_dtype = {"fp8": "float8_e4m3fn"}.get(args.kv_dtype or args.weight_dtype or "", args.kv_dtype or args.dtype)
         num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
-                                           args.page_size, args.dtype, num_slots)
+                                           args.page_size, kv_dtype, num_slots)
     engine_config = args.engine_config(num_slots, num_pages)
     if simulate is not None:
         engine = simulator.SimulatedEngine(model, engine_config, simulate, clock)

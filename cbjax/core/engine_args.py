@@ -15,6 +15,8 @@ from cbjax.runtime.engine import CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+SIM_WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8")
+SIM_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8")
 
 
 def _knob(default, help: str, choices=None, lower=None):
@@ -77,6 +79,10 @@ class EngineArgs:
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
     micro_batches: int = _knob(1, "Pipeline: decode the slots in this many groups.", lower=1)
+    # Simulation only (cbjax/simulator/): dtypes this engine does not run
+    weight_dtype: str = _knob(None, "Simulated weight dtype (default: dtype); fp8 runs on fp8 tensor cores, int8 "
+                              "is weight-only.", SIM_WEIGHT_DTYPES)
+    kv_dtype: str = _knob(None, "Simulated KV-cache dtype (default: the weight dtype).", SIM_KV_DTYPES)
 
     def __post_init__(self):
         if self.merge_mode in ("fused", "chunked") and self.max_num_batched_tokens is None:
@@ -100,6 +106,9 @@ class EngineArgs:
                 raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r}")
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
+        for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(

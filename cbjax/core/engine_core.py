@@ -179,10 +179,13 @@ class EngineCore:
             return self._mixed_round(plan, t1)
         calls = engine.prefill(plan.prefills)
         decoded = None
-        if plan.decode:
-            finishing = {c.request.request_id for c in plan.prefills if c.is_last}
-            running = RequestState.RUNNING
-            live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
+        # A prefill whose first token is its last (max_tokens reached) joins no decode: with
+        # nothing else running, the round's decode call would compute nothing.
+        finishing = {c.request.request_id for c in plan.prefills
+                     if c.is_last and c.request.sampling.max_tokens - len(c.request.output_token_ids) > 1}
+        running = RequestState.RUNNING
+        live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
+        if plan.decode and live:
             longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running) for r in live)
             decoded = engine.decode(longest, [r.slot for r in live])
             if not calls:

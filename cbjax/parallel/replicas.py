@@ -160,14 +160,16 @@ class Replicas:
         return self._run(offline_workload(prompts, sampling_params), realtime=False, use_tqdm=use_tqdm)
 
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
-               desc: str | None = None) -> list[RequestOutput]:
-        """`LLM.replay` over the replicas: each request admitted at its arrival time (a bad
-        one gets an `error` output)."""
-        return self._run(list(workload), realtime=True, use_tqdm=use_tqdm, desc=desc)
+               desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]:
+        """`LLM.replay` over the replicas: each request admitted at its arrival time, or by
+        a closed-loop client of `concurrency` (a bad one gets an `error` output)."""
+        return self._run(list(workload), realtime=True, use_tqdm=use_tqdm, desc=desc, concurrency=concurrency)
 
-    def _run(self, workload, realtime: bool, use_tqdm: bool, desc: str | None = None) -> list[RequestOutput]:
+    def _run(self, workload, realtime: bool, use_tqdm: bool, desc: str | None = None,
+             concurrency: int | None = None) -> list[RequestOutput]:
         bar = progress_bar(len(workload), use_tqdm, desc or f"{self.data_parallel} replicas, {self.routing}")
-        ids, errors, finished = run_arrivals(self, workload, bar, realtime=realtime, catch_errors=True)
+        ids, errors, finished = run_arrivals(self, workload, bar, realtime=realtime, catch_errors=True,
+                                             concurrency=concurrency)
         done: dict[str, list[RequestOutput]] = {}
         for o in finished:
             done.setdefault(o.request_id, []).append(o)

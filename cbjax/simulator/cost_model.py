@@ -15,7 +15,8 @@ import json
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.simulator.hardware import ACCELERATORS, Accelerator, kv_bytes_per_token, matmul_params, weight_bytes
+from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, kv_bytes_per_token, matmul_params,
+                                      weight_bytes)
 
 KINDS = ("prefill", "decode", "mixed")
 FEATURES = ("steps", "tokens", "attended", "kv_read", "rows")
@@ -35,28 +36,63 @@ class Call:
 
 
 class RooflineCost:
-    """max(FLOPs at the assumed compute efficiency, bytes at the assumed bandwidth
-    efficiency) + a fixed overhead per forward pass. Bytes: the weights once per forward
-    pass plus the keys and values read."""
+    """What an engine on `accelerator` takes for a call (every term in docs/simulator.md):
 
-    def __init__(self, accelerator: Accelerator, config: ModelConfig, dtype_bytes: int = 2):
+        compute = FLOPs / (tp x peak(weight dtype) x prefill or decode efficiency)
+        memory  = (weights x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
+        device  = max(compute, memory) + (1 - overlap) x min(compute, memory)
+        comm    = steps x 2 x layers x ring all-reduce(tokens per pass x hidden x 2 bytes)  (tp > 1)
+        host    = steps x (pass overhead + rows x request overhead) + call overhead
+                  (+ prefill overhead for a call that prefills)
+
+    FLOPs: 2 x matmul weights per query token, plus 4 x layers x heads x head_dim per
+    attended query-key pair (the engine reports causal pairs where its kernels skip the
+    masked half, the padded square where they do not)."""
+
+    def __init__(self, accelerator: Accelerator, config: ModelConfig, dtype_bytes: float = 2,
+                 tensor_parallel: int = 1, weight_dtype: str | None = None, kv_dtype: str | None = None):
+        if tensor_parallel < 1 or config.num_kv_heads % tensor_parallel and tensor_parallel % config.num_kv_heads:
+            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {config.num_kv_heads} KV heads")
+        default = {4: "float32", 2: "bfloat16", 1: "fp8"}.get(dtype_bytes, "bfloat16")
+        self.weight_dtype = weight_dtype or default
+        self.kv_dtype = kv_dtype or self.weight_dtype
+        for name, dtype in (("weight_dtype", self.weight_dtype), ("kv_dtype", self.kv_dtype)):
+            if dtype not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
         self.accelerator = accelerator
         self.config = config
-        self.dtype_bytes = dtype_bytes
+        self.tensor_parallel = tensor_parallel
+        self.link = LINKS[accelerator.link]
         self._matmul_flops_per_token = 2.0 * matmul_params(config)
         self._attention_flops_per_pair = 4.0 * config.num_layers * config.num_heads * config.head_dim
-        self._weight_bytes = float(weight_bytes(config, dtype_bytes))
-        self._kv_bytes = float(kv_bytes_per_token(config, dtype_bytes))
+        self._weight_bytes = float(weight_bytes(config, DTYPE_BYTES[self.weight_dtype]))
+        self._kv_bytes = float(kv_bytes_per_token(config, DTYPE_BYTES[self.kv_dtype]))
+        self._peak = accelerator.peak_for(self.weight_dtype)
 
     def seconds(self, call: Call) -> float:
-        a = self.accelerator
+        a, e, tp = self.accelerator, self.accelerator.efficiency, self.tensor_parallel
         flops = self._matmul_flops_per_token * call.tokens + self._attention_flops_per_pair * call.attended
-        memory = self._weight_bytes * call.steps + self._kv_bytes * call.kv_read
-        return call.steps * a.call_overhead_s + max(flops / (a.peak_flops * a.compute_efficiency),
-                                                    memory / (a.hbm_bytes_per_s * a.bandwidth_efficiency))
+        efficiency = e.decode_compute if call.kind == "decode" else e.prefill_compute
+        compute = flops / (tp * self._peak * efficiency)
+        kv_bytes = self._kv_bytes * call.kv_read
+        if call.kind != "prefill":
+            kv_bytes *= min(e.gqa_kv_reads, self.config.num_heads / self.config.num_kv_heads)
+        memory = (self._weight_bytes * call.steps + kv_bytes) / (
+            tp * a.hbm_bytes_per_s * e.bandwidth)
+        device = max(compute, memory) + (1.0 - e.overlap) * min(compute, memory)
+        comm = 0.0
+        if tp > 1:
+            message = call.tokens / max(call.steps, 1) * self.config.hidden_size * 2.0
+            comm = call.steps * 2 * self.config.num_layers * self.link.all_reduce_seconds(message, tp)
+        host = call.steps * (e.pass_overhead_s + call.rows * e.request_overhead_s) + e.call_overhead_s
+        if call.kind != "decode":
+            host += e.prefill_overhead_s
+        return device + comm + host
 
     def describe(self) -> dict:
-        return {"cost_model": "roofline", **dataclasses.asdict(self.accelerator), "dtype_bytes": self.dtype_bytes}
+        return {"cost_model": "roofline", "accelerator": dataclasses.asdict(self.accelerator),
+                "link": dataclasses.asdict(self.link), "tensor_parallel": self.tensor_parallel,
+                "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype}
 
 
 class CalibratedCost:
@@ -131,11 +167,16 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return coef
 
 
-def load_cost_model(spec: str, config: ModelConfig, dtype_bytes: int = 2):
-    """`spec` is an accelerator name (roofline) or a calibration JSON file."""
+def load_cost_model(spec: str, config: ModelConfig, dtype_bytes: int = 2, tensor_parallel: int = 1,
+                    weight_dtype: str | None = None, kv_dtype: str | None = None):
+    """`spec` is an accelerator name (roofline) or a calibration JSON file (measured on
+    one device of this machine: no tensor parallelism, no other dtypes)."""
     if spec.endswith(".json"):
+        if tensor_parallel > 1 or weight_dtype or kv_dtype:
+            raise ValueError(f"{spec} was calibrated on one device at its own dtype: simulate an accelerator "
+                             "for tensor_parallel, weight_dtype or kv_dtype")
         return CalibratedCost.load(spec)
     if spec.lower() in ACCELERATORS:
-        return RooflineCost(ACCELERATORS[spec.lower()], config, dtype_bytes)
+        return RooflineCost(ACCELERATORS[spec.lower()], config, dtype_bytes, tensor_parallel, weight_dtype, kv_dtype)
     raise ValueError(f"--simulate must be an accelerator ({', '.join(ACCELERATORS)}) or a calibration .json file, "
                      f"got {spec!r}")

@@ -1,11 +1,14 @@
-"""Named accelerators and model shapes for the simulator.
+"""Named accelerators, links and model shapes for the simulator.
 
-Peak numbers are the vendors' dense bf16 figures and HBM bandwidths. A step rarely
-reaches them: `compute_efficiency` and `bandwidth_efficiency` are the fractions we
-assume a well-written step reaches (roughly what decode kernels and large GEMMs get on
-these parts); `call_overhead_s` is the fixed cost of one device call (launches and
-the host loop around it). They are assumptions, printed with every simulated run;
-calibrate against measured runs (cost_model.CalibratedCost) where a device is at hand.
+Peaks are the vendors' dense figures (bf16/fp16 and, where the tensor cores have it,
+fp8); memories are the usable GiB a device reports; links are per direction. What a
+serving engine gets out of them is in `Efficiency`: the fraction of peak FLOPs its
+prefill and decode matmuls reach, the fraction of HBM bandwidth it streams at, how much
+of the memory time hides under the compute, and its fixed costs per forward pass, per
+request in a pass and per engine call. The presets' efficiencies were fitted once on
+the published measurements marked `fit` in configs/published_gpu_measurements.json
+(experiments/validate_simulator.py --published --fit) and frozen before the others
+were compared; docs/simulator.md lists every charge with its formula and source.
 """
 
 from __future__ import annotations
@@ -14,35 +17,107 @@ import dataclasses
 
 from cbjax.config import ModelConfig
 
+GB = 1e9
+GiB = 2 ** 30
+US = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A device-to-device link: bytes per second in one direction, and the fixed latency
+    of one collective or transfer over it."""
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def transfer_seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+    def all_reduce_seconds(self, num_bytes: float, devices: int) -> float:
+        """Ring all-reduce: each device sends and receives 2(n-1)/n of the message."""
+        if devices <= 1:
+            return 0.0
+        return self.latency_s + 2.0 * (devices - 1) / devices * num_bytes / self.bytes_per_s
+
+
+# Per-direction bandwidths from the vendors' documents; latencies are the small-message
+# all-reduce / transfer times NCCL and the TPU runtime report (order of magnitude).
+LINKS: dict[str, Link] = {
+    "nvlink3": Link("NVLink 3 (A100, 600 GB/s both ways)", 300 * GB, 8 * US),
+    "nvlink4": Link("NVLink 4 (H100/H200, 900 GB/s both ways)", 450 * GB, 6 * US),
+    "pcie4": Link("PCIe 4.0 x16", 32 * GB, 10 * US),
+    "pcie5": Link("PCIe 5.0 x16", 64 * GB, 10 * US),
+    "ici-v5e": Link("TPU v5e ICI (1,600 Gbit/s per chip)", 200 * GB, 5 * US),
+    "dcn": Link("Data-center network, 200 Gbit/s (25 GB/s) per host", 25 * GB, 50 * US),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """What an engine reaches on a device (fitted; see the module docstring)."""
+    prefill_compute: float = 0.6   # fraction of peak FLOPs in prefill (many tokens a pass)
+    decode_compute: float = 0.6    # fraction of peak FLOPs in decode (one token per request)
+    bandwidth: float = 0.8         # fraction of HBM bandwidth when streaming weights and KV
+    overlap: float = 1.0           # 1: memory time hides fully under compute (max); 0: they add
+    pass_overhead_s: float = 100 * US   # launches per forward pass (CUDA graphs make it small)
+    request_overhead_s: float = 0.0     # per request per forward pass (sampling, bookkeeping)
+    call_overhead_s: float = 0.0        # per engine call: the host's scheduling round
+    prefill_overhead_s: float = 0.0     # per prefill call: preparing inputs, context-phase setup
+    # Times decode attention reads each KV head per step: 1 for GQA-aware kernels (TensorRT-
+    # LLM's XQA, vLLM's paged attention) up to heads / KV heads when every query head reads
+    # its own copy (TensorRT-LLM's masked MHA before XQA), less what the L2 cache serves.
+    gqa_kv_reads: float = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
     name: str
     hbm_bytes_per_s: float
-    peak_flops: float  # dense bf16
+    peak_flops: float  # dense bf16 / fp16
     memory_bytes: float
-    compute_efficiency: float = 0.6
-    bandwidth_efficiency: float = 0.8
-    call_overhead_s: float = 100e-6
+    peak_flops_8bit: float = 0.0  # dense fp8 (0: no 8-bit tensor-core math; int8/fp8 weights are upcast)
+    link: str = "pcie4"
+    usable_memory_fraction: float = 0.9  # vLLM's gpu_memory_utilization, TRT-LLM's free-memory fraction
+    efficiency: Efficiency = Efficiency()
 
-    def kv_budget(self, weight_bytes: float, reserve_fraction: float = 0.1) -> int:
-        """Bytes left for the KV cache after the weights and a reserve for activations."""
-        return int(self.memory_bytes * (1.0 - reserve_fraction) - weight_bytes)
+    def kv_budget(self, weight_bytes: float, reserve_fraction: float | None = None, devices: int = 1) -> int:
+        """Bytes left for the KV cache on `devices` of these after the weights (sharded
+        over them) and the unusable share of memory (activations, workspace)."""
+        usable = 1.0 - reserve_fraction if reserve_fraction is not None else self.usable_memory_fraction
+        return int(devices * self.memory_bytes * usable - weight_bytes)
+
+    def peak_for(self, dtype: str) -> float:
+        """Peak FLOPs a matmul with `dtype` weights runs at: fp8 on fp8 tensor cores where
+        the part has them; int8 weights are upcast (weight-only), so they save bytes only."""
+        if dtype == "fp8" and self.peak_flops_8bit:
+            return self.peak_flops_8bit
+        return self.peak_flops / 2 if dtype == "float32" else self.peak_flops
+
+    def with_efficiency(self, **changes) -> "Accelerator":
+        return dataclasses.replace(self, efficiency=dataclasses.replace(self.efficiency, **changes))
 
 
-GB = 1e9
+# Fitted on the `fit` rows of configs/published_gpu_measurements.json (A100: TensorRT-LLM
+# fp16 rows; H100: TensorRT-LLM fp8 rows) and frozen; the other rows only validate.
+A100_ENGINE = Efficiency(prefill_compute=0.72, decode_compute=0.55, bandwidth=0.80, overlap=0.35,
+                         pass_overhead_s=150 * US, request_overhead_s=0.6 * US)
+H100_ENGINE = Efficiency(prefill_compute=0.45, decode_compute=0.40, bandwidth=0.80, overlap=0.35,
+                         pass_overhead_s=150 * US, request_overhead_s=0.6 * US)
+
 ACCELERATORS: dict[str, Accelerator] = {
-    "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GB),
-    "h200": Accelerator("H200 141GB", 4.8e12, 989e12, 141 * GB),
-    "a100-40gb": Accelerator("A100 SXM 40GB", 1.555e12, 312e12, 40 * GB),
-    "a100-80gb": Accelerator("A100 SXM 80GB", 2.039e12, 312e12, 80 * GB),
-    "tpu-v5e": Accelerator("TPU v5e", 0.819e12, 197e12, 16 * GB),
+    "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
+    "h200": Accelerator("H200 141GB", 4.8e12, 989e12, 141 * GB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
+    "a100-40gb": Accelerator("A100 SXM 40GB", 1.555e12, 312e12, 40 * GiB, 0.0, "nvlink3", efficiency=A100_ENGINE),
+    "a100-80gb": Accelerator("A100 SXM 80GB", 2.039e12, 312e12, 80 * GiB, 0.0, "nvlink3", efficiency=A100_ENGINE),
+    "tpu-v5e": Accelerator("TPU v5e", 0.819e12, 197e12, 16 * GiB, 394e12, "ici-v5e"),
 }
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 
 
 def _llama(**kw) -> ModelConfig:
-    return ModelConfig(model_type="llama", max_position_embeddings=4096, norm_eps=1e-5, bos_token_id=1,
-                       eos_token_ids=(2,), **kw)
+    kw.setdefault("max_position_embeddings", 4096)
+    return ModelConfig(model_type="llama", norm_eps=1e-5, bos_token_id=1, eos_token_ids=(2,), **kw)
 
 
 # Shapes only: the simulator never needs their weights.
@@ -52,10 +127,16 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
                            num_kv_heads=40, head_dim=128, intermediate_size=20480, max_position_embeddings=2048,
                            norm_eps=1e-5, position_embedding="learned", tie_embeddings=True, qkv_bias=True,
                            o_bias=True, mlp_bias=True, bos_token_id=2, eos_token_ids=(2,)),
+    "llama2-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                        head_dim=128, intermediate_size=11008),
     "llama2-13b": _llama(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
                          head_dim=128, intermediate_size=13824),
+    "llama2-70b": _llama(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                         head_dim=128, intermediate_size=28672),
     "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, intermediate_size=14336),
+    "llama3-70b": _llama(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                         head_dim=128, intermediate_size=28672, max_position_embeddings=8192),
     "llama3.2-1b": _llama(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           head_dim=64, intermediate_size=8192, tie_embeddings=True),
 }
@@ -71,10 +152,10 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + config.vocab_size * h
 
 
-def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+def weight_bytes(config: ModelConfig, dtype_bytes: float) -> int:
     embeddings = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
-    return (matmul_params(config) + embeddings) * dtype_bytes
+    return int((matmul_params(config) + embeddings) * dtype_bytes)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: float) -> int:
+    return int(2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes)

@@ -40,8 +40,10 @@ class SimulatedEngine(Engine):
         self.max_logprobs = 0  # it samples filler tokens: no distribution to report
         self.cost = cost
         self.clock = clock
-        # The Pallas kernels read each sequence's own pages; the reference paths read every
-        # slot (or, in a mixed step, every token's keys) up to the attended-length bucket.
+        # The Pallas kernels model a GPU engine's ragged ones: a prefill computes its real
+        # tokens and causal pairs, a decode reads each sequence's own pages. The reference
+        # paths compute every padded row and read every slot (or, in a mixed step, every
+        # token's keys) up to the attended-length bucket.
         self.reads_live_pages = config.attention == "pallas"
         self.busy_s = 0.0  # simulated device time (vs the clock, which also counts idle waits)
         self.reset()
@@ -87,8 +89,14 @@ class SimulatedEngine(Engine):
             self.length[c.slot] = c.start + len(c.tokens)
             if c.is_last:
                 out[r] = self._start(c.slot, int(self.length[c.slot]), c.sampling, c.generated)
-        self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * (kv_len + bucket), kv_read=rows * kv_len,
-                          rows=len(chunks)))
+        if self.reads_live_pages:  # ragged kernels: the real tokens, the causal half of their pairs
+            sizes = [(c.start, len(c.tokens)) for c in chunks]
+            self._charge(Call("prefill", tokens=sum(n for _, n in sizes), rows=len(chunks),
+                              attended=sum(n * start + n * (n + 1) // 2 for start, n in sizes),
+                              kv_read=sum(start for start, _ in sizes)))
+        else:  # the reference program: every padded row and the whole masked square
+            self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * (kv_len + bucket),
+                              kv_read=rows * kv_len, rows=len(chunks)))
         return out
 
     def decode(self, longest: int, slots=None) -> np.ndarray:
