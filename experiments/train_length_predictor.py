@@ -34,11 +34,17 @@ flags.DEFINE_bool("regenerate", False, "Generate the data again even if --data e
 flags.DEFINE_string("output_dir", "configs/length_predictor_smollm2", "Where the predictor checkpoint goes.")
 flags.DEFINE_float("holdout", 0.2, "Fraction of the prompts held out for Kendall's tau.", lower_bound=0.05,
                    upper_bound=0.5)
-flags.DEFINE_integer("epochs", 300, "Training epochs.", lower_bound=1)
+flags.DEFINE_list("epochs", ["25", "50", "100", "200", "300"], "Training epochs to choose among on the validation "
+                  "split (one value: no choice).")
+flags.DEFINE_list("weight_decay", ["0.001", "0.01", "0.1"], "AdamW weight decays to choose among.")
+flags.DEFINE_float("validation", 0.2, "Fraction of the training prompts set aside to choose epochs and weight decay "
+                   "(the held-out prompts are never used to choose).", lower_bound=0.05, upper_bound=0.5)
 flags.DEFINE_integer("hidden", 64, "MLP width.", lower_bound=4)
 flags.DEFINE_float("rank_weight", 1.0, "Weight of the pairwise ranking loss beside the squared error.",
                    lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Seed of the prompt choice, the split and the initialization.")
+common.validate_list("epochs", int, 1, "positive integers")
+common.validate_list("weight_decay", float, 0.0, "non-negative weight decays")
 
 
 def generate_data(model) -> dict:
@@ -82,10 +88,24 @@ def main(argv):
     num_test = int(round(FLAGS.holdout * len(pairs)))
     test, train = order[:num_test], order[num_test:]
 
-    bar = tqdm(total=FLAGS.epochs, desc="train")
+    meta = {"model": lp.model_identity(FLAGS.model, embed)}
+    num_val = int(round(FLAGS.validation * len(train)))
+    val, fit_part = train[:num_val], train[num_val:]
+    choices = [(int(e), float(wd)) for e in FLAGS.epochs for wd in FLAGS.weight_decay]
+    selection = []
+    for epochs, weight_decay in tqdm(choices, desc="choosing epochs and weight decay"):
+        candidate = lp.LengthPredictor.train(features[fit_part], lengths[fit_part], meta=meta, epochs=epochs,
+                                             weight_decay=weight_decay, hidden=FLAGS.hidden,
+                                             rank_weight=FLAGS.rank_weight, seed=FLAGS.seed)
+        selection.append({"epochs": epochs, "weight_decay": weight_decay, "validation_kendall_tau": lp.kendall_tau(
+            candidate.predict_features(features[val]), lengths[val])})
+    best = max(selection, key=lambda r: r["validation_kendall_tau"])
+    print(f"chose {best['epochs']} epochs, weight decay {best['weight_decay']:g} (validation tau "
+          f"{best['validation_kendall_tau']:.3f} on {num_val} training prompts)")
+    bar = tqdm(total=best["epochs"], desc="train")
     predictor = lp.LengthPredictor.train(
-        features[train], lengths[train], meta={"model": lp.model_identity(FLAGS.model, embed)},
-        epochs=FLAGS.epochs, hidden=FLAGS.hidden, rank_weight=FLAGS.rank_weight, seed=FLAGS.seed,
+        features[train], lengths[train], meta=meta, epochs=best["epochs"], weight_decay=best["weight_decay"],
+        hidden=FLAGS.hidden, rank_weight=FLAGS.rank_weight, seed=FLAGS.seed,
         progress=lambda epoch, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")))
     bar.close()
     predicted = predictor.predict_features(features[test])
@@ -97,7 +117,8 @@ def main(argv):
               "held_out_kendall_tau_of_prompt_length": tau_prompt_len,
               "held_out_median_abs_error_tokens": float(np.median(np.abs(predicted - lengths[test]))),
               "num_train": len(train), "num_test": num_test, "capped_fraction": float(np.mean(
-                  lengths == data["max_tokens"])), "mean_output_len": float(lengths.mean())}
+                  lengths == data["max_tokens"])), "mean_output_len": float(lengths.mean()),
+              "chosen": {k: best[k] for k in ("epochs", "weight_decay")}, "selection": selection}
     predictor.meta.update(report)
     predictor.save(FLAGS.output_dir)
     # The held-out prompts and what the predictor says of them: latency_sweep's `held_out`
