@@ -30,6 +30,8 @@ flags.DEFINE_integer("num_requests", 40, "Requests per profiled configuration.",
 EngineArgs.define_flags(["dtype"])
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 flags.DEFINE_string("output", "results/sim_calibration.json", "Where the fitted cost model goes.")
+flags.DEFINE_bool("host_costs", False, "Instead: time this engine's host work per round (free simulated device "
+                  "calls) and print the per-call and per-request costs to add to an accelerator preset.")
 common.validate_list("slots", int, 1, "positive integers")
 common.validate_list("max_seq_lens", int, 8, "context lengths >= 8")
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
@@ -63,6 +65,14 @@ def main(argv):
     from cbjax.workload import LengthDist, synthetic
 
     start = time.perf_counter()
+    if FLAGS.host_costs:
+        from cbjax.simulator.profile import measure_host_costs
+
+        host = measure_host_costs()
+        print(f"this engine's host, per round: {1e6 * host['call_overhead_s']:.0f} us + "
+              f"{1e6 * host['request_overhead_s']:.2f} us per running request ({host['rounds']} rounds, median "
+              f"{1e6 * host['median_round_s']:.0f} us)")
+        return
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
     rounds, profiled = [], []
     for name, options in tqdm(configurations(), desc="profiling", unit="config"):

@@ -13,19 +13,21 @@ import numpy as np
 import common
 
 
-def refit(rows) -> None:
-    """Fit each accelerator's efficiencies (and the one engine parameter a source names) on
-    its `fit` rows; print them for hardware.py and the measurements file."""
+def refit(sources: dict, rows) -> None:
+    """Fit each accelerator's efficiencies, with the engine parameters each source names in
+    its "fit" list, on the accelerator's `fit` rows; print them for hardware.py and the
+    measurements file."""
     from cbjax.simulator.hardware import ACCELERATORS
     from cbjax.simulator.published import fit
 
     for name in sorted({m.accelerator for m in rows if m.role == "fit"}):
         mine = [m for m in rows if m.role == "fit" and m.accelerator == name]
-        engine_keys = sorted({k for m in mine for k in m.engine})
-        changes, engine_value, loss = fit(mine, ACCELERATORS[name], engine_keys[0] if engine_keys else None)
+        keys = {s: sources[s].get("fit", []) for s in {m.source for m in mine} if sources[s].get("fit")}
+        shared, engines, loss = fit(mine, ACCELERATORS[name], keys)
         print(f"{name}: fitted on {len(mine)} rows (loss {loss:.4f}): "
-              + ", ".join(f"{k}={v:.3g}" for k, v in changes.items())
-              + (f", {engine_keys[0]}={engine_value:.3g}" if engine_keys else ""))
+              + ", ".join(f"{k}={v:.3g}" for k, v in shared.items()))
+        for source, values in engines.items():
+            print(f"  source {source} on {name}: " + ", ".join(f"{k}={v:.3g}" for k, v in values.items()))
 
 
 def run(path: str, refit_first: bool, output_dir: str) -> None:
@@ -42,7 +44,7 @@ def run(path: str, refit_first: bool, output_dir: str) -> None:
     start = time.perf_counter()
     sources, rows = load(path)
     if refit_first:
-        refit(rows)
+        refit(sources, rows)
     results = []
     for m in tqdm(rows, desc="simulating published setups", unit="row"):
         simulated = simulate(m)

@@ -38,10 +38,11 @@ class Call:
 class RooflineCost:
     """What an engine on `accelerator` takes for a call (every term in docs/simulator.md):
 
-        compute = FLOPs / (tp x peak(weight dtype) x prefill or decode efficiency)
+        compute = FLOPs / (tp x peak(weight dtype) x compute x M / (M + half_tokens)),
+                  M = query tokens per forward pass
         memory  = (weights x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
         device  = max(compute, memory) + (1 - overlap) x min(compute, memory)
-        comm    = steps x 2 x layers x ring all-reduce(tokens per pass x hidden x 2 bytes)  (tp > 1)
+        comm    = steps x 2 x layers x (ring all-reduce(M x hidden x 2 bytes) + all-reduce overhead)
         host    = steps x (pass overhead + rows x request overhead) + call overhead
                   (+ prefill overhead for a call that prefills)
 
@@ -72,8 +73,9 @@ class RooflineCost:
     def seconds(self, call: Call) -> float:
         a, e, tp = self.accelerator, self.accelerator.efficiency, self.tensor_parallel
         flops = self._matmul_flops_per_token * call.tokens + self._attention_flops_per_pair * call.attended
-        efficiency = e.decode_compute if call.kind == "decode" else e.prefill_compute
-        compute = flops / (tp * self._peak * efficiency)
+        rows_per_pass = call.tokens / max(call.steps, 1)
+        efficiency = e.compute * rows_per_pass / (rows_per_pass + e.half_tokens)
+        compute = flops / (tp * self._peak * efficiency) if flops else 0.0
         kv_bytes = self._kv_bytes * call.kv_read
         if call.kind != "prefill":
             kv_bytes *= min(e.gqa_kv_reads, self.config.num_heads / self.config.num_kv_heads)
@@ -82,8 +84,8 @@ class RooflineCost:
         device = max(compute, memory) + (1.0 - e.overlap) * min(compute, memory)
         comm = 0.0
         if tp > 1:
-            message = call.tokens / max(call.steps, 1) * self.config.hidden_size * 2.0
-            comm = call.steps * 2 * self.config.num_layers * self.link.all_reduce_seconds(message, tp)
+            one = self.link.all_reduce_seconds(rows_per_pass * self.config.hidden_size * 2.0, tp)
+            comm = call.steps * 2 * self.config.num_layers * (one + e.all_reduce_overhead_s)
         host = call.steps * (e.pass_overhead_s + call.rows * e.request_overhead_s) + e.call_overhead_s
         if call.kind != "decode":
             host += e.prefill_overhead_s

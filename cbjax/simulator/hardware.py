@@ -55,14 +55,18 @@ LINKS: dict[str, Link] = {
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """What an engine reaches on a device (fitted; see the module docstring)."""
-    prefill_compute: float = 0.6   # fraction of peak FLOPs in prefill (many tokens a pass)
-    decode_compute: float = 0.6    # fraction of peak FLOPs in decode (one token per request)
+    # Fraction of peak FLOPs a matmul of M = tokens-per-pass rows reaches: compute x M / (M +
+    # half_tokens) (GEMMs fill the tensor cores only with enough rows: a decode of a few
+    # requests or a short prefill runs far below a long prefill's efficiency).
+    compute: float = 0.7
+    half_tokens: float = 64.0
     bandwidth: float = 0.8         # fraction of HBM bandwidth when streaming weights and KV
     overlap: float = 1.0           # 1: memory time hides fully under compute (max); 0: they add
     pass_overhead_s: float = 100 * US   # launches per forward pass (CUDA graphs make it small)
     request_overhead_s: float = 0.0     # per request per forward pass (sampling, bookkeeping)
     call_overhead_s: float = 0.0        # per engine call: the host's scheduling round
     prefill_overhead_s: float = 0.0     # per prefill call: preparing inputs, context-phase setup
+    all_reduce_overhead_s: float = 0.0  # software cost of one all-reduce beyond the link (NCCL launch)
     # Times decode attention reads each KV head per step: 1 for GQA-aware kernels (TensorRT-
     # LLM's XQA, vLLM's paged attention) up to heads / KV heads when every query head reads
     # its own copy (TensorRT-LLM's masked MHA before XQA), less what the L2 cache serves.
@@ -99,10 +103,10 @@ class Accelerator:
 
 # Fitted on the `fit` rows of configs/published_gpu_measurements.json (A100: TensorRT-LLM
 # fp16 rows; H100: TensorRT-LLM fp8 rows) and frozen; the other rows only validate.
-A100_ENGINE = Efficiency(prefill_compute=0.72, decode_compute=0.55, bandwidth=0.80, overlap=0.35,
-                         pass_overhead_s=150 * US, request_overhead_s=0.6 * US)
-H100_ENGINE = Efficiency(prefill_compute=0.45, decode_compute=0.40, bandwidth=0.80, overlap=0.35,
-                         pass_overhead_s=150 * US, request_overhead_s=0.6 * US)
+A100_ENGINE = Efficiency(compute=0.776, half_tokens=51.2, bandwidth=0.916, overlap=0.338, pass_overhead_s=98.6 * US,
+                         prefill_overhead_s=0.987e-3, all_reduce_overhead_s=10.5 * US)
+H100_ENGINE = Efficiency(compute=0.6, half_tokens=128.0, bandwidth=0.80, overlap=0.45,
+                         pass_overhead_s=500 * US, prefill_overhead_s=2e-3, all_reduce_overhead_s=30 * US)
 
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE),

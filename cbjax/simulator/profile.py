@@ -101,3 +101,41 @@ def calibrate(rounds: list[tuple[list[Call], float]], info: dict | None = None) 
 def _host(out) -> np.ndarray:
     """A device program's token result on the host (its logprob columns left out)."""
     return np.asarray(jax.device_get(split_logprobs(out)[0]))
+
+
+class _Free:
+    """A cost model that charges nothing: what is left of a round's wall time is the host's."""
+
+    def seconds(self, call) -> float:
+        return 0.0
+
+
+def measure_host_costs(shape: str = "llama3-8b", slot_counts=(8, 32, 128), requests: int = 256,
+                       seed: int = 0) -> dict:
+    """This engine's host work per round on this machine (scheduler, bookkeeping, outputs),
+    timed on the simulator with free device calls: the least-squares line seconds = per
+    call + per request x requests in the round, over rounds of several batch sizes. These
+    are the `call_overhead_s` / `request_overhead_s` to add to an accelerator preset to
+    simulate this engine rather than the engines the presets were fitted on."""
+    from cbjax import LLM
+    from cbjax.workload import LengthDist, synthetic
+
+    rows, seconds = [], []
+    for slots in slot_counts:
+        llm = LLM(shape, simulate=_Free(), num_slots=slots, max_seq_len=512, dtype="bfloat16", kv_cache="paged",
+                  attention="pallas", page_size=16, num_pages=slots * 32)
+        work = synthetic(requests, prompt_len=LengthDist("uniform", low=16, high=128),
+                         output_len=LengthDist("uniform", low=16, high=256), vocab_size=1000, seed=seed)
+        for w in work:
+            llm.add_request(w.prompt, w.sampling)
+        core = llm.core
+        while core.has_unfinished():
+            running = sum(r is not None for r in core.scheduler.slots)
+            t0 = time.perf_counter()
+            core.run_round()
+            seconds.append(time.perf_counter() - t0)
+            rows.append(running)
+    design = np.stack([np.ones(len(rows)), np.asarray(rows, float)], axis=1)
+    (per_call, per_request), *_ = np.linalg.lstsq(design, np.asarray(seconds), rcond=None)
+    return {"call_overhead_s": float(per_call), "request_overhead_s": float(per_request), "rounds": len(rows),
+            "median_round_s": float(np.median(seconds))}

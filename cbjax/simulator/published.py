@@ -60,7 +60,7 @@ def load(path: str) -> tuple[dict, list[Measurement]]:
         with open(path) as f:
             data = json.load(f)
         sources = data["sources"]
-        rows = [Measurement(**row, engine=dict(sources[row["source"]].get("efficiency", {})))
+        rows = [Measurement(**row, engine=dict(sources[row["source"]].get("efficiency", {}).get(row["accelerator"], {})))
                 for row in data["measurements"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a file of published measurements: {e}") from None
@@ -123,40 +123,50 @@ def _efficiency_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(Efficiency)}
 
 
-# What `fit` may move, with the prior it is pulled toward and the range it is kept in.
-FIT_PARAMETERS = {"prefill_compute": (0.6, 0.2, 0.95), "decode_compute": (0.6, 0.2, 0.95),
-                  "bandwidth": (0.8, 0.5, 0.95), "overlap": (0.5, 0.01, 1.0),
-                  "pass_overhead_s": (50e-6, 5e-6, 1e-3), "prefill_overhead_s": (1e-3, 1e-5, 2e-2)}
+# What `fit` may move for an accelerator, with the prior it is pulled toward and its range;
+# a source's own engine parameters (its "fit" list) get ENGINE_PARAMETERS'.
+FIT_PARAMETERS = {"compute": (0.7, 0.3, 0.95), "half_tokens": (64.0, 1.0, 2048.0), "bandwidth": (0.8, 0.5, 0.95),
+                  "overlap": (0.5, 0.01, 1.0), "pass_overhead_s": (100e-6, 5e-6, 2e-3),
+                  "prefill_overhead_s": (1e-3, 1e-5, 2e-2), "all_reduce_overhead_s": (10e-6, 1e-6, 2e-4)}
+ENGINE_PARAMETERS = {"gqa_kv_reads": (2.0, 1.0, 8.0), "call_overhead_s": (1e-3, 1e-5, 2e-2),
+                     "compute": (0.6, 0.2, 0.95), "bandwidth": (0.8, 0.5, 0.95), "prefill_overhead_s": (1e-3, 1e-5, 2e-2),
+                     "pass_overhead_s": (100e-6, 5e-6, 2e-3), "all_reduce_overhead_s": (10e-6, 1e-6, 2e-4)}
 
 
-def fit(rows: list[Measurement], accelerator, engine_key: str | None = None, prior_weight: float = 0.05,
-        max_evaluations: int = 400) -> tuple[dict, float | None, float]:
-    """The efficiencies (and, with `engine_key`, one engine parameter of the rows' source,
-    e.g. gqa_kv_reads) that minimise the squared log error of the simulated `rows`, pulled
-    weakly toward FIT_PARAMETERS' priors. Returns (efficiency changes, engine value, loss)."""
+def fit(rows: list[Measurement], accelerator, source_keys: dict[str, list[str]], prior_weight: float = 0.05,
+        max_evaluations: int = 400, start: dict | None = None) -> tuple[dict, dict[str, dict], float]:
+    """Efficiencies of `accelerator`, and each source's own engine parameters
+    (`source_keys`), that minimise the squared log error of the simulated `rows`, pulled
+    weakly (in log space) toward the priors; Nelder-Mead from the priors, or from `start`
+    ({name: value} for the accelerator's, {source: {name: value}} for a source's).
+    Returns (efficiency, {source: engine}, loss)."""
     import numpy as np
     from scipy.optimize import minimize
 
-    names = list(FIT_PARAMETERS)
-    low = np.log([FIT_PARAMETERS[n][1] for n in names] + ([1.0] if engine_key else []))
-    high = np.log([FIT_PARAMETERS[n][2] for n in names] + ([8.0] if engine_key else []))
-    prior = np.log([max(FIT_PARAMETERS[n][0], 1e-3) for n in names] + ([2.0] if engine_key else []))
+    names = [("", n, FIT_PARAMETERS[n]) for n in FIT_PARAMETERS]
+    names += [(source, n, ENGINE_PARAMETERS[n]) for source, keys in sorted(source_keys.items()) for n in keys]
+    low, prior, high = (np.log([spec[i] for _, _, spec in names]) for i in (1, 0, 2))
 
     def unpack(x):
-        x = np.exp(np.clip(x, low, high))
-        changes = dict(zip(names, map(float, x[:len(names)])))
-        return changes, (float(x[-1]) if engine_key else None)
+        values = np.exp(np.clip(x, low, high))
+        shared = {n: float(v) for (source, n, _), v in zip(names, values) if not source}
+        engines: dict[str, dict] = {}
+        for (source, n, _), v in zip(names, values):
+            if source:
+                engines.setdefault(source, {})[n] = float(v)
+        return shared, engines
 
     def loss(x):
-        changes, engine_value = unpack(x)
-        total = 0.0
-        for m in rows:
-            if engine_key:
-                m = dataclasses.replace(m, engine={**m.engine, engine_key: engine_value})
-            total += np.log(simulate(m, accelerator.with_efficiency(**changes)) / m.published) ** 2
+        shared, engines = unpack(x)
+        device = accelerator.with_efficiency(**shared)
+        total = sum(np.log(simulate(dataclasses.replace(m, engine={**m.engine, **engines.get(m.source, {})}),
+                                    device) / m.published) ** 2 for m in rows)
         return total + prior_weight * float(np.sum((np.clip(x, low, high) - prior) ** 2)) / len(x)
 
-    result = minimize(loss, prior, method="Nelder-Mead", options={"maxfev": max_evaluations, "xatol": 1e-3,
+    start = start or {}
+    x0 = np.array([np.log(start.get(source, {}).get(n, np.exp(p)) if source else start.get(n, np.exp(p)))
+                   for (source, n, _), p in zip(names, prior)])
+    result = minimize(loss, x0, method="Nelder-Mead", options={"maxfev": max_evaluations, "xatol": 1e-3,
                                                                    "fatol": 1e-6})
-    changes, engine_value = unpack(result.x)
-    return changes, engine_value, float(result.fun)
+    shared, engines = unpack(result.x)
+    return shared, engines, float(result.fun)
