@@ -30,6 +30,16 @@ def refit(sources: dict, rows) -> None:
             print(f"  source {source} on {name}: " + ", ".join(f"{k}={v:.3g}" for k, v in values.items()))
 
 
+def memory_used(m) -> float:
+    """Weights and the peak KV cache of measurement `m` over its devices' memory."""
+    from cbjax.simulator.hardware import ACCELERATORS, DTYPE_BYTES, MODEL_SHAPES, kv_bytes_per_token, weight_bytes
+
+    config, device = MODEL_SHAPES[m.model], ACCELERATORS[m.accelerator]
+    sequences = m.batch if m.mode == "static" else m.concurrency
+    kv = sequences * (m.input + m.output) * kv_bytes_per_token(config, DTYPE_BYTES[m.kv_dtype or m.weight_dtype])
+    return (weight_bytes(config, DTYPE_BYTES[m.weight_dtype]) + kv) / (m.tp * device.memory_bytes)
+
+
 def run(path: str, refit_first: bool, output_dir: str) -> None:
     import matplotlib
 
@@ -49,11 +59,13 @@ def run(path: str, refit_first: bool, output_dir: str) -> None:
     for m in tqdm(rows, desc="simulating published setups", unit="row"):
         simulated = simulate(m)
         results.append({**dataclasses.asdict(m), "setup": m.setup, "simulated": simulated,
-                        "ratio": simulated / m.published})
-    lines = [f"{'source':<9}{'role':<9}{'setup':<58}{'metric':<19}{'published':>10}{'simulated':>10}{'ratio':>7}",
-             "-" * 122]
-    lines += [f"{r['source']:<9}{r['role']:<9}{r['setup']:<58}{r['metric']:<19}{r['published']:>10.1f}"
-              f"{r['simulated']:>10.1f}{r['ratio']:>7.3f}" for r in results]
+                        "ratio": simulated / m.published, "memory_used": memory_used(m)})
+    lines = [f"{'source':<16}{'role':<9}{'setup':<58}{'metric':<19}{'published':>10}{'simulated':>10}{'ratio':>7}"
+             f"{'memory':>8}", "-" * 137]
+    lines += [f"{r['source']:<16}{r['role']:<9}{r['setup']:<58}{r['metric']:<19}{r['published']:>10.1f}"
+              f"{r['simulated']:>10.1f}{r['ratio']:>7.3f}{100 * r['memory_used']:>7.0f}%" for r in results]
+    lines.append("memory: weights + the KV cache the run holds at its peak, as a share of the devices' memory "
+                 "(the presets leave 10% for activations: above 90% the preset would not fit it)")
     summary = {}
     for role in ("fit", "validate"):
         errors = np.array([abs(r["ratio"] - 1) for r in results if r["role"] == role])

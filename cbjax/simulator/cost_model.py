@@ -87,7 +87,7 @@ class RooflineCost:
             one = self.link.all_reduce_seconds(rows_per_pass * self.config.hidden_size * 2.0, tp)
             comm = call.steps * 2 * self.config.num_layers * (one + e.all_reduce_overhead_s)
         host = call.steps * (e.pass_overhead_s + call.rows * e.request_overhead_s) + e.call_overhead_s
-        if call.kind != "decode":
+        if call.kind == "prefill" or call.tokens > call.rows:  # the call prefills something
             host += e.prefill_overhead_s
         return device + comm + host
 

@@ -11,7 +11,9 @@ KV dtypes, a benchmark mode and one metric:
   `throughput` output tokens per second of the deployment.
 
 Both run the real scheduler (`LLM(..., simulate=...)`) on the paged cache with the
-ragged-kernel cost (`attention="pallas"`), EOS ignored.
+ragged-kernel cost (`attention="pallas"`), EOS ignored; a source's `scheduler` options
+(say `merge_mode="fused"` for TensorRT-LLM's in-flight batching, which runs new prompts
+and running decodes in one forward pass) apply to its closed-loop rows.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Measurement:
     batch: int = 1
     concurrency: int = 1
     engine: dict = dataclasses.field(default_factory=dict)  # what its source's engine differs in (Efficiency)
+    scheduler: dict = dataclasses.field(default_factory=dict)  # how its source's engine batches (LLM options)
     note: str = ""
 
     @property
@@ -60,7 +63,8 @@ def load(path: str) -> tuple[dict, list[Measurement]]:
         with open(path) as f:
             data = json.load(f)
         sources = data["sources"]
-        rows = [Measurement(**row, engine=dict(sources[row["source"]].get("efficiency", {}).get(row["accelerator"], {})))
+        rows = [Measurement(**row, engine=dict(sources[row["source"]].get("efficiency", {}).get(row["accelerator"], {})),
+                            scheduler=dict(sources[row["source"]].get("scheduler", {})))
                 for row in data["measurements"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a file of published measurements: {e}") from None
@@ -110,7 +114,9 @@ def simulate(m: Measurement, accelerator=None, requests_per_client: int = 8) -> 
         if m.metric == "ttft_ms":
             return metrics["mean_ttft_ms"]
         return metrics["output_throughput"] / m.tp
-    llm = LLM(m.model, simulate=cost, **options)
+    if m.scheduler.get("merge_mode") in ("fused", "chunked"):
+        options.pop("max_prefill_tokens")
+    llm = LLM(m.model, simulate=cost, **{**options, **m.scheduler})
     outs = llm.replay([w.as_tuple() for w in work], use_tqdm=False, concurrency=m.concurrency)
     metrics = summarize_outputs(outs)
     return {"throughput": metrics["output_throughput"], "ttft_ms": metrics["mean_ttft_ms"],

@@ -127,7 +127,7 @@ class SimulatedEngine(Engine):
         pairs = keys = 0
         for i, r in enumerate(rows):
             end = r.start + r.num_tokens
-            pairs += r.num_tokens * end
+            pairs += r.num_tokens * r.start + r.num_tokens * (r.num_tokens + 1) // 2  # causal
             keys += end
             self.length[r.slot] = end
             if r.is_decode:
@@ -138,8 +138,8 @@ class SimulatedEngine(Engine):
                     out[i] = (self.filler[r.slot], done)
             elif r.is_last:
                 out[i] = self._start(r.slot, end, r.sampling, r.generated)
-        if self.reads_live_pages:
-            attended, read = pairs, keys
+        if self.reads_live_pages:  # ragged kernels: the real tokens, their causal pairs, live pages
+            num_tokens, attended, read = total, pairs, keys
         else:  # the reference path gathers every token's keys up to the bucket
             attended = read = num_tokens * kv_len
         self._charge(Call("mixed", tokens=num_tokens, attended=attended, kv_read=read, rows=len(rows)))
