@@ -36,6 +36,8 @@ flags.DEFINE_float("chat_qps", 4.0, "Poisson rate of the chat profile.", lower_b
 flags.DEFINE_float("creative_qps", 1.0, "Poisson rate of the creative-writing profile.", lower_bound=1e-6)
 flags.DEFINE_integer("num_slots", 8, "Slots of the default configuration.", lower_bound=2)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+flags.DEFINE_bool("paged_kernels", False, "Run every configuration on the paged cache with the Pallas kernels (what "
+                  "a GPU engine runs; under --simulate, charged as ragged kernels: real tokens, causal pairs, live pages).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_dir", "results/profiles", "Where the JSON, the table and the plot go.")
 common.define_simulate_flag()
@@ -80,7 +82,9 @@ def main(argv):
         max_seq_len = -(-longest // 16) * 16  # whole pages for the paged configuration
         rows = {}
         for config, overrides in configurations(profile, FLAGS.num_slots).items():
-            options = {"num_slots": FLAGS.num_slots, "max_seq_len": max_seq_len, "dtype": FLAGS.dtype, **overrides}
+            options = {"num_slots": FLAGS.num_slots, "max_seq_len": max_seq_len, "dtype": FLAGS.dtype,
+                       **(dict(kv_cache="paged", page_size=16, attention="pallas") if FLAGS.paged_kernels else {}),
+                       **overrides}
             llm = LLM(model, **options, **common.llm_options())
             rows[config] = {"options": options, **common.run_replay(llm, workload, desc=f"{name}/{config}")}
             rows[config].pop("e2el_s", None)

@@ -29,7 +29,8 @@ def test_tensor_parallel_splits_the_work_and_pays_two_all_reduces_per_layer():
     h100 = ACCELERATORS["h100"].with_efficiency(pass_overhead_s=0.0, request_overhead_s=0.0)
     one, four = RooflineCost(h100, LLAMA70), RooflineCost(h100, LLAMA70, tensor_parallel=4)
     link = LINKS["nvlink4"]
-    comm = 2 * LLAMA70.num_layers * link.all_reduce_seconds(LLAMA70.hidden_size * 2.0, 4)
+    comm = 2 * LLAMA70.num_layers * (link.all_reduce_seconds(LLAMA70.hidden_size * 2.0, 4)
+                                     + h100.efficiency.all_reduce_overhead_s)
     assert _decode(four) == pytest.approx(_decode(one) / 4 + comm, rel=1e-9)
     assert link.all_reduce_seconds(1e9, 4) == pytest.approx(link.latency_s + 1.5e9 / link.bytes_per_s)
     with pytest.raises(ValueError, match="tensor_parallel=3"):
