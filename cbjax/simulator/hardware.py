@@ -105,8 +105,8 @@ class Accelerator:
 # fp16 rows; H100: TensorRT-LLM fp8 rows) and frozen; the other rows only validate.
 A100_ENGINE = Efficiency(compute=0.776, half_tokens=51.2, bandwidth=0.916, overlap=0.338, pass_overhead_s=98.6 * US,
                          prefill_overhead_s=0.987e-3, all_reduce_overhead_s=10.5 * US)
-H100_ENGINE = Efficiency(compute=0.511, half_tokens=82.3, bandwidth=0.818, overlap=0.407, pass_overhead_s=119 * US,
-                         prefill_overhead_s=1.85e-3, all_reduce_overhead_s=8.8 * US)
+H100_ENGINE = Efficiency(compute=0.528, half_tokens=73.5, bandwidth=0.838, overlap=0.223, pass_overhead_s=103 * US,
+                         prefill_overhead_s=1.36e-3, all_reduce_overhead_s=10.7 * US)
 
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
