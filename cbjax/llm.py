@@ -269,9 +269,8 @@ class LLM:
     # -------------------------------------------------------------- replay
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
                desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]:
-        """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock,
-        stepping the engine meanwhile; outputs in workload order. `concurrency`: a
-        closed-loop client with that many requests in flight instead (offsets ignored)."""
+        """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock (or,
+        with `concurrency`, from a closed-loop client); outputs in workload order."""
         bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.scheduler_config.policy}")
         ids, errors, finished = run_arrivals(self, workload, bar, concurrency=concurrency)
         return self._collect(ids, errors, finished, workload)

@@ -178,12 +178,9 @@ class EngineCore:
         if plan.mixed:
             return self._mixed_round(plan, t1)
         calls = engine.prefill(plan.prefills)
-        decoded = None
-        # A prefill whose first token is its last (max_tokens reached) joins no decode: with
-        # nothing else running, the round's decode call would compute nothing.
-        finishing = {c.request.request_id for c in plan.prefills
-                     if c.is_last and c.request.sampling.max_tokens - len(c.request.output_token_ids) > 1}
-        running = RequestState.RUNNING
+        decoded, running = None, RequestState.RUNNING
+        # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
+        finishing = {c.request.request_id for c in plan.prefills if c.is_last and _decodes_after_prefill(c.request)}
         live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
         if plan.decode and live:
             longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running) for r in live)
@@ -313,3 +310,8 @@ class EngineCore:
                 pages = self.pages.tables[r.request_id]
                 tables[slot, :len(pages)] = pages
         return tables
+
+
+def _decodes_after_prefill(request) -> bool:
+    """Whether a request still has tokens to make after the one its last prefill chunk samples."""
+    return request.sampling.max_tokens - len(request.output_token_ids) > 1
