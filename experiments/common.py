@@ -32,11 +32,11 @@ def quiet_libraries() -> None:
 quiet_libraries()
 
 
-def validate_list(name: str, parse, low: float, what: str) -> None:
+def validate_list(name: str, parse, low: float, what: str, allow_empty: bool = False) -> None:
     """Reject a list flag at parse time unless every item parses and is >= `low`."""
     def ok(values) -> bool:
         try:
-            return len(values) > 0 and all(parse(v) >= low for v in values)
+            return (allow_empty or len(values) > 0) and all(parse(v) >= low for v in values)
         except ValueError:
             return False
 

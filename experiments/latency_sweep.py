@@ -33,9 +33,7 @@ common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)
 flags.adopt_module_key_flags(common)
 common.validate_list("qps", float, 1e-6, "positive request rates")
-flags.register_validator("concurrency", lambda v: all(c.isdigit() and int(c) >= 1 for c in v),
-                         message="--concurrency must be a comma-separated list of positive numbers of requests "
-                                 "in flight")
+common.validate_list("concurrency", int, 1, "positive numbers of requests in flight", allow_empty=True)
 # continuous-sjf: shortest max_tokens first, the true length where each request generates
 # exactly its budget (oracle SJF); continuous-sjf-predicted: shortest predicted length first
 # (--length_predictor; under --simulate, its recorded predictions of the --trace prompts).

@@ -48,7 +48,9 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype)
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
-        kv_dtype = {"fp8": "float8_e4m3fn"}.get(args.kv_dtype or args.weight_dtype or "", args.kv_dtype or args.dtype)
+        # The simulated KV dtype follows the cost model's rule: kv_dtype, else the weights', else dtype.
+        kv_dtype = args.kv_dtype or args.weight_dtype or args.dtype
+        kv_dtype = {"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
         num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
                                            args.page_size, kv_dtype, num_slots)
     engine_config = args.engine_config(num_slots, num_pages)

@@ -73,10 +73,11 @@ def run_arrivals(front, workload: Sequence[tuple], bar, *, realtime: bool = True
             done = front.finish_round()
             finished += done
             bar.update(len(done))
-            for r in done:
-                _retire(in_flight, r.request_id)
-            if concurrency is not None and pending < len(order) and len(in_flight) < concurrency:
-                continue  # the closed-loop client sends its next request now
+            if concurrency is not None:
+                for r in done:
+                    _retire(in_flight, r.request_id)
+                if pending < len(order) and len(in_flight) < concurrency:
+                    continue  # the closed-loop client sends its next request now
             if front.idle and (pending < len(order) or front.has_unfinished_requests()):
                 next_arrival = (start + workload[order[pending]][0]
                                 if pending < len(order) and concurrency is None else None)

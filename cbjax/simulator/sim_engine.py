@@ -18,6 +18,11 @@ from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call
 
 
+def causal_pairs(start: int, n: int) -> int:
+    """Query-key pairs of `n` new tokens after `start` cached ones, the masked half skipped."""
+    return n * start + n * (n + 1) // 2
+
+
 class SimClock:
     """Simulated seconds; `LLM` reads it as its clock and sleeps on it."""
 
@@ -92,7 +97,7 @@ class SimulatedEngine(Engine):
         if self.reads_live_pages:  # ragged kernels: the real tokens, the causal half of their pairs
             sizes = [(c.start, len(c.tokens)) for c in chunks]
             self._charge(Call("prefill", tokens=sum(n for _, n in sizes), rows=len(chunks),
-                              attended=sum(n * start + n * (n + 1) // 2 for start, n in sizes),
+                              attended=sum(causal_pairs(start, n) for start, n in sizes),
                               kv_read=sum(start for start, _ in sizes)))
         else:  # the reference program: every padded row and the whole masked square
             self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * (kv_len + bucket),
@@ -127,7 +132,7 @@ class SimulatedEngine(Engine):
         pairs = keys = 0
         for i, r in enumerate(rows):
             end = r.start + r.num_tokens
-            pairs += r.num_tokens * r.start + r.num_tokens * (r.num_tokens + 1) // 2  # causal
+            pairs += causal_pairs(r.start, r.num_tokens)
             keys += end
             self.length[r.slot] = end
             if r.is_decode:
