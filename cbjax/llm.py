@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from cbjax import checks
 from cbjax.core import EngineArgs, StepStats, build_core
+from cbjax.core.disaggregation import build_disaggregated
 from cbjax.core.replay import progress_bar, run_arrivals
 from cbjax.core.sample_groups import SampleGroups
 from cbjax.loading import Model
@@ -38,13 +39,11 @@ class LLM:
         (default: `jax.devices()`, every process's); or pass a ready `mesh` with a "tp" axis
         (runtime/sharding.py). `devices` alone pins a single-device engine to `devices[0]`.
         `pipeline_stages`: split the layers over that many devices instead, decoding the
-        slots in `micro_batches` groups (runtime/pipeline.py)."""
-        if args is None:
-            args = EngineArgs(**engine_args)
-        elif engine_args:
-            args = dataclasses.replace(args, **engine_args)
+        slots in `micro_batches` groups (runtime/pipeline.py). `prefill_instances`: prefill and decode apart."""
+        args = EngineArgs(**engine_args) if args is None else dataclasses.replace(args, **engine_args)
         self.args = args
-        self.model, self.core = build_core(model, args, clock=clock, simulate=simulate, devices=devices, mesh=mesh)
+        build = build_disaggregated if args.prefill_instances else build_core
+        self.model, self.core = build(model, args, clock=clock, simulate=simulate, devices=devices, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self.seed = args.seed
         self.clock = self.core.clock

@@ -14,11 +14,14 @@ from cbjax.models.kv_cache import kv_capacity
 from cbjax.runtime import sharding
 from cbjax.runtime.engine import Engine
 from cbjax.scheduling import BlockManager, Scheduler
+from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
 
 
 def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], float] = time.perf_counter,
-               simulate=None, devices: Sequence | None = None, mesh=None) -> tuple[Model, EngineCore]:
-    """`simulate`: an accelerator name, a calibration file or a cost model (cbjax.simulator):
+               simulate=None, devices: Sequence | None = None, mesh=None, role: str = "both"
+               ) -> tuple[Model, EngineCore]:
+    """`role`: "both" (colocated), or a disaggregated instance's "prefill" / "decode" (its
+    scheduler, cbjax/scheduling/roles.py). `simulate`: an accelerator name, a calibration file or a cost model (cbjax.simulator):
     the engine then computes nothing and time is simulated. `mesh` / `devices` /
     `args.tensor_parallel`: a tensor-parallel mesh; `args.pipeline_stages`: layers over devices."""
     if args.pipeline_stages > 1 and mesh is not None:
@@ -65,7 +68,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     pages = None
     if args.kv_cache == "paged":
         pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching)
-    scheduler = Scheduler(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
+    scheduler_class = {"both": Scheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}[role]
+    scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                           pages=pages)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
     if args.length_predictor is not None:

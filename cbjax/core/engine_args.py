@@ -13,6 +13,7 @@ import os
 from cbjax import checks
 from cbjax.runtime.engine import CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
+from cbjax.simulator.hardware import LINKS
 
 DTYPES = ("float32", "bfloat16", "float16")
 SIM_WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8")
@@ -79,6 +80,16 @@ class EngineArgs:
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
     micro_batches: int = _knob(1, "Pipeline: decode the slots in this many groups.", lower=1)
+    # Prefill/decode disaggregation (cbjax/core/disaggregation.py)
+    prefill_instances: int = _knob(0, "Disaggregate: this many prefill-only instances (0: every instance "
+                                   "prefills and decodes).", lower=0)
+    decode_instances: int = _knob(1, "Disaggregate: this many decode-only instances.", lower=1)
+    prefill_tensor_parallel: int = _knob(None, "Disaggregate: devices per prefill instance (default "
+                                         "tensor_parallel).", lower=1)
+    decode_tensor_parallel: int = _knob(None, "Disaggregate: devices per decode instance (default "
+                                        "tensor_parallel).", lower=1)
+    kv_link: str = _knob(None, "Disaggregate, simulated: the link a KV move crosses (default: the accelerator's).",
+                         tuple(LINKS))
     # Simulation only (cbjax/simulator/): dtypes this engine does not run
     weight_dtype: str = _knob(None, "Simulated weight dtype (default: dtype); fp8 runs on fp8 tensor cores, int8 "
                               "is weight-only.", SIM_WEIGHT_DTYPES)
@@ -106,9 +117,22 @@ class EngineArgs:
                 raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r}")
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
-        for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES)):
+        self._check_disaggregation()
+        for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES), ("kv_link", LINKS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _check_disaggregation(self) -> None:
+        for name in ("prefill_instances", "decode_instances", "prefill_tensor_parallel", "decode_tensor_parallel"):
+            if getattr(self, name) is not None:
+                setattr(self, name, checks.integer(name, getattr(self, name), 0 if name == "prefill_instances" else 1))
+        if not self.prefill_instances:
+            return
+        if self.merge_mode != "prefill_first" or self.policy != "continuous":
+            raise ValueError("disaggregated instances run policy=continuous, merge_mode=prefill_first (each side "
+                             f"does one kind of work), got policy={self.policy!r}, merge_mode={self.merge_mode!r}")
+        if self.pipeline_stages > 1:
+            raise ValueError("disaggregation and pipeline stages do not combine: choose one")
 
     def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(

@@ -128,15 +128,15 @@ class EngineCore:
         return self.engine.warmup(chunked=chunked, max_prompt_len=max_prompt_len)
 
     # --------------------------------------------------------------- hooks
-    @property
-    def idle(self) -> bool:
-        """The latest round had nothing to run."""
-        return self.last_plan is not None and self.last_plan.idle
+    idle = property(lambda self: self.last_plan is not None and self.last_plan.idle)  # the latest round ran nothing
 
     @property
     def wake_time(self) -> float | None:
         """When idle: the earliest time something could change without an arrival."""
         return self.last_plan.wake_time if self.idle else None
+
+    # A decode call runs ahead (overlap): the slots may not change until it is recorded.
+    in_flight = property(lambda self: self._ahead is not None)
 
     def load(self) -> Load:
         sched = self.scheduler

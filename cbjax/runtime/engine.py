@@ -206,7 +206,7 @@ class Engine:
         slots = sorted(slots)
         padded = np.full((rows,), self.num_slots, np.int32)
         padded[:len(slots)] = slots
-        return self._put(padded)
+        return self.put(padded)
 
     def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
         """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
@@ -227,11 +227,12 @@ class Engine:
         progs = [("prefill", r, b, kv) for r in rows for b, kv in shapes]
         return progs + [("decode", kv, rows) for kv in self.buckets for rows in self.decode_row_buckets()]
 
-    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
+    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None, only: str | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
-        leaves the engine empty. Returns the number of programs."""
+        leaves the engine empty. Returns the number of programs. `only`: programs of that
+        kind ("prefill" or "decode": a disaggregated instance's)."""
         greedy = SamplingParams(max_tokens=1)
-        progs = self.programs(chunked, max_prompt_len)
+        progs = [p for p in self.programs(chunked, max_prompt_len) if only in (None, p[0])]
         for prog in progs:
             if prog[0] == "mixed":
                 _, num_tokens, kv_len = prog
@@ -247,9 +248,9 @@ class Engine:
             jax.block_until_ready(out)
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
-        for bucket in self.buckets:
+        for bucket in self.buckets if only != "decode" else ():
             self._record_histories([Row(0, [], 0, history=[0] * bucket)])
-        for size in (1 << i for i in range((self.num_slots - 1).bit_length() + 1)):
+        for size in (1 << i for i in range((self.num_slots - 1).bit_length() + 1)) if only != "decode" else ():
             self.copy_kv([(0, 0)] * size)
         self.deactivate(0)  # abort and preemption
         self.reset()
@@ -265,9 +266,9 @@ class Engine:
         """Paged cache: the host's block tables `[slots, pages_per_seq]` (copied only on change)."""
         if self._tables is None or not np.array_equal(tables, self._tables):
             self._tables = tables.copy()
-            self.cache = dataclasses.replace(self.cache, block_tables=self._put(np.asarray(tables, np.int32)))
+            self.cache = dataclasses.replace(self.cache, block_tables=self.put(np.asarray(tables, np.int32)))
 
-    def _put(self, host: np.ndarray) -> jax.Array:
+    def put(self, host: np.ndarray) -> jax.Array:
         """A small host array onto the device(s): replicated over the mesh when there is one."""
         if self.mesh is None:
             return jax.device_put(host)  # not jnp.asarray: without a dtype it compiles a copy per shape
@@ -277,7 +278,7 @@ class Engine:
         """Copy KV (source, destination): pages of a paged cache, whole slots of the slot cache
         (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
         src, dst = row_packing.copy_pairs(copies)
-        self.cache = programs.copy_kv(self.cache, self._put(src), self._put(dst))
+        self.cache = programs.copy_kv(self.cache, self.put(src), self.put(dst))
 
     def deactivate(self, slot: int) -> None:
         self.state = programs.deactivate(self.state, np.int32(slot))

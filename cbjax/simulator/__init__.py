@@ -10,12 +10,12 @@ file written by experiments/calibrate_simulator.py (cost_model.CalibratedCost).
 
 from __future__ import annotations
 
-from cbjax.simulator.cost_model import CalibratedCost, Call, RooflineCost, load_cost_model
+from cbjax.simulator.cost_model import CalibratedCost, Call, RooflineCost, kv_transfer_cost, load_cost_model
 from cbjax.simulator.hardware import ACCELERATORS, MODEL_SHAPES, Accelerator
-from cbjax.simulator.sim_engine import SimClock, SimulatedEngine
+from cbjax.simulator.sim_engine import LaneClock, SimClock, SimulatedEngine
 
-__all__ = ["ACCELERATORS", "MODEL_SHAPES", "Accelerator", "CalibratedCost", "Call", "RooflineCost", "SimClock",
-           "SimulatedEngine", "load_cost_model", "model_for_simulation"]
+__all__ = ["ACCELERATORS", "MODEL_SHAPES", "Accelerator", "CalibratedCost", "Call", "LaneClock", "RooflineCost",
+           "SimClock", "SimulatedEngine", "kv_transfer_cost", "load_cost_model", "model_for_simulation"]
 
 
 def model_for_simulation(spec: str, dtype: str = "bfloat16"):

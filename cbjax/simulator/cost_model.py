@@ -169,6 +169,19 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return coef
 
 
+def kv_transfer_cost(cost, config: ModelConfig, dtype: str, parallel: int = 1, link: str | None = None):
+    """What moving a prefilled sequence's KV between instances takes, `(seconds(tokens),
+    bytes per token)`: its bytes at the cost model's KV dtype over `link` (default: the
+    accelerator's; a calibrated CPU cost, which has none, PCIe 4), split over `parallel`
+    device pairs sending their shards at once."""
+    kv_dtype = getattr(cost, "kv_dtype", dtype)
+    per_token = kv_bytes_per_token(config, DTYPE_BYTES.get(kv_dtype, 4))
+    if link is not None and link not in LINKS:
+        raise ValueError(f"kv_link must be one of {tuple(LINKS)}, got {link!r}")
+    over = LINKS[link] if link is not None else getattr(cost, "link", LINKS["pcie4"])
+    return (lambda tokens: over.transfer_seconds(per_token * tokens / parallel)), per_token
+
+
 def load_cost_model(spec: str, config: ModelConfig, dtype_bytes: int = 2, tensor_parallel: int = 1,
                     weight_dtype: str | None = None, kv_dtype: str | None = None):
     """`spec` is an accelerator name (roofline) or a calibration JSON file (measured on

@@ -36,6 +36,16 @@ class SimClock:
         self.now += max(float(seconds), 0.0)
 
 
+class LaneClock(SimClock):
+    """One instance's own simulated time beside others' on a multi-instance front (replicas,
+    disaggregated prefill and decode): its engine's charges advance it alone, so instances
+    run in parallel; the front runs whichever lane is earliest, so lanes stay within a
+    round of each other. `catch_up(t)`: an idle lane that gets work at `t` starts then."""
+
+    def catch_up(self, t: float) -> None:
+        self.now = max(self.now, float(t))
+
+
 class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
@@ -153,5 +163,14 @@ class SimulatedEngine(Engine):
     def deactivate(self, slot: int) -> None:
         self.active[slot] = False
 
-    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None) -> int:
+    def insert_prefilled(self, slot: int, length: int, sampling: SamplingParams, generated: int) -> None:
+        """A sequence prefilled elsewhere (a disaggregated decode instance): `length` tokens in
+        the cache, `generated` sampled, the newest one the next decode input."""
+        self.active[slot] = True
+        self.length[slot] = length
+        self.generated[slot] = generated
+        self.max_tokens[slot] = sampling.max_tokens
+        self.filler[slot] = self._filler(sampling)
+
+    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None, only: str | None = None) -> int:
         return 0  # nothing to compile
