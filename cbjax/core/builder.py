@@ -21,8 +21,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                simulate=None, devices: Sequence | None = None, mesh=None, role: str = "both"
                ) -> tuple[Model, EngineCore]:
     """`role`: "both" (colocated), or a disaggregated instance's "prefill" / "decode" (its
-    scheduler, cbjax/scheduling/roles.py). `simulate`: an accelerator name, a calibration file or a cost model (cbjax.simulator):
-    the engine then computes nothing and time is simulated. `mesh` / `devices` /
+    scheduler, cbjax/scheduling/roles.py). `simulate`: an accelerator name, a calibration
+    file or a cost model (cbjax.simulator): the engine then computes nothing and time is simulated. `mesh` / `devices` /
     `args.tensor_parallel`: a tensor-parallel mesh; `args.pipeline_stages`: layers over devices."""
     if args.pipeline_stages > 1 and mesh is not None:
         raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
