@@ -196,3 +196,51 @@ def disaggregation_cost(llm):
 
     return simulator.kv_transfer_cost(llm.core.decode[0].engine.cost, llm.model.config, "bfloat16")
 
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_prefill_and_decode_in_two_processes(gqa, kv_cache):  # noqa: F811
+    """Prefill in one process, decode in the other (2 host devices each, tensor parallel
+    inside): the KV crosses through JAX's transfer server and outputs equal transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_scale_out import ROOT, _free_port
+
+    _, path, prompts, expected = gqa
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    port = _free_port()
+    script = os.path.join(ROOT, "tests", "disaggregated_process.py")
+    procs = [subprocess.Popen([sys.executable, script, role, path, str(port), json.dumps(prompts), kv_cache],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("decode", "prefill")]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = {}
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+        results.update(json.loads(next(line for line in log.splitlines() if line.startswith("RESULT "))[7:]))
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_simulated_replicas_share_one_clock():
+    """One simulated replica is exactly one simulated LLM; two overlap in simulated time."""
+    from cbjax.parallel.replicas import Replicas
+
+    workload = [(0.05 * i, [1] * (1800 if i % 2 else 50), SamplingParams(max_tokens=64, ignore_eos=True))
+                for i in range(16)]
+    options = dict(num_slots=16, max_seq_len=2048)
+    single = LLM("llama3-8b", simulate="h100", **options).replay(workload, use_tqdm=False)
+    one = Replicas("llama3-8b", data_parallel=1, simulate="h100", **options).replay(workload, use_tqdm=False)
+    assert [o.metrics.token_times for o in one] == [o.metrics.token_times for o in single]
+    two = Replicas("llama3-8b", data_parallel=2, simulate="h100", routing="least_loaded", **options)
+    outs = two.replay(workload, use_tqdm=False)
+    lanes = [r.clock() for r in two.replicas]
+    assert two.clock() == max(lanes) and min(lanes) > 0 and sum(two.routed) == 16
+    assert max(o.metrics.finish_time for o in outs) < max(o.metrics.finish_time for o in single)

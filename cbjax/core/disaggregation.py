@@ -174,7 +174,6 @@ class DisaggregatedCore:
             d.overlap = overlap and not waiting_moves
         if self.simulated:  # the earliest lane: instances overlap in simulated time
             lanes = [min(lanes, key=lambda c: c.clock())]
-            self.clock.now = max(self.clock.now, lanes[0].clock())
         results = list(self._pool.map(EngineCore.run_round, lanes)) if self._pool else [c.run_round() for c in lanes]
         for core, done in zip(lanes, results):
             if core.last_plan is not None and core.last_plan.idle:
@@ -185,6 +184,9 @@ class DisaggregatedCore:
         for r in touched.values():
             if r.finished:
                 self.owner.pop(r.request_id, None)
+        if self.simulated:  # the shared clock moves to the next round's start: the arrivals before it are in
+            starts = [c.clock() for c in self.cores if id(c) not in self._stalled and _has_work(c)]
+            self.clock.now = max(self.clock.now, min(starts) if starts else max(c.clock() for c in self.cores))
         return list(touched.values())
 
     def _recompute_evicted(self) -> None:

@@ -14,7 +14,9 @@ them all. Routing policies:
 
 Replicas step concurrently from a thread each: JAX releases the GIL while a device
 runs and while the host waits for its result, so one replica's device work overlaps
-another's scheduling.
+another's scheduling. Simulated (`simulate=...`), each replica runs on its own
+`LaneClock` and a step runs the earliest busy one, so replicas overlap in simulated
+time on one shared clock (as the disaggregated front's instances do).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Replicas:
     def __init__(self, model: str | Model, *, data_parallel: int = 2, tensor_parallel: int = 1,
                  routing: str = "round_robin", devices: Sequence | None = None, affinity_tokens: int = 16,
                  affinity_slack: int | None = None, parallel_step: bool = True, dtype: str = "float32",
-                 **llm_options):
+                 simulate=None, **llm_options):
         """`llm_options` configure every replica (see `LLM`); `devices` (default `jax.devices()`)
         is cut into `data_parallel` groups of `tensor_parallel`."""
         self.data_parallel = checks.integer("data_parallel", data_parallel, 1)
@@ -49,21 +51,31 @@ class Replicas:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.routing = routing
         self.affinity_tokens = checks.integer("affinity_tokens", affinity_tokens, 1)
-        devices = list(jax.devices() if devices is None else devices)
-        need = self.data_parallel * tensor_parallel
-        if need > len(devices):
-            raise ValueError(f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {need} "
-                             f"devices, {len(devices)} are available")
-        model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
-        self.replicas = [LLM(model, tensor_parallel=tensor_parallel, dtype=dtype,
-                             devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel], **llm_options)
-                         for i in range(self.data_parallel)]
+        self.simulated = simulate is not None
+        if self.simulated:
+            from cbjax import simulator
+
+            model = model if isinstance(model, Model) else simulator.model_for_simulation(model, dtype=dtype)
+            self.clock = simulator.SimClock()
+            self.replicas = [LLM(model, tensor_parallel=tensor_parallel, dtype=dtype, simulate=simulate,
+                                 clock=simulator.LaneClock(), **llm_options) for _ in range(self.data_parallel)]
+        else:
+            devices = list(jax.devices() if devices is None else devices)
+            need = self.data_parallel * tensor_parallel
+            if need > len(devices):
+                raise ValueError(f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {need} "
+                                 f"devices, {len(devices)} are available")
+            model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+            self.replicas = [LLM(model, tensor_parallel=tensor_parallel, dtype=dtype,
+                                 devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel], **llm_options)
+                             for i in range(self.data_parallel)]
+            self.clock = self.replicas[0].clock
         slots = self.replicas[0].scheduler_config.num_slots
         self.affinity_slack = slots if affinity_slack is None else checks.integer("affinity_slack",
                                                                                   affinity_slack, 0)
         self.model, self.tokenizer = model, model.tokenizer
-        self.clock = self.replicas[0].clock
-        self._pool = ThreadPoolExecutor(self.data_parallel) if parallel_step and self.data_parallel > 1 else None
+        many = parallel_step and self.data_parallel > 1 and not self.simulated
+        self._pool = ThreadPoolExecutor(self.data_parallel) if many else None
         self._owner: dict[str, int] = {}  # live request id -> replica index
         self._ids = itertools.count()
         self._accepted = 0  # requests queued so far: round robin's turn
@@ -100,6 +112,8 @@ class Replicas:
         elif str(request_id) in self._owner:
             raise ValueError(f"duplicate request id {request_id!r}")
         i = self.route(ids)
+        if self.simulated and not self.replicas[i].has_unfinished_requests():  # an idle lane starts now
+            self.replicas[i].clock.catch_up(self.clock() if arrival_time is None else arrival_time)
         rid = self.replicas[i].add_request(prompt, sampling_params, request_id=request_id, priority=priority,
                                            arrival_time=arrival_time)
         self._owner[rid] = i
@@ -123,8 +137,11 @@ class Replicas:
         return sum(r.warmup(max_prompt_len) for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """One round of every replica; their outputs, replica by replica."""
-        if self._pool is None:
+        """One round of every replica (simulated: of the earliest busy one); their outputs,
+        replica by replica."""
+        if self.simulated:
+            per_replica = self._simulated_step()
+        elif self._pool is None:
             per_replica = [r.step() for r in self.replicas]
         else:
             per_replica = list(self._pool.map(LLM.step, self.replicas))
@@ -138,8 +155,21 @@ class Replicas:
     def finish_round(self) -> list[RequestOutput]:
         return [o for o in self.step() if o.finish_reason is not None]
 
+    def _simulated_step(self) -> list[list[RequestOutput]]:
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        if not busy:  # every lane has run to its own time
+            self.clock.now = max([self.clock.now] + [r.clock() for r in self.replicas])
+            return []
+        outputs = min(busy, key=lambda r: r.clock()).step()
+        # The shared clock moves to the next round's start, so the arrivals before it are in.
+        busy = [r.clock() for r in self.replicas if r.has_unfinished_requests()]
+        self.clock.now = max(self.clock.now, min(busy) if busy else max(r.clock() for r in self.replicas))
+        return [outputs]
+
     @property
     def idle(self) -> bool:
+        if self.simulated:
+            return not self.has_unfinished_requests()
         return all(r.core.idle for r in self.replicas)
 
     @property
