@@ -244,3 +244,25 @@ def test_simulated_replicas_share_one_clock():
     lanes = [r.clock() for r in two.replicas]
     assert two.clock() == max(lanes) and min(lanes) > 0 and sum(two.routed) == 16
     assert max(o.metrics.finish_time for o in outs) < max(o.metrics.finish_time for o in single)
+
+
+def test_disaggregation_experiment_writes_table_json_and_plot(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_scale_out import ROOT
+
+    out = tmp_path / "dis"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "disaggregation.py"), "--num_devices=2",
+                           "--rates_per_device=2,8", "--num_requests=24", "--prompt_low=512", "--prompt_high=1024",
+                           "--output_low=16", "--output_high=32", "--max_seq_len=2048", f"--output_dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "disaggregation.json").read_text())
+    assert {r["config"] for r in result["goodput_req_s"]} == {
+        "colocated-prefill_first x2", "colocated-chunked x2", "disaggregated 1P:1D"}
+    assert all(len(runs) == 2 and 0 <= runs[0]["attainment"]["tight"] <= 1 for runs in result["runs"].values())
+    assert (out / "disaggregation.png").stat().st_size > 0 and "| 2 | disaggregated 1P:1D |" in proc.stdout
