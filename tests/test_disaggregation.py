@@ -11,7 +11,7 @@ import pytest
 
 from cbjax import LLM, SamplingParams
 from cbjax.runtime import kv_transfer
-from tests.test_scale_out import MAX_TOKENS, _prompts, gqa  # noqa: F401 (the shared fixture)
+from tests.test_scale_out import MAX_TOKENS, gqa  # noqa: F401 (the shared fixture)
 
 OPTIONS = dict(num_slots=4, max_seq_len=64, page_size=8)
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS)

@@ -33,10 +33,9 @@ from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore, Load
 from cbjax.core.step_stats import StepStats
 from cbjax.loading import Model, load_model
-from cbjax.models.kv_cache import PagedCache
-from cbjax.request import FinishReason, Request, RequestState
+from cbjax.request import Request, RequestState
 from cbjax.runtime import kv_transfer
-from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
+from cbjax.scheduling.roles import PrefillScheduler
 
 
 @dataclasses.dataclass
@@ -122,8 +121,7 @@ class DisaggregatedCore:
     def has_unfinished(self) -> bool:
         if any(c.has_unfinished() for c in self.cores):
             return True
-        if self.simulated:  # all done: every lane has run to its own time
-            self.clock.now = max([self.clock.now] + [c.clock() for c in self.cores])
+        self._follow_lanes()
         return False
 
     def drain(self, draining: bool = True) -> None:
@@ -164,8 +162,7 @@ class DisaggregatedCore:
         lanes = [c for c in self.cores if id(c) not in self._stalled and _has_work(c)]
         self._idle = not lanes
         if not lanes:
-            if self.simulated:  # everything has run up to its lane's time
-                self.clock.now = max([self.clock.now] + [c.clock() for c in self.cores])
+            self._follow_lanes()
             return list(touched.values())
         # A decode call running ahead (overlap) fixes the slots it computes: while requests wait
         # to move in, decode instances do not run ahead, so the next round can take them.
@@ -184,10 +181,13 @@ class DisaggregatedCore:
         for r in touched.values():
             if r.finished:
                 self.owner.pop(r.request_id, None)
-        if self.simulated:  # the shared clock moves to the next round's start: the arrivals before it are in
-            starts = [c.clock() for c in self.cores if id(c) not in self._stalled and _has_work(c)]
-            self.clock.now = max(self.clock.now, min(starts) if starts else max(c.clock() for c in self.cores))
+        self._follow_lanes()
         return list(touched.values())
+
+    def _follow_lanes(self) -> None:
+        if self.simulated:
+            self.clock.follow([c.clock() for c in self.cores if id(c) not in self._stalled and _has_work(c)],
+                              [c.clock() for c in self.cores])
 
     def _recompute_evicted(self) -> None:
         """Requests a decode instance preempted: recomputed on a prefill instance."""
@@ -224,25 +224,15 @@ class DisaggregatedCore:
                 self._wake(d, ready if waiting[1] else None)
 
     def _move(self, p: EngineCore, d: EngineCore, r: Request, touched: dict[str, Request]) -> None:
-        slot_p, inserted = r.slot, False
+        slot_p = r.slot
         try:
+            seq = None
             if not self.simulated:
-                length = r.num_tokens - 1
-                pages = p.pages.table(r.request_id) if p.pages is not None else None
-                seq = kv_transfer.move(kv_transfer.get_sequence(p.engine, slot_p, length, pages,
-                                                                self._padded(length)), d.engine)
+                seq = kv_transfer.move(held_sequence(p, r, self._padded(r.num_tokens - 1)), d.engine)
                 self.transfers.bytes += seq.num_bytes
             p.scheduler.release(r)
-            slot, pages = d.scheduler.insert(r)
-            inserted = True
-            if self.simulated:
-                d.engine.insert_prefilled(slot, r.num_tokens - 1, r.sampling, len(r.output_token_ids))
-            else:
-                kv_transfer.insert_sequence(d.engine, seq, slot, pages)
+            insert_held(d, r, seq)
         except Exception as e:  # noqa: BLE001 (any failure of the move: the request ends, nothing leaks)
-            if inserted:
-                d.scheduler.release(r)
-                d.engine.deactivate(slot)
             p.scheduler.fail(r, f"KV transfer to a decode instance failed: {type(e).__name__}: {e}", p.clock())
             p.engine.deactivate(slot_p)
             self.owner.pop(r.request_id, None)
@@ -259,6 +249,28 @@ class DisaggregatedCore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def held_sequence(core: EngineCore, r: Request, padded: int) -> kv_transfer.SequenceKV:
+    """The KV and state row of a request a prefill instance holds prefilled."""
+    pages = core.pages.table(r.request_id) if core.pages is not None else None
+    return kv_transfer.get_sequence(core.engine, r.slot, r.num_tokens - 1, pages, padded)
+
+
+def insert_held(core: EngineCore, r: Request, seq: kv_transfer.SequenceKV | None) -> None:
+    """Place a prefilled request in a decode instance (`can_insert` checked) with its moved
+    KV `seq` (None on a simulated engine, which only keeps the slot's counters); if the
+    write fails, the slot and pages are given back and the error raised."""
+    slot, pages = core.scheduler.insert(r)
+    try:
+        if seq is None:
+            core.engine.insert_prefilled(slot, r.num_tokens - 1, r.sampling, len(r.output_token_ids))
+        else:
+            kv_transfer.insert_sequence(core.engine, seq, slot, pages)
+    except Exception:
+        core.scheduler.release(r)
+        core.engine.deactivate(slot)
+        raise
 
 
 def _prefill_load(core: EngineCore) -> int:
@@ -298,18 +310,15 @@ def build_disaggregated(model: str | Model, args: EngineArgs, *, clock: Callable
         groups = [devices[s:s + tp] for s, (_, tp) in zip(starts, sides)]
     elif devices is not None:
         raise ValueError("simulate runs no device: it takes no devices")
-    if not isinstance(model, Model):
-        if simulate is not None:
-            from cbjax import simulator
-
-            model = simulator.model_for_simulation(model, dtype=args.dtype)
-        else:
-            model = load_model(model, dtype=args.dtype)
     shared = clock
     if simulate is not None:
         from cbjax import simulator
 
         shared = simulator.SimClock() if clock is time.perf_counter else clock
+        if not isinstance(model, Model):
+            model = simulator.model_for_simulation(model, dtype=args.dtype)
+    elif not isinstance(model, Model):
+        model = load_model(model, dtype=args.dtype)
     cores = []
     for (role, tp), group in zip(sides, groups):
         lane = shared if simulate is None else simulator.LaneClock(shared())

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import transfer
 
+from cbjax.core.disaggregation import held_sequence, insert_held
 from cbjax.core.engine_core import EngineCore
-from cbjax.request import Request, RequestState
+from cbjax.request import Request
 from cbjax.runtime import kv_transfer, sharding
 
 
@@ -81,11 +82,9 @@ def send_prefilled(core: EngineCore, sender: KVSender, conn, padded_for) -> int:
     over `conn`, and free its slot. Returns how many were sent."""
     sent = 0
     for r in core.scheduler.prefilled():
-        length = r.num_tokens - 1
-        pages = core.pages.table(r.request_id) if core.pages is not None else None
-        seq = kv_transfer.get_sequence(core.engine, r.slot, length, pages, padded_for(length))
+        seq = held_sequence(core, r, padded_for(r.num_tokens - 1))
         uuid = sender.offer(seq)
-        conn.send({"address": sender.address, "uuid": uuid, "length": length, "padded": seq.k[0].shape[1],
+        conn.send({"address": sender.address, "uuid": uuid, "length": seq.length, "padded": seq.k[0].shape[1],
                    "request": dataclasses.replace(r, slot=None, fork_of=None)})
         slot = r.slot
         core.scheduler.release(r)
@@ -100,12 +99,5 @@ def receive_prefilled(core: EngineCore, receiver: KVReceiver, message: dict) -> 
     r: Request = message["request"]
     if not core.scheduler.can_insert(r):
         raise RuntimeError(f"no room for {r.request_id!r} on this decode instance")
-    seq = receiver.pull(message["address"], message["uuid"], message["length"], message["padded"])
-    slot, pages = core.scheduler.insert(r)
-    try:
-        kv_transfer.insert_sequence(core.engine, seq, slot, pages)
-    except Exception:
-        core.scheduler.release(r)
-        raise
-    r.state = RequestState.RUNNING
+    insert_held(core, r, receiver.pull(message["address"], message["uuid"], message["length"], message["padded"]))
     return r

@@ -157,14 +157,10 @@ class Replicas:
 
     def _simulated_step(self) -> list[list[RequestOutput]]:
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        if not busy:  # every lane has run to its own time
-            self.clock.now = max([self.clock.now] + [r.clock() for r in self.replicas])
-            return []
-        outputs = min(busy, key=lambda r: r.clock()).step()
-        # The shared clock moves to the next round's start, so the arrivals before it are in.
-        busy = [r.clock() for r in self.replicas if r.has_unfinished_requests()]
-        self.clock.now = max(self.clock.now, min(busy) if busy else max(r.clock() for r in self.replicas))
-        return [outputs]
+        outputs = [min(busy, key=lambda r: r.clock()).step()] if busy else []
+        self.clock.follow([r.clock() for r in self.replicas if r.has_unfinished_requests()],
+                          [r.clock() for r in self.replicas])
+        return outputs
 
     @property
     def idle(self) -> bool:

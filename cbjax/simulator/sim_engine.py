@@ -35,6 +35,12 @@ class SimClock:
     def advance(self, seconds: float) -> None:
         self.now += max(float(seconds), 0.0)
 
+    def follow(self, busy: list[float], lanes: list[float]) -> None:
+        """A multi-lane front's shared clock after a round: the next round's start (the
+        earliest `busy` lane's time), so the arrivals before it are admitted first; with
+        none busy, the latest of all `lanes` (each has run to its own time). Never back."""
+        self.now = max(self.now, min(busy) if busy else max(lanes, default=self.now))
+
 
 class LaneClock(SimClock):
     """One instance's own simulated time beside others' on a multi-instance front (replicas,
