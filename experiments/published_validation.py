@@ -18,12 +18,15 @@ def refit(sources: dict, rows) -> None:
     its "fit" list, on the accelerator's `fit` rows; print them for hardware.py and the
     measurements file."""
     from cbjax.simulator.hardware import ACCELERATORS
-    from cbjax.simulator.published import fit
+    from cbjax.simulator.published import FIT_PARAMETERS, fit
 
     for name in sorted({m.accelerator for m in rows if m.role == "fit"}):
         mine = [m for m in rows if m.role == "fit" and m.accelerator == name]
         keys = {s: sources[s].get("fit", []) for s in {m.source for m in mine} if sources[s].get("fit")}
-        shared, engines, loss = fit(mine, ACCELERATORS[name], keys)
+        # refine from the frozen values (Nelder-Mead from the priors needs several restarts to get there)
+        start = {n: getattr(ACCELERATORS[name].efficiency, n) for n in FIT_PARAMETERS}
+        start.update({s: sources[s].get("efficiency", {}).get(name, {}) for s in keys})
+        shared, engines, loss = fit(mine, ACCELERATORS[name], keys, start=start)
         print(f"{name}: fitted on {len(mine)} rows (loss {loss:.4f}): "
               + ", ".join(f"{k}={v:.3g}" for k, v in shared.items()))
         for source, values in engines.items():

@@ -14,7 +14,7 @@ import pytest
 
 from cbjax import LLM
 from cbjax.simulator import ACCELERATORS, MODEL_SHAPES, CalibratedCost, Call, RooflineCost
-from cbjax.simulator.hardware import kv_bytes_per_token, matmul_params, weight_bytes
+from cbjax.simulator.hardware import gemm_inner_dim, kv_bytes_per_token, matmul_params, weight_bytes
 from cbjax.simulator.profile import profile_rounds
 from cbjax.workload import LengthDist, synthetic
 
@@ -93,12 +93,13 @@ def test_roofline_is_memory_bound_in_decode_and_compute_bound_in_prefill():
         return h100.seconds(Call("decode", tokens=batch, attended=batch * 512, kv_read=batch * 512, rows=batch))
 
     memory = (weight_bytes(opt, 2) + 819200 * 512) / (3.35e12 * e.bandwidth)
-    compute = (2 * matmul_params(opt) + 4 * 40 * 40 * 128 * 512) / (989e12 * e.compute / (1 + e.half_tokens))
+    inner = gemm_inner_dim(opt) / (gemm_inner_dim(opt) + e.half_inner)  # the matmuls' share of peak at their K
+    compute = (2 * matmul_params(opt) / inner + 4 * 40 * 40 * 128 * 512) / (989e12 * e.compute / (1 + e.half_tokens))
     assert decode(1) == pytest.approx(memory + (1 - e.overlap) * compute + e.pass_overhead_s + e.request_overhead_s,
                                       rel=1e-9)
     assert decode(16) / decode(1) < 1.5  # reading the weights dominates
     prefill = h100.seconds(Call("prefill", tokens=4096, attended=4096 * 4097 // 2, kv_read=0, rows=8))
-    flops = 2 * matmul_params(opt) * 4096 + 4 * 40 * 40 * 128 * 4096 * 4097 // 2  # matmuls + causal attention
+    flops = 2 * matmul_params(opt) * 4096 / inner + 4 * 40 * 40 * 128 * 4096 * 4097 // 2  # matmuls + causal attention
     compute = flops / (989e12 * e.compute * 4096 / (4096 + e.half_tokens))
     assert compute > 10 * weight_bytes(opt, 2) / 3.35e12
     assert prefill == pytest.approx(compute + (1 - e.overlap) * weight_bytes(opt, 2) / (3.35e12 * e.bandwidth)

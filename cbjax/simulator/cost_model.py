@@ -15,8 +15,8 @@ import json
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, kv_bytes_per_token, matmul_params,
-                                      weight_bytes)
+from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, gemm_inner_dim,
+                                      kv_bytes_per_token, matmul_params, weight_bytes)
 
 KINDS = ("prefill", "decode", "mixed")
 FEATURES = ("steps", "tokens", "attended", "kv_read", "rows")
@@ -39,7 +39,8 @@ class RooflineCost:
     """What an engine on `accelerator` takes for a call (every term in docs/simulator.md):
 
         compute = FLOPs / (tp x peak(weight dtype) x compute x M / (M + half_tokens)),
-                  M = query tokens per forward pass
+                  M = query tokens per forward pass, the matmuls' FLOPs further over
+                  K / (K + half_inner), K their per-device inner dimension
         memory  = (weights x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
         device  = max(compute, memory) + (1 - overlap) x min(compute, memory)
         comm    = steps x 2 x layers x (ring all-reduce(M x hidden x 2 bytes) + all-reduce overhead)
@@ -65,6 +66,7 @@ class RooflineCost:
         self.tensor_parallel = tensor_parallel
         self.link = LINKS[accelerator.link]
         self._matmul_flops_per_token = 2.0 * matmul_params(config)
+        self._inner_dim = gemm_inner_dim(config, tensor_parallel)
         self._attention_flops_per_pair = 4.0 * config.num_layers * config.num_heads * config.head_dim
         self._weight_bytes = float(weight_bytes(config, DTYPE_BYTES[self.weight_dtype]))
         self._kv_bytes = float(kv_bytes_per_token(config, DTYPE_BYTES[self.kv_dtype]))
@@ -72,7 +74,8 @@ class RooflineCost:
 
     def seconds(self, call: Call) -> float:
         a, e, tp = self.accelerator, self.accelerator.efficiency, self.tensor_parallel
-        flops = self._matmul_flops_per_token * call.tokens + self._attention_flops_per_pair * call.attended
+        inner = self._inner_dim / (self._inner_dim + e.half_inner)
+        flops = self._matmul_flops_per_token * call.tokens / inner + self._attention_flops_per_pair * call.attended
         rows_per_pass = call.tokens / max(call.steps, 1)
         efficiency = e.compute * rows_per_pass / (rows_per_pass + e.half_tokens)
         compute = flops / (tp * self._peak * efficiency) if flops else 0.0

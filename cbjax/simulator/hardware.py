@@ -60,6 +60,10 @@ class Efficiency:
     # requests or a short prefill runs far below a long prefill's efficiency).
     compute: float = 0.7
     half_tokens: float = 64.0
+    # ... and x K / (K + half_inner), K the per-device inner dimension of the layer's GEMMs
+    # (`gemm_inner_dim`): each output tile's fixed prologue and epilogue amortize over a longer
+    # K loop, so a 70B layer's K = 8192 GEMMs reach a higher share of peak than a 7B's K = 4096.
+    half_inner: float = 0.0
     bandwidth: float = 0.8         # fraction of HBM bandwidth when streaming weights and KV
     overlap: float = 1.0           # 1: memory time hides fully under compute (max); 0: they add
     pass_overhead_s: float = 100 * US   # launches per forward pass (CUDA graphs make it small)
@@ -103,10 +107,10 @@ class Accelerator:
 
 # Fitted on the `fit` rows of configs/published_gpu_measurements.json (A100: TensorRT-LLM
 # fp16 rows; H100: TensorRT-LLM fp8 rows) and frozen; the other rows only validate.
-A100_ENGINE = Efficiency(compute=0.776, half_tokens=51.2, bandwidth=0.916, overlap=0.338, pass_overhead_s=98.6 * US,
-                         prefill_overhead_s=0.987e-3, all_reduce_overhead_s=10.5 * US)
-H100_ENGINE = Efficiency(compute=0.528, half_tokens=73.5, bandwidth=0.838, overlap=0.223, pass_overhead_s=103 * US,
-                         prefill_overhead_s=1.36e-3, all_reduce_overhead_s=10.7 * US)
+A100_ENGINE = Efficiency(compute=0.854, half_tokens=58.5, half_inner=450.0, bandwidth=0.921, overlap=0.345,
+                         pass_overhead_s=97.4 * US, prefill_overhead_s=1.01e-3, all_reduce_overhead_s=10.3 * US)
+H100_ENGINE = Efficiency(compute=0.588, half_tokens=72.3, half_inner=523.0, bandwidth=0.838, overlap=0.211,
+                         pass_overhead_s=103 * US, prefill_overhead_s=1.33e-3, all_reduce_overhead_s=10.6 * US)
 
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
@@ -154,6 +158,20 @@ def matmul_params(config: ModelConfig) -> int:
     mlp_matrices = 2 if config.model_type == "gpt2" else 3
     per_layer = attention + mlp_matrices * h * config.intermediate_size
     return config.num_layers * per_layer + config.vocab_size * h
+
+
+def gemm_inner_dim(config: ModelConfig, tensor_parallel: int = 1) -> float:
+    """The inner (reduction) dimension K of a layer's matmuls on one device, averaged as their
+    time would be (harmonic, weighted by weights): Megatron's column-parallel q/k/v, gate/up
+    and LM head keep K = hidden; the row-parallel attention output and MLP down projection
+    see K / tensor_parallel."""
+    h, d, tp = config.hidden_size, config.head_dim, tensor_parallel
+    full_k = h * d * (config.num_heads + config.num_kv_heads * 2) + (2 if config.model_type != "gpt2" else 1) * (
+        h * config.intermediate_size)
+    out_k, down_k = config.num_heads * d / tp, config.intermediate_size / tp
+    layers = config.num_layers * (full_k / h + h * d * config.num_heads / out_k
+                                  + h * config.intermediate_size / down_k) + config.vocab_size
+    return matmul_params(config) / layers
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: float) -> int:

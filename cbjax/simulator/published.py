@@ -131,8 +131,8 @@ def _efficiency_fields() -> set[str]:
 
 # What `fit` may move for an accelerator, with the prior it is pulled toward and its range;
 # a source's own engine parameters (its "fit" list) get ENGINE_PARAMETERS'.
-FIT_PARAMETERS = {"compute": (0.7, 0.3, 0.95), "half_tokens": (64.0, 1.0, 2048.0), "bandwidth": (0.8, 0.5, 0.95),
-                  "overlap": (0.5, 0.01, 1.0), "pass_overhead_s": (100e-6, 5e-6, 2e-3),
+FIT_PARAMETERS = {"compute": (0.7, 0.3, 0.95), "half_tokens": (64.0, 1.0, 2048.0), "half_inner": (512.0, 1.0, 16384.0),
+                  "bandwidth": (0.8, 0.5, 0.95), "overlap": (0.5, 0.01, 1.0), "pass_overhead_s": (100e-6, 5e-6, 2e-3),
                   "prefill_overhead_s": (1e-3, 1e-5, 2e-2), "all_reduce_overhead_s": (10e-6, 1e-6, 2e-4)}
 ENGINE_PARAMETERS = {"gqa_kv_reads": (2.0, 1.0, 8.0), "call_overhead_s": (1e-3, 1e-5, 2e-2),
                      "compute": (0.6, 0.2, 0.95), "bandwidth": (0.8, 0.5, 0.95), "prefill_overhead_s": (1e-3, 1e-5, 2e-2),
@@ -170,8 +170,8 @@ def fit(rows: list[Measurement], accelerator, source_keys: dict[str, list[str]],
         return total + prior_weight * float(np.sum((np.clip(x, low, high) - prior) ** 2)) / len(x)
 
     start = start or {}
-    x0 = np.array([np.log(start.get(source, {}).get(n, np.exp(p)) if source else start.get(n, np.exp(p)))
-                   for (source, n, _), p in zip(names, prior)])
+    given = [start.get(source, {}).get(n) if source else start.get(n) for source, n, _ in names]
+    x0 = np.array([np.log(value) if value else p for value, p in zip(given, prior)])  # 0 or missing: the prior
     result = minimize(loss, x0, method="Nelder-Mead", options={"maxfev": max_evaluations, "xatol": 1e-3,
                                                                    "fatol": 1e-6})
     shared, engines = unpack(result.x)
