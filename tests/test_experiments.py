@@ -34,13 +34,14 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
 
 
 def test_latency_sweep_and_ablate_write_results(tmp_path):
-    run_script("latency_sweep.py", "--model=tiny-llama", "--qps=50", "--num_requests=6", "--policies=static,continuous",
-               "--num_slots=2", "--max_seq_len=128", "--ttft_ms=1000", f"--output_dir={tmp_path}")
+    small = ("--num_requests=6", "--num_slots=2", "--max_seq_len=64", "--prompt_high=32", "--output_cap=24")
+    run_script("latency_sweep.py", "--model=tiny-llama", "--qps=50", "--policies=static,continuous", *small,
+               "--ttft_ms=1000", f"--output_dir={tmp_path}")
     sweep = json.loads((tmp_path / "latency_sweep.json").read_text())
     assert set(sweep["results"]) == {"static@50", "continuous@50"}
     assert all(r["completed"] == 6 and "request_goodput" in r for r in sweep["results"].values())
-    run_script("ablate.py", "--model=tiny-llama", "--knob=refill_interval", "--values=1,4", "--num_requests=6",
-               "--max_seq_len=128", f"--output_dir={tmp_path}")
+    run_script("ablate.py", "--model=tiny-llama", "--knob=refill_interval", "--values=1,4", *small,
+               f"--output_dir={tmp_path}")
     ablate = json.loads((tmp_path / "ablate_refill_interval.json").read_text())
     assert [r["value"] for r in ablate["runs"]] == [1, 4]
     assert (tmp_path / "ablate_refill_interval.png").stat().st_size > 0
@@ -209,7 +210,7 @@ def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     assert set(bubbles) == {1, 2} and 0 < bubbles[2] < bubbles[1] < 0.51  # 2 stages: one group idles one of them
     assert (tmp_path / "pipeline_bubbles.png").stat().st_size > 0
     run_script("scale_out.py", "--configs=1x1,2x1:prefix_affinity", "--num_requests=6", "--qps=50",
-               "--prefix_len=16", "--num_prefixes=1", "--output_len=4", "--suffix_high=16", "--max_seq_len=48",
+               "--prefix_len=16", "--num_prefixes=1", "--output_len=4", "--suffix_high=16", "--max_seq_len=48", "--num_slots=2",
                "--page_size=8", f"--output_dir={tmp_path}")
     runs = json.loads((tmp_path / "scale_out.json").read_text())["runs"]
     assert [r["config"] for r in runs] == ["1x1", "2x1 prefix_affinity"]
