@@ -166,12 +166,12 @@ def gemm_inner_dim(config: ModelConfig, tensor_parallel: int = 1) -> float:
     and LM head keep K = hidden; the row-parallel attention output and MLP down projection
     see K / tensor_parallel."""
     h, d, tp = config.hidden_size, config.head_dim, tensor_parallel
-    full_k = h * d * (config.num_heads + config.num_kv_heads * 2) + (2 if config.model_type != "gpt2" else 1) * (
-        h * config.intermediate_size)
-    out_k, down_k = config.num_heads * d / tp, config.intermediate_size / tp
-    layers = config.num_layers * (full_k / h + h * d * config.num_heads / out_k
-                                  + h * config.intermediate_size / down_k) + config.vocab_size
-    return matmul_params(config) / layers
+    mlp_in = 1 if config.model_type == "gpt2" else 2  # fc, or gate and up
+    at_hidden_k = h * d * (config.num_heads + config.num_kv_heads * 2) + mlp_in * h * config.intermediate_size
+    attention_out, down = h * d * config.num_heads, h * config.intermediate_size
+    weights_over_k = config.num_layers * (at_hidden_k / h + attention_out / (config.num_heads * d / tp)
+                                          + down / (config.intermediate_size / tp)) + config.vocab_size
+    return matmul_params(config) / weights_over_k
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: float) -> int:
