@@ -134,9 +134,7 @@ class DisaggregatedCore:
         count = 0
         for cores, only in ((self.prefill, "prefill"), (self.decode, "decode")):
             for c in cores:
-                chunked = c.scheduler.config.max_prefill_tokens is not None or (
-                    c.pages is not None and c.pages.enable_prefix_caching)
-                count += c.engine.warmup(chunked=chunked, max_prompt_len=max_prompt_len, only=only)
+                count += c.engine.warmup(only=only)
         if self.simulated:
             return count
         lengths = sorted({self._padded(n) for n in range(1, self.engine.max_len)})

@@ -61,7 +61,10 @@ class EngineArgs:
     max_num_batched_tokens: int = _knob(None, "Token budget of a mixed step (fused/chunked); default "
                                         "max(256, 2 x slots) chunked, max_seq_len + slots fused.", lower=1)
     # Device (cbjax/runtime/)
-    prefill_floor: int = _knob(16, "Smallest prefill length bucket.", lower=1)
+    prefill_floor: int = _knob(16, "Smallest token bucket of a step that holds prompt tokens.", lower=1)
+    max_step_tokens: int = _knob(None, "Most tokens in one device step, its largest token bucket (longer prompts "
+                                 "prefill over several steps); default max_num_batched_tokens, else "
+                                 "min(max_seq_len, 512).", lower=1)
     dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
@@ -151,7 +154,7 @@ class EngineArgs:
             prefill_floor=self.prefill_floor, decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens)
 
     # ------------------------------------------------------------- flags
     @classmethod

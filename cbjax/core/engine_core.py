@@ -1,9 +1,9 @@
 """The engine core: one scheduling round between the front door and the scheduler/engine.
 
 A round asks the scheduler for a `Plan`, deactivates the slots it preempted, hands the
-engine the paged block tables, runs the plan's rows (bucketed prefill calls and then a
-decode call, or one mixed step), copies the results to the host once, and records them
-with the scheduler. The front door (`LLM`) only takes requests in and hands outputs
+engine the paged block tables, runs the plan's rows through the engine's one step (prompt
+rows and then decode rows, or both in one step), copies the results to the host once, and
+records them with the scheduler in one place (`_record`), whatever the round's kind. The front door (`LLM`) only takes requests in and hands outputs
 out; the server loop, the replicas front and the simulator's profiler use this class's
 public hooks (`load`, `idle`, `wake_time`, `run_round`, `engine_swapped`).
 """
@@ -20,7 +20,7 @@ import numpy as np
 
 from cbjax.core.step_stats import StepStats
 from cbjax.request import Request, RequestState, SamplingParams, TokenLogprob
-from cbjax.runtime.programs import split_logprobs
+from cbjax.runtime.step import split_logprobs
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
 
 
@@ -33,18 +33,6 @@ class Load:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
     num_preemptions: int = 0
-
-
-def prefill_results(host_outs, rows_of_calls) -> tuple[dict, dict]:
-    """Per chunk index: (first token, done), and its logprob columns when there are any."""
-    firsts, logprobs_of = {}, {}
-    for out, rows in zip(host_outs, rows_of_calls):
-        out, logprobs = split_logprobs(out)
-        for r, i in enumerate(rows):
-            firsts[i] = (int(out[r, 0]), int(out[r, 1]))
-            if logprobs is not None:
-                logprobs_of[i] = logprobs[r]
-    return firsts, logprobs_of
 
 
 def add_logprobs(r: Request, columns) -> None:
@@ -121,11 +109,10 @@ class EngineCore:
         self.scheduler.drain(draining)
 
     def warmup(self, max_prompt_len: int | None = None) -> int:
-        """Compile every program this configuration can reach: prefill continuations at any
-        attended length when prompts can be chunked or resume from cached prefix pages."""
-        chunked = self.scheduler.config.max_prefill_tokens is not None or (
-            self.pages is not None and self.pages.enable_prefix_caching)
-        return self.engine.warmup(chunked=chunked, max_prompt_len=max_prompt_len)
+        """Compile every program this configuration can reach (the step per token bucket).
+        `max_prompt_len` is accepted for the fronts' sake: the programs no longer depend on it."""
+        del max_prompt_len
+        return self.engine.warmup()
 
     # --------------------------------------------------------------- hooks
     idle = property(lambda self: self.last_plan is not None and self.last_plan.idle)  # the latest round ran nothing
@@ -158,9 +145,15 @@ class EngineCore:
 
     # --------------------------------------------------------------- round
     def run_round(self) -> list[Request]:
-        """One scheduling round; returns the requests it touched (got tokens or finished)."""
+        """One scheduling round; returns the requests it touched (got tokens or finished). A
+        round that finds a decode call in flight (overlap) records it first; if requests wait
+        to be admitted it goes on to schedule them in the same round, so an admitted request's
+        first token comes out of the round that admitted it."""
+        touched: dict[str, Request] = {}
         if self._ahead is not None:
-            return self._ahead_round()
+            self._ahead_round(touched)
+            if self._ahead is not None or not self.scheduler.waiting:
+                return list(touched.values())
         sched, engine, stats = self.scheduler, self.engine, self.stats
         t0 = time.perf_counter()
         plan = sched.schedule(self.clock())
@@ -168,47 +161,98 @@ class EngineCore:
         t1 = time.perf_counter()
         stats.schedule_s += t1 - t0
         if plan.idle:
-            return []
+            return list(touched.values())
         for slot in plan.preempted_slots:
             engine.deactivate(slot)
         if plan.copies:
             engine.copy_kv(plan.copies)
         if self.pages is not None and engine.reads_block_tables:
             engine.set_block_tables(self._block_tables())
-        if plan.mixed:
-            return self._mixed_round(plan, t1)
-        calls = engine.prefill(plan.prefills)
-        decoded, running = None, RequestState.RUNNING
-        # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
-        finishing = {c.request.request_id for c in plan.prefills if c.is_last and _decodes_after_prefill(c.request)}
-        live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
-        if plan.decode and live:
-            longest = max(len(r.prompt_token_ids) + len(r.output_token_ids) + (r.state != running) for r in live)
-            decoded = engine.decode(longest, [r.slot for r in live])
-            if not calls:
-                self._run_ahead()
-        # The one host copy of the round: every prefill's (token, done) and the decode tokens.
+        running = RequestState.RUNNING
+        if plan.mixed:  # one step: the plan's chunks, then a decode row per running request
+            rows = plan.prefills + [Row.decode(r) for r in sched.running if r.state == running]
+            calls = [(engine.run(rows), rows)]
+        else:  # prefill_first: a step of prompt rows, then one of decode rows
+            calls = [(engine.run(plan.prefills), plan.prefills)] if plan.prefills else []
+            # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
+            finishing = {c.request.request_id for c in plan.prefills
+                         if c.is_last and _decodes_after_prefill(c.request)}
+            live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
+            if plan.decode and live:
+                rows = [Row.decode(r) for r in live]
+                calls.append((engine.run(rows, engine.config.decode_steps), rows))
+                if not plan.prefills:
+                    self._run_ahead()
+        self._count_round(plan, self._record(calls, t1, touched))
+        return list(touched.values())
+
+    def _record(self, calls, t_dispatch: float, touched: dict[str, Request]) -> float:
+        """The one record path: copy every call's result to the host at once, then hand each
+        row's tokens to the scheduler (prompt rows first, so a request whose prompt ended
+        this round is running when its decode tokens are recorded)."""
+        stats = self.stats
         t2 = time.perf_counter()
-        host_prefill, host_decode = jax.device_get(([out for out, _ in calls], decoded))
+        host = jax.device_get([[out for out, _ in dispatched] for dispatched, _ in calls])
         now = self.clock()
         t3 = time.perf_counter()
-        stats.dispatch_s += t2 - t1
+        stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
-        firsts, first_logprobs = prefill_results(host_prefill, [rows for _, rows in calls])
-        touched = self._record_prefills(plan.prefills, [firsts[i] for i in range(len(plan.prefills))], now)
-        for i, logprobs in first_logprobs.items():
-            add_logprobs(plan.prefills[i].request, logprobs[None])
-        if host_decode is not None:
-            self._record_decode(host_decode, now, touched)
-        self._count_round(plan, t3)
-        return list(touched.values())
+        decoded: list[tuple[Request, list[int], object]] = []
+        for (dispatched, rows), outs in zip(calls, host):
+            for (_, members), out in zip(dispatched, outs):
+                out, logprobs = split_logprobs(out)
+                for j, i in enumerate(members):
+                    if i < 0:
+                        continue  # a piece of a prompt chunk that continues in a later call
+                    row = rows[i]
+                    if row.is_decode:
+                        decoded.append((row.request, out[:, j, 0].tolist(),
+                                        None if logprobs is None else logprobs[:, j]))
+                    else:
+                        self._record_prefill(row, int(out[0, j, 0]), bool(out[0, j, 1]), now, touched)
+                        if logprobs is not None and row.is_last:
+                            add_logprobs(row.request, logprobs[0, j][None])
+        if decoded:
+            self._record_decodes(decoded, now, touched)
+        return t3
+
+    def _record_prefill(self, chunk: Row, token: int, device_done: bool, now: float,
+                        touched: dict[str, Request]) -> None:
+        finished = self.scheduler.on_prefill(chunk, token if chunk.is_last else -1, now)
+        if chunk.is_last:
+            if device_done != finished:
+                raise RuntimeError(f"engine and scheduler disagree on whether {chunk.request.request_id!r} finished")
+            touched[chunk.request.request_id] = chunk.request
+
+    def _record_decodes(self, decoded, now: float, touched: dict[str, Request]) -> None:
+        """Decode rows' tokens (`[steps]` each, -1 where the row did not sample) as the
+        scheduler's `[steps][slots]`."""
+        sched, stats = self.scheduler, self.stats
+        steps = len(decoded[0][1])
+        per_slot = [[-1] * self.engine.num_slots for _ in range(steps)]
+        # Rows of requests that finished before this record (their first token was their last,
+        # or an earlier call ended them) come back -1 and are skipped.
+        running = [(r, tokens, logprobs) for r, tokens, logprobs in decoded if r.state == RequestState.RUNNING]
+        for r, tokens, _ in running:
+            if tokens[0] < 0:
+                raise RuntimeError(f"engine and scheduler out of sync: slot {r.slot} produced no token "
+                                   f"for running request {r.request_id!r}")
+            for step, token in enumerate(tokens):
+                per_slot[step][r.slot] = token
+        sched.on_decode(per_slot, now)
+        for r, tokens, logprobs in running:
+            if logprobs is not None:
+                add_logprobs(r, logprobs[np.asarray(tokens) >= 0])
+            touched[r.request_id] = r
+            stats.active_slot_steps += sum(t >= 0 for t in tokens)
+        stats.decode_steps += steps
 
     def _run_ahead(self) -> None:
         """Host/device overlap: with a decode call in flight and nothing to admit, dispatch the
-        next decode call now (the device state holds each slot's last token), so the device
-        runs it while the host records the one in flight. A sequence that finishes in the call
-        in flight is inactive on the device by then, so the extra call computes nothing for it;
-        its row comes back -1 and outputs are unchanged."""
+        next decode call now (decode rows read each slot's last token and length on the
+        device), so the device runs it while the host records the one in flight. A sequence
+        that finishes in the call in flight is inactive on the device by then, so the extra
+        call computes nothing for it; its row comes back -1 and outputs are unchanged."""
         sched, steps = self.scheduler, self.engine.config.decode_steps
         if not (self.overlap and getattr(self.engine, "can_run_ahead", False)) or sched.waiting:
             return
@@ -219,89 +263,22 @@ class EngineCore:
         after = [r.num_tokens + steps for r in holders]
         if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
             return  # the next call would grow a table: let the scheduler reserve (or preempt) first
-        # decode caps the attended length at max_len
-        self._ahead = self.engine.decode(max(after), [r.slot for r in holders])
+        rows = [Row.decode(r) for r in holders]
+        self._ahead = (self.engine.run(rows, steps), rows)
         self.stats.ahead_calls += 1
 
-    def _ahead_round(self) -> list[Request]:
-        """A round whose decode call was dispatched by the previous round: dispatch the next
-        one if it may run ahead too, then record this one."""
-        out, self._ahead = self._ahead, None
-        stats = self.stats
+    def _ahead_round(self, touched: dict[str, Request]) -> None:
+        """Record the decode call the previous round dispatched ahead, after dispatching the
+        next one if it may run ahead too."""
+        ahead, self._ahead = self._ahead, None
         t1 = time.perf_counter()
         self._run_ahead()
-        t2 = time.perf_counter()
-        host_decode = jax.device_get(out)
-        now = self.clock()
-        t3 = time.perf_counter()
-        stats.dispatch_s += t2 - t1
-        stats.device_wait_s += t3 - t2
-        touched: dict[str, Request] = {}
-        self._record_decode(host_decode, now, touched)
-        self._count_round(self.last_plan, t3)
-        return list(touched.values())
-
-    def _record_decode(self, host_decode, now: float, touched: dict[str, Request]) -> None:
-        sched, stats = self.scheduler, self.stats
-        host_decode, logprobs = split_logprobs(host_decode)
-        decoding = [r if r is not None and r.state == RequestState.RUNNING else None for r in sched.slots]
-        mask = np.fromiter((r is not None for r in decoding), bool, len(decoding))
-        idle = np.flatnonzero(mask & (host_decode[0] < 0))  # every running slot samples in step 0
-        if idle.size:
-            raise RuntimeError(f"engine and scheduler out of sync: slot {idle[0]} produced no token "
-                               f"for running request {decoding[idle[0]].request_id!r}")
-        sched.on_decode(host_decode.tolist(), now)
-        if logprobs is not None:
-            for slot, r in enumerate(decoding):
-                if r is not None:
-                    add_logprobs(r, logprobs[host_decode[:, slot] >= 0, slot])
-        touched.update((r.request_id, r) for r in decoding if r is not None)
-        stats.decode_steps += len(host_decode)
-        stats.active_slot_steps += int((host_decode >= 0).sum())
-
-    def _mixed_round(self, plan: Plan, t_dispatch: float) -> list[Request]:
-        """The round as one mixed step: the plan's chunks, then a decode row per running request."""
-        sched, stats = self.scheduler, self.stats
-        decoding = [r for r in sched.running if r.state == RequestState.RUNNING]
-        out = self.engine.mixed_step(plan.prefills + [Row.decode(r) for r in decoding])
-        t2 = time.perf_counter()
-        host, logprobs = split_logprobs(jax.device_get(out))  # the one host copy of the round
-        now = self.clock()
-        t3 = time.perf_counter()
-        stats.dispatch_s += t2 - t_dispatch
-        stats.device_wait_s += t3 - t2
-        touched = self._record_prefills(plan.prefills, host[:len(plan.prefills)].tolist(), now)
-        if decoding:
-            per_slot = [-1] * self.engine.num_slots
-            for r, (token, _) in zip(decoding, host[len(plan.prefills):].tolist()):
-                per_slot[r.slot] = token
-            sched.on_decode([per_slot], now)
-            touched.update((r.request_id, r) for r in decoding)
-            stats.decode_steps += 1
-            stats.active_slot_steps += len(decoding)
-        if logprobs is not None:
-            for i, row in enumerate(plan.prefills + decoding):
-                add_logprobs(row if isinstance(row, Request) else row.request, logprobs[i:i + 1])
-        self._count_round(plan, t3)
-        return list(touched.values())
+        self._count_round(self.last_plan, self._record([ahead], t1, touched))
 
     def _count_round(self, plan: Plan, t_recorded: float) -> None:
         self.stats.rounds += 1
         self.stats.prefill_chunks += len(plan.prefills)
         self.stats.process_s += time.perf_counter() - t_recorded
-
-    def _record_prefills(self, chunks: list[Row], results, now: float) -> dict[str, Request]:
-        """Hand each chunk's device result `(first token, done)` to the scheduler; returns the
-        requests whose prompt ended (they got their first token), by id."""
-        touched: dict[str, Request] = {}
-        for chunk, (token, device_done) in zip(chunks, results):
-            finished = self.scheduler.on_prefill(chunk, token if chunk.is_last else -1, now)
-            if chunk.is_last:
-                if bool(device_done) != finished:
-                    raise RuntimeError(f"engine and scheduler disagree on whether "
-                                       f"{chunk.request.request_id!r} finished")
-                touched[chunk.request.request_id] = chunk.request
-        return touched
 
     def _block_tables(self) -> np.ndarray:
         tables = np.zeros((self.engine.num_slots, self.engine.max_len // self.pages.page_size), np.int32)

@@ -97,6 +97,11 @@ class SlotCache:
             return cache[:, :, :kv_len]
         return cache[slot_ids, :, :kv_len]
 
+    def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
+        """Positions `[at, at + size)` of rows `slot_ids` (`at` traced, `at + size <= max_len`):
+        `[B, kv_heads, size, head_dim]`."""
+        return jax.lax.dynamic_slice_in_dim(cache, at, size, axis=2)[slot_ids]
+
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
@@ -172,6 +177,16 @@ class PagedCache:
         kv_heads, b = gathered.shape[:2]
         out = gathered.reshape(kv_heads, b, n_pages * self.page_size, -1)[:, :, :kv_len]
         return out.swapaxes(0, 1)
+
+
+    def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
+        """Positions `[at, at + size)` of rows `slot_ids` (`at` and `size` multiples of the page
+        size, `at` traced): `[B, kv_heads, size, head_dim]`."""
+        ps = self.page_size
+        pages = jax.lax.dynamic_slice_in_dim(self.block_tables, at // ps, size // ps, axis=1)[slot_ids]
+        gathered = cache[:, jnp.clip(pages, 0, self.num_pages - 1)]  # [kv_heads, B, size / ps, ps, hd]
+        kv_heads, b = gathered.shape[:2]
+        return gathered.reshape(kv_heads, b, size, -1).swapaxes(0, 1)
 
 
 KVCache = SlotCache | PagedCache

@@ -67,10 +67,38 @@ def _kernel_attention(q, cache, pool_k, pool_v, slot_ids, starts, ragged):
                            backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
 
 
+def _blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end, valid, block, scale):
+    """The history part read in blocks of `block` positions, as many as the longest history
+    among the valid rows needs: the read is sized by the data, not by a static length, so
+    one program serves every attended length (a flash-attention style running merge)."""
+    b, t, hq, d = q.shape
+    kv_heads = layer_k.shape[cache.head_axis]
+    shape = (b, kv_heads, hq // kv_heads, t)
+    longest = jnp.max(jnp.where(valid, history_end, 0))
+    max_len = cache.max_len
+
+    def one_block(j, carry):
+        out, top, total = carry
+        lo = j * block
+        at = jnp.minimum(lo, max_len - block)  # the last block may overlap the one before it
+        k_pos = at + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+        mask = ((k_pos >= lo) & (k_pos < history_end[:, None, None])
+                & visible(positions[:, :, None], k_pos, window))
+        o, m, s = attention_part(q, cache.read_block(layer_k, slot_ids, at, block),
+                                 cache.read_block(layer_v, slot_ids, at, block), mask, scale)
+        new_top = jnp.maximum(top, m)
+        old, now = jnp.exp(top - new_top), jnp.exp(m - new_top)
+        return out * old[..., None] + o * now[..., None], new_top, total * old + s * now
+
+    init = (jnp.zeros(shape + (d,), jnp.float32), jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32))
+    return jax.lax.fori_loop(0, (longest + block - 1) // block, one_block, init)
+
+
 def _reference_attention(q, k, v, cache, layer_k, layer_v, window, slot_ids, positions, history_end, num_valid,
-                         kv_len, all_slots, flat_rows, cpu_kernel=False):
+                         kv_len, all_slots, flat_rows, cpu_kernel=False, history_block=None):
     """The layer cache's first `kv_len` positions before `history_end` (the history) plus
-    the new keys `k`/`v` (`[B, T, kv_heads, d]`), merged by their softmax statistics."""
+    the new keys `k`/`v` (`[B, T, kv_heads, d]`), merged by their softmax statistics.
+    `history_block`: read the history in blocks up to the longest one instead (kv_len unused)."""
     scale = q.shape[-1] ** -0.5
     t = q.shape[1]
     parts = []
@@ -80,6 +108,9 @@ def _reference_attention(q, k, v, cache, layer_k, layer_v, window, slot_ids, pos
         lo = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)
         hi = jnp.minimum(jnp.minimum(history_end, pos + 1), kv_len)
         parts.append(cpu_kernels.history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi))
+    elif history_block:
+        parts.append(_blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end,
+                                      num_valid > 0, history_block, scale))
     elif kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
         mask = (k_pos < history_end[:, None, None]) & visible(positions[:, :, None], k_pos, window)
@@ -116,6 +147,7 @@ def forward(
     embed: bool = True,  # static; False: `tokens` are hidden states [B, T, hidden] (a later pipeline stage)
     head: bool = True,  # static; False: return the hidden states after the last layer (an earlier stage)
     first_layer: int = 0,  # static: the model layer that params["layers"][0] is (pipeline stages)
+    history_block: int | None = None,  # static: read the history in blocks up to the longest (not kv_len)
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
@@ -164,7 +196,8 @@ def forward(
             out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged)
         else:
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
-                                       history_end, num_valid, kv_len, all_slots, flat_rows, config.cpu_kernels)
+                                       history_end, num_valid, kv_len, all_slots, flat_rows, config.cpu_kernels,
+                                       history_block)
         x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), config.cpu_kernels)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither

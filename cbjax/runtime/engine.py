@@ -1,18 +1,15 @@
-"""The device engine: `prefill` (per length bucket, straight into a slot), `decode` and
-`mixed_step` over the jitted programs (programs.py, mixed_step.py).
+"""The device engine: `run` puts a round's rows (prompt chunks, decodes, or both) through
+the one jitted step (step.py), in calls of at most the largest token bucket.
 
 JetStream's vocabulary: `prefill` computes a prompt chunk's keys and values and
-`insert`s them into a slot; `generate`/`decode` advances every active slot. Here
-the insert is fused into the prefill program: the chunk's K/V are scattered
-straight into the slot's rows of the donated decode cache (no separate prefix
-cache to copy), and the slot's decode state (last token, sampling parameters,
-stop tokens, budget) is set in the same program.
+`insert`s them into a slot; `generate`/`decode` advances every active slot. Here both are
+rows of the same step: a prompt row scatters its keys and values straight into its
+slot's part of the donated cache and, when it ends the prompt, sets the slot's decode
+state (last token, sampling parameters, stop tokens, budget); a decode row advances it.
 
-Every step returns one small int32 array the host copies once:
-prefill `[2]` = (first token, done), decode `[steps, slots]` = token or -1.
-Programs are compiled per (prefill bucket, attended length) and per decode
-attended-length bucket, so their number is bounded by the buckets, and a steady
-workload never recompiles (`TRACE_COUNTS` counts traces).
+Programs are keyed by the token bucket alone (powers of two up to the step budget), plus
+one per bucket of decode rows when `decode_steps > 1`: their number does not grow with
+`max_seq_len`, and a steady workload never recompiles (`TRACE_COUNTS` counts traces).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import dataclasses
 import jax
 import numpy as np
 
+
 from cbjax.models import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
@@ -29,8 +27,12 @@ from cbjax.runtime import programs, row_packing, sharding
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import (CPU_KERNEL_CHOICES, EngineConfig, bucket_for,  # noqa: F401 (re-exported)
                                          prefill_buckets)
-from cbjax.runtime.mixed_step import mixed_step, pack, row_bucket, token_buckets
+from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
+
+# (device result, for each row of the call the index of the round's row whose result it is,
+# or -1 for a piece of a prompt chunk that continues in a later call)
+Call = tuple[object, list[int]]
 
 
 def use_cpu_kernels(choice: str, params, mesh) -> bool:
@@ -112,140 +114,103 @@ class Engine:
                                                      row_packing.history_tokens(row, self.buckets),
                                                      np.int32(row.prompt_len))
 
-    def _pack_prefill(self, chunks: list[Row], bucket: int) -> tuple[np.ndarray, ...]:
-        return row_packing.pack_prefill(chunks, bucket, self.sampling_row)
-
-    def _attended_len(self, needed: int) -> int:
-        return bucket_for(min(needed, self.max_len), self.buckets)
-
-    def prefill(self, chunks: list[Row]) -> list[tuple[jax.Array, list[int]]]:
-        """Write prompt chunks into their slots, in as few device calls as the buckets allow:
-        chunks sharing a (length bucket, attended length) go together, in row batches of a
-        power of two up to `max_prefill_batch`. For each chunk that ends its prompt, the
-        slot's first token is sampled and the slot made active. Returns, per call, the device
-        array `[rows, 2]` of (first token, done) and the indices of `chunks` in its rows."""
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, c in enumerate(chunks):
-            n = len(c.tokens)
-            bucket = bucket_for(n, self.buckets)
-            # A fresh prompt reads nothing from the cache (kv_len 0); a later chunk reads its slot's
-            # history up to the bucket of where the chunk ends.
-            kv_len = 0 if c.start == 0 else self._attended_len(c.start + n)
-            groups.setdefault((bucket, kv_len), []).append(i)
-        self._record_histories(chunks)
-        calls = []
-        limit = self.config.max_prefill_batch
-        for (bucket, kv_len), members in groups.items():
-            for k in range(0, len(members), limit):
-                rows = members[k:k + limit]
-                calls.append((self._prefill_call([chunks[i] for i in rows], bucket, kv_len), rows))
-        return calls
-
-    def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> jax.Array:
-        tokens, ints, floats = self._pack_prefill(chunks, bucket)
-        out, self.cache, self.state = programs.prefill_step(self.params, self.cache, self.state, tokens, ints, floats,
-                                                            config=self.program_config, max_len=self.max_len,
-                                                            kv_len=kv_len, max_logprobs=self.max_logprobs)
-        return out
-
     @property
     def mixed(self) -> bool:
         return self.config.merge_mode != "prefill_first"
 
-    def _mixed_token_buckets(self) -> list[int]:
-        most = self.config.max_num_batched_tokens or self.max_len + self.num_slots
-        if self.config.merge_mode == "fused":  # a whole prompt alone may exceed the budget
-            most = max(most, self.max_len)
-        return token_buckets(most)
+    def token_buckets(self) -> list[int]:
+        """The flat-buffer sizes a step is compiled for: powers of two up to the step budget."""
+        return token_buckets(self.config.step_tokens)
 
-    def mixed_step(self, rows: list[Row]) -> jax.Array:
-        """One mixed step over `rows` (prefill chunks and decodes, any order); returns the
-        device array `[rows bucket, 2]` of (sampled token or -1, done), row i first."""
+    def history_block(self) -> int:
+        """Positions per block of the reference attention's history read (a multiple of the page size)."""
+        c = self.config
+        if c.kv_cache == "paged":
+            return min(max(c.page_size, 256 // c.page_size * c.page_size), self.max_len)
+        return min(256, self.max_len)
+
+    def split(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
+        """The round's rows in calls of at most the largest token bucket, in order; a prompt
+        chunk that does not fit the call being filled continues in the next (only its last
+        piece ends the prompt). Each call: (index of the round's row or -1, row)."""
+        top = self.token_buckets()[-1]
+        calls: list[list[tuple[int, Row]]] = [[]]
+        room = top
+        for i, row in enumerate(rows):
+            if row.is_decode:
+                if room < 1:
+                    calls.append([])
+                    room = top
+                calls[-1].append((i, row))
+                room -= 1
+                continue
+            done = 0
+            while done < row.length:
+                if room < 1:
+                    calls.append([])
+                    room = top
+                n = min(room, row.length - done)
+                last = done + n == row.length
+                piece = row if n == row.length else dataclasses.replace(
+                    row, tokens=row.tokens[done:done + n], start=row.start + done, is_last=row.is_last and last,
+                    history=row.history if done == 0 else None)
+                calls[-1].append((i if last else -1, piece))
+                done += n
+                room -= n
+        return [c for c in calls if c]
+
+    def call_tokens(self, rows: list[Row]) -> int:
+        """The token bucket of one call; a call with prompt rows pads to at least `prefill_floor`."""
         total = sum(r.num_tokens for r in rows)
-        num_tokens = bucket_for(total, self._mixed_token_buckets())
-        kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))
+        if any(not r.is_decode for r in rows):
+            total = max(total, min(self.config.prefill_floor, self.token_buckets()[-1]))
+        return bucket_for(total, self.token_buckets())
+
+    def run(self, rows: list[Row], steps: int = 1) -> list[Call]:
+        """Dispatch the round's rows (any mix of prompt chunks and decodes; `steps > 1` only for
+        decode rows, which feed themselves); nothing waits for the device. Each call returns
+        `[steps, rows bucket, 2]` (token or -1, done) on the device."""
+        if steps > 1 and not all(r.is_decode for r in rows):
+            raise ValueError("several steps in one call run decode rows only")
         self._record_histories(rows)
-        return self._mixed_call(pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row),
-                                kv_len)
+        calls = []
+        for members in self.split(rows):
+            call_rows = [r for _, r in members]
+            num_tokens = self.call_tokens(call_rows)
+            packed = pack(call_rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+            calls.append((self._step(packed, steps), [i for i, _ in members]))
+        return calls
 
-    def _mixed_call(self, packed: tuple[np.ndarray, ...], kv_len: int) -> jax.Array:
-        out, self.cache, self.state = mixed_step(self.params, self.cache, self.state, *packed,
-                                                 config=self.program_config, max_len=self.max_len, kv_len=kv_len,
-                                                 max_logprobs=self.max_logprobs,
-                                                 paged_kernel=self.config.attention == "pallas")
+    def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
+        out, self.cache, self.state = ragged_step(
+            self.params, self.cache, self.state, *packed, config=self.program_config, max_len=self.max_len,
+            steps=steps, max_logprobs=self.max_logprobs, paged_kernel=self.config.attention == "pallas",
+            history_block=self.history_block())
         return out
 
-    def decode(self, longest: int, slots=None) -> jax.Array:
-        """`decode_steps` steps for every active slot; `longest` is the largest sequence length
-        (prompt + generated) among active slots, which sets the attended-length bucket.
-        `slots`: the slots that may be active (None: all); only those are computed, in a row
-        bucket of a power of two (every slot once the bucket would reach `num_slots`)."""
-        steps = self.config.decode_steps
-        kv_len = self._attended_len(longest + steps)
-        out, self.cache, self.state = programs.decode_steps(
-            self.params, self.cache, self.state, self._decode_rows(slots), config=self.program_config,
-            max_len=self.max_len, kv_len=kv_len, steps=steps, max_logprobs=self.max_logprobs,
-            paged_kernel=self.config.attention == "pallas")
-        return out
+    def programs(self, only: str | None = None) -> list[tuple]:
+        """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
+        those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
+        most_rows = 1 << (self.num_slots - 1).bit_length()
+        progs = []
+        if only != "decode":
+            progs += [("step", n, 1) for n in self.token_buckets()]
+        if only != "prefill":
+            steps = self.config.decode_steps
+            progs += [("step", n, steps) for n in self.token_buckets() if n <= most_rows
+                      and ("step", n, steps) not in progs]
+        return progs
 
-    def decode_row_buckets(self) -> list[int]:
-        """Row counts a decode call is compiled for: powers of two below `num_slots`, then
-        every slot (None)."""
-        return [1 << i for i in range((self.num_slots - 1).bit_length())] + [None]
+    def _warm(self, num_tokens: int, steps: int) -> jax.Array:
+        """One program's compilation: a step of nothing but padding."""
+        return self._step(pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row), steps)
 
-    def decode_rows_computed(self, slots) -> int:
-        """How many rows a decode call over `slots` (None: all) computes."""
-        if slots is None:
-            return self.num_slots
-        return min(1 << max(len(slots) - 1, 0).bit_length(), self.num_slots)
-
-    def _decode_rows(self, slots) -> jax.Array | None:
-        rows = self.decode_rows_computed(slots)
-        if rows == self.num_slots:
-            return None
-        slots = sorted(slots)
-        padded = np.full((rows,), self.num_slots, np.int32)
-        padded[:len(slots)] = slots
-        return self.put(padded)
-
-    def programs(self, chunked: bool = False, max_prompt_len: int | None = None) -> list[tuple]:
-        """Every program a workload can need: ("prefill", rows, tokens bucket, attended length)
-        and ("decode", attended length, rows or None for every slot). `max_prompt_len` leaves out prefill buckets no
-        prompt of the workload reaches."""
-        if self.mixed:
-            return [("mixed", t, kv) for t in self._mixed_token_buckets() for kv in self.buckets]
-        if self.config.kv_cache == "paged":
-            max_prompt_len = None  # a request resumed after preemption prefills prompt + output
-        top = self.max_len if max_prompt_len is None else bucket_for(min(max_prompt_len, self.max_len), self.buckets)
-        shapes = [(b, 0) for b in self.buckets if b <= top]
-        if chunked:
-            shapes += [(b, kv) for b in self.buckets for kv in self.buckets if kv >= b and b <= top]
-        # A call batches at most one chunk per slot, padded to a power of two: row counts past
-        # the slots' next power of two are never reached, so they are not compiled.
-        most_rows = min(self.config.max_prefill_batch, 1 << (self.num_slots - 1).bit_length())
-        rows = [1 << i for i in range(most_rows.bit_length())]
-        progs = [("prefill", r, b, kv) for r in rows for b, kv in shapes]
-        return progs + [("decode", kv, rows) for kv in self.buckets for rows in self.decode_row_buckets()]
-
-    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None, only: str | None = None) -> int:
+    def warmup(self, only: str | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
-        leaves the engine empty. Returns the number of programs. `only`: programs of that
-        kind ("prefill" or "decode": a disaggregated instance's)."""
-        greedy = SamplingParams(max_tokens=1)
-        progs = [p for p in self.programs(chunked, max_prompt_len) if only in (None, p[0])]
-        for prog in progs:
-            if prog[0] == "mixed":
-                _, num_tokens, kv_len = prog
-                out = self._mixed_call(pack([], num_tokens, row_bucket(num_tokens, self.num_slots),
-                                            self.sampling_row), kv_len)
-            elif prog[0] == "decode":
-                _, kv_len, rows = prog
-                out = self.decode(max(kv_len - self.config.decode_steps, 0), None if rows is None else range(rows))
-            else:
-                _, rows, bucket, kv_len = prog
-                chunk = [Row(0, [0] * bucket, max(kv_len - bucket, 0), True, greedy)]
-                out = self._prefill_call(chunk * rows, bucket, kv_len)
-            jax.block_until_ready(out)
+        leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
+        progs = self.programs(only)
+        for _, num_tokens, steps in progs:
+            jax.block_until_ready(self._warm(num_tokens, steps))
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():

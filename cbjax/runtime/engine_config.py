@@ -10,6 +10,10 @@ from cbjax.scheduling.config import MERGE_MODES
 
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
+# A step's default token budget: prompts longer than it are prefilled over several calls, which
+# costs nothing in exactness and keeps the programs to about ten (the count vLLM's and
+# tpu-inference's users settled on after naming start-up compile time their first complaint).
+DEFAULT_STEP_TOKENS = 512
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -34,7 +38,6 @@ class EngineConfig:
     prefill_floor: int = 16
     decode_steps: int = 1
     max_stop_tokens: int = 16
-    max_prefill_batch: int = 8  # prompts prefilled together in one call (a power of two)
     kv_cache: str = "slots"  # or "paged"
     page_size: int = 16
     num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
@@ -42,10 +45,14 @@ class EngineConfig:
     # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
     # so not the default there.
     attention: str = "reference"
-    # "prefill_first": bucketed prefill calls, then decode calls. "fused" / "chunked": one mixed
-    # step (cbjax/mixed_step.py) per round over at most `max_num_batched_tokens` tokens.
+    # "prefill_first": a step of prompt rows, then one of decode rows. "fused" / "chunked": one
+    # step of both per round over at most `max_num_batched_tokens` tokens (runtime/step.py).
     merge_mode: str = "prefill_first"
     max_num_batched_tokens: int | None = None
+    # The most tokens one step holds, its largest token bucket (so it bounds the programs): a
+    # round's rows beyond it go in further calls, a long prompt chunk split across them.
+    # Default: max_num_batched_tokens, else min(max_seq_len, 512).
+    max_step_tokens: int | None = None
     # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
     # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
@@ -62,9 +69,6 @@ class EngineConfig:
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
         self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
         self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
-        self.max_prefill_batch = checks.integer("max_prefill_batch", self.max_prefill_batch, 1, 1024)
-        if self.max_prefill_batch & (self.max_prefill_batch - 1):
-            raise ValueError(f"max_prefill_batch must be a power of two, got {self.max_prefill_batch}")
         if self.attention not in ("reference", "pallas"):
             raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
         if self.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_step_tokens is not None:
+            self.max_step_tokens = checks.integer("max_step_tokens", self.max_step_tokens, 1)
         if self.kv_cache == "paged":
             if self.max_seq_len % self.page_size:
                 raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
@@ -84,3 +90,8 @@ class EngineConfig:
             if self.num_pages is None:
                 self.num_pages = self.num_slots * self.max_seq_len // self.page_size
             self.num_pages = checks.integer("num_pages", self.num_pages, 1)
+
+    @property
+    def step_tokens(self) -> int:
+        """The step's token budget (see `max_step_tokens`)."""
+        return self.max_step_tokens or self.max_num_batched_tokens or min(self.max_seq_len, DEFAULT_STEP_TOKENS)

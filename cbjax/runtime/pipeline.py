@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax import checks
-from cbjax.runtime.device_state import TRACE_COUNTS, SlotState, is_done
+from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, row_packing
 from cbjax.runtime.engine import Engine
+from cbjax.runtime.step import pack, resolve, row_bucket, run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
-from cbjax.models import forward
-from cbjax.runtime.sampling import count_sampled, sample_next
+from cbjax.scheduling.plan import Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,45 +51,31 @@ def stage_bounds(num_layers: int, stages: int) -> list[int]:
     return [0] + np.cumsum(sizes).tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kv_len", "first_layer", "embed"), donate_argnames="cache")
-def _prefill_stage(params, cache, x, ints, *, config, kv_len, first_layer, embed):
-    """A stage before the last: write the chunks' keys and values, hand on the hidden states."""
-    TRACE_COUNTS[("pipeline-prefill", config, x.shape[:2], kv_len, first_layer)] += 1
-    return forward(params, config, cache, x, ints[:, programs.START], num_valid=ints[:, programs.LENGTH],
-                   slot_ids=ints[:, programs.SLOT], kv_len=kv_len, embed=embed, head=False, first_layer=first_layer)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "kv_len", "first_layer", "embed"), donate_argnames="cache")
-def _decode_stage(params, cache, x, active, slots, *, config, kv_len, first_layer, embed):
-    """A stage before the last for one decode micro-batch (`slots`)."""
-    TRACE_COUNTS[("pipeline-decode", config, slots.shape[0], kv_len, first_layer)] += 1
-    return forward(params, config, cache, x[:, None] if embed else x, cache.lengths[slots],
-                   num_valid=active.astype(jnp.int32), slot_ids=slots, kv_len=kv_len, embed=embed, head=False,
-                   first_layer=first_layer)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "kv_len", "first_layer"),
-                   donate_argnames=("cache", "state"))
-def _decode_last(params, cache, state, x, slots, *, config, max_len, kv_len, first_layer):
-    """The last stage of a decode micro-batch: its layers, the head, sampling, and the slots'
-    state (as one step of `programs.decode_steps`, for rows `slots`). Returns tokens or -1."""
-    TRACE_COUNTS[("pipeline-decode-last", config, slots.shape[0], kv_len, first_layer)] += 1
-    rows = state.rows(slots)
-    active = rows.active
-    logits, cache = forward(params, config, cache, x, cache.lengths[slots], num_valid=active.astype(jnp.int32),
-                            slot_ids=slots, kv_len=kv_len, logits_index=jnp.zeros_like(slots), embed=False,
-                            first_layer=first_layer)
-    token, _ = sample_next(logits, rows, rows.num_generated, 0)
-    generated = rows.num_generated + active
-    done = active & is_done(token, rows.stop_ids, generated, rows.max_tokens, cache.lengths[slots] + 1, max_len)
-    state = state.set_rows(slots, tokens=jnp.where(active, token, rows.tokens), active=active & ~done,
-                           num_generated=generated, counts=count_sampled(rows.counts, token, active))
-    return jnp.where(active, token, -1), cache, state
-
-
 @jax.jit
-def _decode_inputs(state, slots):
-    return state.tokens[slots], state.active[slots]
+def _resolve(state, lengths, flat, ints):
+    """The batch with the device's decode inputs and positions, once for every stage."""
+    return resolve(state, lengths, flat, ints)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "first_layer", "embed", "history_block"),
+                   donate_argnames="cache")
+def _stage(params, cache, batch, x, *, config, first_layer, embed, history_block):
+    """A stage before the last: its layers over the batch, the hidden states handed on."""
+    TRACE_COUNTS[("pipeline-stage", config, batch.inputs.shape[0], first_layer)] += 1
+    return run_layers(params, config, cache, batch, hidden=x, history_block=history_block, first_layer=first_layer,
+                      embed=embed, head=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "first_layer", "history_block"),
+                   donate_argnames=("cache", "state"))
+def _last_stage(params, cache, state, batch, x, flat, ints, floats, *, config, max_len, first_layer, history_block):
+    """The last stage: its layers, the head, and the step's sampling and state update (the
+    one step's, step.sample_rows). Returns `[R, 2]` (token or -1, done)."""
+    TRACE_COUNTS[("pipeline-last", config, batch.inputs.shape[0], first_layer)] += 1
+    logits, cache = run_layers(params, config, cache, batch, hidden=x, history_block=history_block,
+                               first_layer=first_layer, embed=False)
+    out, _, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len, max_logprobs=0)
+    return out, cache, state
 
 
 class PipelineEngine(Engine):
@@ -166,58 +152,71 @@ class PipelineEngine(Engine):
             self._new_round()
         self.call_log[-1].append(StageCall(stage, chain, kind, rows, tokens, kv_len))
 
-    def prefill(self, chunks):
-        self._new_round()  # the LLM starts every prefill-then-decode round with a prefill call
-        return super().prefill(chunks)
+    def run(self, rows: list[Row], steps: int = 1) -> list:
+        """As `Engine.run`. Prompt rows go through the stages un-split; decode rows are run for
+        every slot (whichever `rows` name: the micro-batches are fixed), micro-batch by
+        micro-batch, each step's groups dispatched back to back so the stages overlap."""
+        if steps > 1 and not all(r.is_decode for r in rows):
+            raise ValueError("several steps in one call run decode rows only")
+        if rows and all(r.is_decode for r in rows):
+            if not self.call_log or any(c.kind == "decode" for c in self.call_log[-1]):
+                self._new_round()  # a round is its prompt calls, then its decode calls
+            return [self._decode(rows, steps)]
+        self._new_round()
+        self._record_histories(rows)
+        calls = []
+        for k, members in enumerate(self.split(rows)):
+            call_rows = [r for _, r in members]
+            num_tokens = self.call_tokens(call_rows)
+            packed = pack(call_rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+            attended = max(r.start + r.num_tokens for r in call_rows)
+            calls.append((self._through_stages(packed, ("prefill", k), "prefill", attended)[None],
+                          [i for i, _ in members]))
+        return calls
 
-    def _prefill_call(self, chunks, bucket: int, kv_len: int) -> jax.Array:
-        tokens, ints, floats = self._pack_prefill(chunks, bucket)
-        rows = tokens.shape[0]
-        chain = ("prefill", len(self.call_log[-1]) if self.call_log else 0)
-        x = tokens
-        for s in range(self.stages - 1):
-            x = jax.device_put(x, self.devices[s])
-            x, self.caches[s] = _prefill_stage(self.stage_params[s], self.caches[s], x, ints,
-                                               config=self.model.config, kv_len=kv_len,
-                                               first_layer=self.bounds[s], embed=s == 0)
-            self._log(s, chain, "prefill", rows, bucket, kv_len)
-        last = self.stages - 1
-        out, self.caches[last], self.state = programs.prefill_step(
-            self.stage_params[last], self.caches[last], self.state, jax.device_put(tokens, self.devices[last]), ints,
-            floats, jax.device_put(x, self.devices[last]), config=self.model.config, max_len=self.max_len,
-            kv_len=kv_len, first_layer=self.bounds[last], embed=False)
-        self._log(last, chain, "prefill", rows, bucket, kv_len)
-        return out
-
-    def decode(self, longest: int, slots=None) -> jax.Array:
-        """`decode_steps` steps of every slot (whatever `slots` says: the micro-batches are
-        fixed), micro-batch by micro-batch through the stages; returns `[steps, slots]` tokens
-        (or -1), as `Engine.decode`."""
-        del slots
-        steps = self.config.decode_steps
-        kv_len = self._attended_len(longest + steps)
-        last = self.stages - 1
-        rows = self.num_slots // self.micro_batches
+    def _decode(self, rows: list[Row], steps: int):
+        longest = max(r.request.num_tokens if r.request is not None else r.start + 1 for r in rows)
+        per_group = self.num_slots // self.micro_batches
         outs = []
-        for _ in range(steps):
+        for step in range(steps):
             step_out = []
             for g, group in enumerate(self.groups):
-                tokens, active = _decode_inputs(self.state, group[last])
-                x = tokens
-                for s in range(last):
-                    x, self.caches[s] = _decode_stage(
-                        self.stage_params[s], self.caches[s], jax.device_put(x, self.devices[s]),
-                        jax.device_put(active, self.devices[s]), group[s], config=self.model.config,
-                        kv_len=kv_len, first_layer=self.bounds[s], embed=s == 0)
-                    self._log(s, ("decode", g), "decode", rows, 1, kv_len)
-                out, self.caches[last], self.state = _decode_last(
-                    self.stage_params[last], self.caches[last], self.state, jax.device_put(x, self.devices[last]),
-                    group[last], config=self.model.config, max_len=self.max_len, kv_len=kv_len,
-                    first_layer=self.bounds[last])
-                self._log(last, ("decode", g), "decode", rows, 1, kv_len)
-                step_out.append(out)
+                group_rows = [Row(int(slot), [], 0) for slot in group]
+                packed = pack(group_rows, per_group, row_bucket(per_group, self.num_slots), self.sampling_row)
+                step_out.append(self._through_stages(packed, ("decode", g), "decode", longest + step))
             outs.append(jnp.concatenate(step_out))
-        return jnp.stack(outs)
+        # The rows come back in slot order: a round's row is found at its slot.
+        return jnp.stack(outs), [r.slot for r in rows]
+
+    def _through_stages(self, packed, chain, kind: str, attended: int) -> jax.Array:
+        last = self.stages - 1
+        flat, ints, floats = (jax.device_put(a, self.devices[last]) for a in packed)
+        batch = _resolve(self.state, self.caches[last].lengths, flat, ints)
+        rows, tokens = ints.shape[0], flat.shape[1]
+        block = self.history_block()
+        x = None
+        for s in range(last):
+            x, self.caches[s] = _stage(self.stage_params[s], self.caches[s], jax.device_put(batch, self.devices[s]),
+                                       None if x is None else jax.device_put(x, self.devices[s]),
+                                       config=self.model.config, first_layer=self.bounds[s], embed=s == 0,
+                                       history_block=block)
+            self._log(s, chain, kind, rows, tokens // rows, attended)
+        out, self.caches[last], self.state = _last_stage(
+            self.stage_params[last], self.caches[last], self.state, batch, jax.device_put(x, self.devices[last]),
+            flat, ints, floats, config=self.model.config, max_len=self.max_len, first_layer=self.bounds[last],
+            history_block=block)
+        self._log(last, chain, kind, rows, tokens // rows, attended)
+        return out
+
+    def programs(self, only: str | None = None) -> list[tuple]:
+        """Each token bucket's pass through the stages, and the decode micro-batch's."""
+        per_group = self.num_slots // self.micro_batches
+        progs = [("stages", n, 1) for n in self.token_buckets()] if only != "decode" else []
+        return progs + ([("stages", per_group, 1)] if ("stages", per_group, 1) not in progs else [])
+
+    def _warm(self, num_tokens: int, steps: int) -> jax.Array:
+        packed = pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+        return self._through_stages(packed, ("warmup", num_tokens), "prefill", 0)
 
 
 def bubble_fraction(rounds: list[list[StageCall]], seconds, num_stages: int) -> dict:

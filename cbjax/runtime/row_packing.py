@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 
 from cbjax.request import SamplingParams
-from cbjax.runtime import programs
 from cbjax.runtime.device_state import pack_sampling
 from cbjax.runtime.engine_config import bucket_for
 from cbjax.scheduling.plan import Row
@@ -44,22 +43,6 @@ def sampling_row(row: Row | None, stops: np.ndarray | None, max_stop_tokens: int
     if row is None:
         return pack_sampling(BLANK, 0, np.full(max_stop_tokens, -1, np.int32), max_logit_bias)
     return pack_sampling(row.sampling, row.seed, stops, max_logit_bias)
-
-
-def pack_prefill(chunks: list[Row], bucket: int, sampling_row) -> tuple[np.ndarray, ...]:
-    """A prefill call's host inputs: tokens `[rows, bucket]`, packed ints and floats per row
-    (rows padded to a power of two)."""
-    rows = 1 << (len(chunks) - 1).bit_length()
-    blank_ints, blank_floats = sampling_row(None)
-    tokens = np.zeros((rows, bucket), np.int32)
-    ints = np.zeros((rows, programs.HEADER + len(blank_ints)), np.int32)
-    ints[:, programs.HEADER:] = blank_ints
-    floats = np.tile(blank_floats, (rows, 1))
-    for r, c in enumerate(chunks):
-        tokens[r, :len(c.tokens)] = c.tokens
-        ints[r, :programs.HEADER] = (c.slot, c.start, len(c.tokens), c.is_last, c.generated, c.prompt_len)
-        ints[r, programs.HEADER:], floats[r] = sampling_row(c)
-    return tokens, ints, floats
 
 
 def history_tokens(row: Row, buckets: list[int]) -> np.ndarray:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from cbjax.core import EngineArgs
 
 ENGINE_FLAGS = ("policy", "num_slots", "max_seq_len", "window_ms", "refill_interval", "kv_cache", "page_size",
-                "num_pages", "enable_prefix_caching", "merge_mode", "max_num_batched_tokens", "attention", "dtype",
+                "num_pages", "enable_prefix_caching", "merge_mode", "max_num_batched_tokens", "max_step_tokens",
+                "attention", "dtype",
                 "ordering", "score_wait", "score_short", "score_priority", "priority_preemption", "length_predictor",
                 "prefill_instances", "decode_instances", "prefill_tensor_parallel", "decode_tensor_parallel")
 

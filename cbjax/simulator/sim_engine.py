@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbjax.runtime.engine import Engine, EngineConfig, bucket_for
+from cbjax.runtime.engine import Engine, EngineConfig
+from cbjax.runtime.step import row_bucket
 from cbjax.scheduling.plan import Row
 from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call
@@ -102,69 +103,51 @@ class SimulatedEngine(Engine):
         self.filler[slot] = token
         return token, done
 
-    # ------------------------------------------------------------ programs
-    def _prefill_call(self, chunks: list[Row], bucket: int, kv_len: int) -> np.ndarray:
-        rows = 1 << (len(chunks) - 1).bit_length()
-        out = np.full((rows, 2), (-1, 0), np.int32)
-        for r, c in enumerate(chunks):
-            self.length[c.slot] = c.start + len(c.tokens)
-            if c.is_last:
-                out[r] = self._start(c.slot, int(self.length[c.slot]), c.sampling, c.generated)
-        if self.reads_live_pages:  # ragged kernels: the real tokens, the causal half of their pairs
-            sizes = [(c.start, len(c.tokens)) for c in chunks]
-            self._charge(Call("prefill", tokens=sum(n for _, n in sizes), rows=len(chunks),
-                              attended=sum(causal_pairs(start, n) for start, n in sizes),
-                              kv_read=sum(start for start, _ in sizes)))
-        else:  # the reference program: every padded row and the whole masked square
-            self._charge(Call("prefill", tokens=rows * bucket, attended=rows * bucket * (kv_len + bucket),
-                              kv_read=rows * kv_len, rows=len(chunks)))
-        return out
-
-    def decode(self, longest: int, slots=None) -> np.ndarray:
-        steps = self.config.decode_steps
-        kv_len = self._attended_len(longest + steps)
-        computed = self.decode_rows_computed(slots)
-        slots = self.config.num_slots
-        out = np.full((steps, slots), -1, np.int32)
-        rows = int(self.active.sum())
-        live_keys = 0
+    # ------------------------------------------------------------ the step
+    def _step(self, rows: list[Row], steps: int) -> np.ndarray:
+        """One call of the step over `rows`: the device's answer `[steps, rows bucket, 2]`, and
+        its cost charged. A call of prompt rows alone is charged as a prefill, of decode rows
+        alone as a decode, of both as a mixed step."""
+        num_tokens = self.call_tokens(rows)
+        out = np.full((steps, row_bucket(num_tokens, self.config.num_slots), 2), (-1, 0), np.int32)
+        real = pairs = keys = longest = 0
         for step in range(steps):
-            act = self.active
-            self.length[act] += 1
-            self.generated[act] += 1
-            live_keys += int(self.length[act].sum())
-            out[step, act] = self.filler[act]
-            done = act & ((self.generated >= self.max_tokens) | (self.length + 1 >= self.max_len))
-            self.active = act & ~done
-        read = live_keys if self.reads_live_pages else steps * computed * kv_len
-        self._charge(Call("decode", tokens=steps * computed, attended=read, kv_read=read, rows=rows, steps=steps))
+            for j, r in enumerate(rows):
+                if r.is_decode:
+                    slot = r.slot
+                    if not self.active[slot]:
+                        continue  # finished (or deactivated) before this step: computes nothing
+                    start = int(self.length[slot])
+                    self.length[slot] = end = start + 1
+                    self.generated[slot] += 1
+                    done = self.generated[slot] >= self.max_tokens[slot] or end + 1 >= self.max_len
+                    self.active[slot] = not done
+                    out[step, j] = (self.filler[slot], done)
+                    n = 1
+                else:
+                    start, n = r.start, r.length
+                    self.length[r.slot] = end = start + n
+                    if r.is_last:
+                        out[step, j] = self._start(r.slot, end, r.sampling, r.generated)
+                real += n
+                pairs += causal_pairs(start, n)
+                keys += end
+                longest = max(longest, start)
+        kinds = {r.is_decode for r in rows}
+        kind = "mixed" if len(kinds) == 2 else "decode" if True in kinds else "prefill"
+        active = sum(r.is_decode for r in rows) if kind != "prefill" else len(rows)
+        if self.reads_live_pages:  # ragged kernels: the real tokens, their causal pairs, live pages
+            call = Call(kind, tokens=real, attended=pairs, kv_read=keys, rows=active, steps=steps)
+        else:  # the reference step: every padded token, the flat square, the history in blocks
+            block = self.history_block()
+            read = steps * num_tokens * (-(-longest // block) * block)
+            call = Call(kind, tokens=steps * num_tokens, attended=read + steps * num_tokens * num_tokens,
+                        kv_read=read, rows=active, steps=steps)
+        self._charge(call)
         return out
 
-    def mixed_step(self, rows: list[Row]) -> np.ndarray:
-        total = sum(r.num_tokens for r in rows)
-        num_tokens = bucket_for(total, self._mixed_token_buckets())
-        kv_len = self._attended_len(max(r.start + r.num_tokens for r in rows))
-        out = np.full((len(rows), 2), (-1, 0), np.int32)
-        pairs = keys = 0
-        for i, r in enumerate(rows):
-            end = r.start + r.num_tokens
-            pairs += causal_pairs(r.start, r.num_tokens)
-            keys += end
-            self.length[r.slot] = end
-            if r.is_decode:
-                if self.active[r.slot]:
-                    self.generated[r.slot] += 1
-                    done = self.generated[r.slot] >= self.max_tokens[r.slot] or end + 1 >= self.max_len
-                    self.active[r.slot] = not done
-                    out[i] = (self.filler[r.slot], done)
-            elif r.is_last:
-                out[i] = self._start(r.slot, end, r.sampling, r.generated)
-        if self.reads_live_pages:  # ragged kernels: the real tokens, their causal pairs, live pages
-            num_tokens, attended, read = total, pairs, keys
-        else:  # the reference path gathers every token's keys up to the bucket
-            attended = read = num_tokens * kv_len
-        self._charge(Call("mixed", tokens=num_tokens, attended=attended, kv_read=read, rows=len(rows)))
-        return out
+    def run(self, rows: list[Row], steps: int = 1) -> list:
+        return [(self._step([r for _, r in members], steps), [i for i, _ in members]) for members in self.split(rows)]
 
     def deactivate(self, slot: int) -> None:
         self.active[slot] = False
@@ -178,5 +161,5 @@ class SimulatedEngine(Engine):
         self.max_tokens[slot] = sampling.max_tokens
         self.filler[slot] = self._filler(sampling)
 
-    def warmup(self, chunked: bool = False, max_prompt_len: int | None = None, only: str | None = None) -> int:
+    def warmup(self, only: str | None = None) -> int:
         return 0  # nothing to compile

@@ -1,0 +1,194 @@
+"""The one device step: a ragged batch of rows over a flat token buffer.
+
+Every round runs through `ragged_step`, whatever it holds: a decode row is one token of a
+running sequence, a prefill row a chunk of a prompt (a whole prompt is one chunk). The
+rows' tokens lie end to end in one buffer of `N` tokens (a power of two) with at most
+`R = min(N, slots)` rows, so the programs are keyed by the token bucket alone: attended
+lengths and positions are data, never shapes (tpu-inference's ragged paged attention
+makes the same choice). `prefill_first`, `fused` and `chunked` are ways the scheduler
+fills this step: prompt rows alone and then decode rows alone, or both in one call.
+
+Each token runs through the model as its own row of one (`T = 1` in `forward`), seeing its
+slot's cached history (positions before its row's start, read up to the longest history
+in the batch, in blocks) and the new keys of its own row up to itself (`flat_rows`).
+A decode row carries no token and no position from the host: it reads its slot's last
+sampled token and the slot's length from the device, so the host may dispatch the next
+decode before it has read this one's tokens, and a row whose slot finished meanwhile
+computes nothing. Rows that end a prompt or decode sample a token; the result is one
+int32 array `[steps, R, 2]` = (token or -1, done), the one copy the host makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cbjax.models import forward
+from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens, sampling_fields
+from cbjax.runtime.sampling import count_sampled, sample_next
+from cbjax.scheduling.plan import Row
+
+# Packed int32 columns of one row (one host-to-device copy for every row's scalars), then the
+# sampling parameters of a row that ends its prompt (device_state.sampling_fields).
+SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN = range(7)
+HEADER = 7
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Flat-buffer sizes: powers of two from 1 to the first one holding `max_tokens`."""
+    return [1 << i for i in range(max(max_tokens - 1, 0).bit_length() + 1)]
+
+
+def row_bucket(num_tokens: int, num_slots: int) -> int:
+    """Rows of a flat buffer: every row has a token, and there is at most one row per slot."""
+    return min(num_tokens, 1 << (num_slots - 1).bit_length())
+
+
+def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host arrays of a step: `flat [2, N]` (token ids, each token's row; padding points at
+    row R), row `ints [R, ...]` and `floats [R, ...]`. `sampling_row(row)` packs a row's
+    sampling parameters (`Engine.sampling_row`); a decode row's live on the device."""
+    flat = np.zeros((2, num_tokens), np.int32)
+    flat[1] = num_rows
+    blank_ints, blank_floats = sampling_row(None)
+    ints = np.zeros((num_rows, HEADER + len(blank_ints)), np.int32)
+    ints[:, HEADER:] = blank_ints
+    floats = np.tile(blank_floats, (num_rows, 1))
+    t = 0
+    for i, row in enumerate(rows):
+        n = row.num_tokens
+        if row.tokens:
+            flat[0, t:t + n] = row.tokens
+        flat[1, t:t + n] = i
+        ints[i, :HEADER] = (row.slot, row.start, n, row.is_decode, row.is_last, row.generated, row.prompt_len)
+        if row.is_last:
+            ints[i, HEADER:], floats[i] = sampling_row(row)
+        t += n
+    return flat, ints, floats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Resolved:
+    """A packed batch with what only the device knows filled in (decode rows' inputs and
+    positions, whether their slot is still active)."""
+
+    inputs: jax.Array  # [N] token ids
+    token_row: jax.Array  # [N] row of each token, R for padding
+    token_slot: jax.Array  # [N] slot of each token (in range)
+    token_pos: jax.Array  # [N] absolute position
+    valid: jax.Array  # [N] bool: a real token of a row that computes
+    slot: jax.Array  # [R] the rows' slots (num_slots for none)
+    start: jax.Array  # [R] tokens of the sequence in the cache before the row
+    q_len: jax.Array  # [R] tokens the row computes (a finished decode row: 0)
+    cu_q: jax.Array  # [R + 1] where each row's tokens start in the buffer
+    decode: jax.Array  # [R] bool
+    is_last: jax.Array  # [R] bool: ends its prompt
+
+
+def resolve(state, lengths, flat, ints) -> Resolved:
+    num_rows, num_tokens = ints.shape[0], flat.shape[1]
+    num_slots = lengths.shape[0]
+    tokens, token_row = flat[0], flat[1]
+    slot = ints[:, SLOT]
+    live = jnp.minimum(slot, num_slots - 1)
+    host_len = ints[:, QLEN]
+    decode = (ints[:, IS_DECODE] > 0) & (host_len > 0) & (slot < num_slots)
+    q_len = jnp.where(decode, state.active[live].astype(jnp.int32), host_len)
+    start = jnp.where(decode, lengths[live], ints[:, START])
+    cu_q = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(host_len)])
+    row = jnp.minimum(token_row, num_rows - 1)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q[row]
+    valid = (token_row < num_rows) & (offset < q_len[row])
+    inputs = jnp.where(decode[row], state.tokens[live[row]], tokens)
+    return Resolved(inputs, token_row, live[row], start[row] + offset, valid, slot, start, q_len, cu_q, decode,
+                    (ints[:, IS_LAST] > 0) & (q_len > 0) & ~decode)
+
+
+def run_layers(params, config, cache, batch: Resolved, *, hidden=None, paged_kernel=False, history_block=None,
+               first_layer=0, embed=True, head=True):
+    """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
+    `head=False`, the hidden states of every token), and the cache with the keys written."""
+    num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
+    last_token = jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1)
+    ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
+        if paged_kernel else None
+    x = batch.inputs[:, None] if hidden is None else hidden
+    out, cache = forward(params, config, cache, x, batch.token_pos, num_valid=batch.valid.astype(jnp.int32),
+                         slot_ids=batch.token_slot, kv_len=cache.max_len, logits_rows=last_token,
+                         paged_kernel=paged_kernel, ragged=ragged, flat_rows=batch.token_row,
+                         history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
+                         history_block=history_block, first_layer=first_layer, embed=embed, head=head)
+    # Several tokens of one slot set its length in any order; one write per row settles it.
+    lengths = cache.lengths.at[jnp.where(batch.q_len > 0, batch.slot, cache.num_slots)].set(
+        batch.start + batch.q_len, mode="drop")
+    return out, dataclasses.replace(cache, lengths=lengths)
+
+
+def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs):
+    """Sample each row that ends its prompt or decodes, and update its slot's state; record the
+    prompt tokens for the penalties. Returns `[R, 2]` (token or -1, done), logprob columns
+    (or None) and the state."""
+    num_slots = state.active.shape[0]
+    num_rows = ints.shape[0]
+    prompt_row = (batch.q_len > 0) & ~batch.decode
+    row = jnp.minimum(batch.token_row, num_rows - 1)
+    state = record_tokens(state, jnp.where(prompt_row & (batch.start == 0), batch.slot, num_slots),
+                          jnp.where(batch.valid & prompt_row[row], batch.token_slot, num_slots), flat[0],
+                          batch.token_pos < ints[:, PROMPT_LEN][row])
+    # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.
+    rows = state.rows(jnp.minimum(batch.slot, num_slots - 1))
+    own = sampling_fields(ints[:, HEADER:], floats, state.stop_ids.shape[1])
+    is_last = batch.is_last
+    rows = dataclasses.replace(rows, **{name: jnp.where(is_last.reshape((-1,) + (1,) * (value.ndim - 1)), value,
+                                                        getattr(rows, name)) for name, value in own.items()})
+    # A request resumed after preemption has `generated` tokens already: its next token is
+    # sampled as output index `generated`, so seeded sampling continues where it was.
+    before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
+    token, logprobs = sample_next(logits, rows, before, max_logprobs)
+    samples = (batch.decode & (batch.q_len > 0)) | is_last
+    done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
+                   max_len) & samples
+    state = state.set_rows(jnp.where(samples, batch.slot, num_slots), tokens=token, active=~done,
+                           num_generated=before + 1, counts=count_sampled(rows.counts, token, samples),
+                           **{name: getattr(rows, name) for name in own})
+    out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
+    return out, logprobs, state
+
+
+_STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "history_block")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
+def ragged_step(params, cache, state, flat, ints, floats, *, config, max_len, steps=1, max_logprobs=0,
+                paged_kernel=False, history_block=None):
+    """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
+    returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
+    logprob columns when `max_logprobs`, the cache and the state."""
+    TRACE_COUNTS[("step", config, flat.shape[1], steps, cache.num_slots)] += 1
+
+    def one_step(carry, _):
+        cache, state = carry
+        batch = resolve(state, cache.lengths, flat, ints)
+        logits, cache = run_layers(params, config, cache, batch, paged_kernel=paged_kernel,
+                                   history_block=history_block)
+        out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
+                                           max_logprobs=max_logprobs)
+        return (cache, state), (out, logprobs)
+
+    if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)
+        (cache, state), out = one_step((cache, state), None)
+        out = jax.tree.map(lambda a: a[None], out)
+    else:
+        (cache, state), out = jax.lax.scan(one_step, (cache, state), None, length=steps)
+    out, logprobs = out
+    return (out if logprobs is None else (out, logprobs)), cache, state
+
+
+def split_logprobs(out):
+    """A step's result and its logprob columns (None when the engine computes none)."""
+    return out if isinstance(out, tuple) else (out, None)
