@@ -14,7 +14,7 @@ import time
 import zlib
 from typing import Callable, Sequence
 
-from cbjax import checks
+from cbjax import checks, compile_cache
 from cbjax.core import EngineArgs, StepStats, build_core
 from cbjax.core.disaggregation import build_disaggregated
 from cbjax.core.replay import progress_bar, run_arrivals
@@ -42,6 +42,7 @@ class LLM:
         slots in `micro_batches` groups (runtime/pipeline.py). `prefill_instances`: prefill and decode apart."""
         args = EngineArgs(**engine_args) if args is None else dataclasses.replace(args, **engine_args)
         self.args = args
+        compile_cache.enable()  # a directory already chosen (the server's flag, a test's) is kept
         build = build_disaggregated if args.prefill_instances else build_core
         self.model, self.core = build(model, args, clock=clock, simulate=simulate, devices=devices, mesh=mesh)
         self.tokenizer = self.model.tokenizer
@@ -169,13 +170,10 @@ class LLM:
         """No more arrivals are coming (offline generation): static may run a partial batch."""
         self.core.drain(draining)
 
-    def warmup(self, max_prompt_len: int | None = None) -> int:
+    def warmup(self) -> int:
         """Compile every program this configuration can reach (so timings exclude
-        compilation). `max_prompt_len` drops prefill buckets no prompt reaches. Returns the
-        number of programs."""
-        if max_prompt_len is not None:
-            max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, 1)
-        return self.core.warmup(max_prompt_len)
+        compilation): the step per token bucket. Returns the number of model programs."""
+        return self.core.warmup()
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

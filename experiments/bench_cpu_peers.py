@@ -84,11 +84,11 @@ def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
 
     from cbjax.request import SamplingParams
     from cbjax.runtime.engine import Engine, EngineConfig
-    from cbjax.runtime.programs import split_logprobs
+    from cbjax.runtime.step import split_logprobs
     from cbjax.scheduling.plan import Row
 
     engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels))
-    engine.warmup(max_prompt_len=FLAGS.prompt_len)
+    engine.warmup()
     rng = np.random.default_rng(batch)
     sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
     steps = FLAGS.new_tokens - 1
@@ -97,12 +97,13 @@ def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
         engine.reset()
         rows = [Row(s, rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True, sampling)
                 for s in range(batch)]
-        for out, _ in engine.prefill(rows):
+        for out, _ in engine.run(rows):
             jax.block_until_ready(out)
+        decodes = [Row(s, [], 0) for s in range(batch)]  # a decode row reads its slot's token on the device
         t0 = time.perf_counter()
         for i in range(steps):
-            out = engine.decode(FLAGS.prompt_len + i + 1)
-        tokens = np.asarray(split_logprobs(out)[0])
+            (out, _), = engine.run(decodes)
+        tokens = np.asarray(split_logprobs(out)[0])[..., 0]
         runs.append(time.perf_counter() - t0)
         assert (tokens >= 0).all(), "a sequence stopped early"
     seconds = float(np.median(runs))

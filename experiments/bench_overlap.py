@@ -45,16 +45,19 @@ def decode_rounds(llm, prompts, sampling) -> tuple[float, int, list[list[int]]]:
     return seconds, rounds, [outputs[i].token_ids for i in ids]
 
 
-def device_busy(engine, prompt_len: int, calls: int) -> float:
+def device_busy(engine, calls: int) -> float:
     """The same decode calls dispatched back to back, synced once: seconds of device work.
     (Finished slots are inactive, but the step computes every slot all the same.)"""
     import jax
 
+    from cbjax.scheduling.plan import Row
+
     jax.block_until_ready(engine.state)  # anything still in flight from the last run
+    decodes = [Row(s, [], 0) for s in range(engine.num_slots)]
     t0 = time.perf_counter()
     out = None
     for i in range(calls):
-        out = engine.decode(prompt_len + 2 + i)
+        out = engine.run(decodes)
     jax.block_until_ready(out)
     return time.perf_counter() - t0
 
@@ -76,7 +79,7 @@ def measure(model, n: int) -> dict:
         runs = []
         for _ in range(FLAGS.repeats):
             seconds, rounds, tokens[overlap] = decode_rounds(llm, prompts, sampling)
-            busy = device_busy(llm.engine, FLAGS.prompt_len, rounds)
+            busy = device_busy(llm.engine, rounds)
             runs.append((seconds, busy, rounds))
         seconds, busy, rounds = sorted(runs)[len(runs) // 2]
         key = "on" if overlap else "off"

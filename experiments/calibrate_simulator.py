@@ -82,7 +82,7 @@ def main(argv):
                          vocab_size=model.config.vocab_size, seed=FLAGS.seed + len(profiled))
         common.release_programs()
         llm = LLM(model, **options)
-        llm.warmup(max_prompt_len=max_len // 2)
+        llm.warmup()
         measured = profile_rounds(llm, [(w.prompt, w.sampling) for w in work])
         rounds += measured
         profiled.append({"name": name, "options": options, "rounds": len(measured),

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from absl import flags
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 
@@ -30,6 +30,18 @@ def quiet_libraries() -> None:
 
 
 quiet_libraries()
+
+flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
+                    "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
+
+
+def _enable_compilation_cache() -> None:
+    from cbjax import compile_cache
+
+    compile_cache.enable(FLAGS.compilation_cache)
+
+
+app.call_after_init(_enable_compilation_cache)  # once the flags are parsed, before main
 
 
 def validate_list(name: str, parse, low: float, what: str, allow_empty: bool = False) -> None:
@@ -95,6 +107,37 @@ def load_model(name: str, dtype: str, with_tokenizer: bool = False):
     from cbjax.loading import load_model as load
 
     return load(name, dtype=dtype, with_tokenizer=with_tokenizer)
+
+
+def start_server(model: str, arguments: list[str], log_path: str, timeout_s: float, env: dict | None = None):
+    """Start `python -m cbjax.serve` on a free local port; returns (process, url, seconds from
+    launch until /health answered)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "cbjax.serve", f"--model={model}", f"--port={port}", *arguments]
+    print("starting:", " ".join(command[1:]), flush=True)
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return process, url, time.monotonic() - start
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
+        if time.monotonic() - start > timeout_s:
+            process.kill()
+            raise RuntimeError(f"the server was not healthy after {timeout_s:.0f}s; see {log_path}")
+        time.sleep(0.25)
 
 
 def release_programs() -> None:
@@ -171,7 +214,7 @@ def run_replay(llm, workload, slo=None, desc: str | None = None, concurrency: in
     from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
-    llm.warmup(max_prompt_len=max(len(w.prompt) for w in workload))
+    llm.warmup()
     compiled = Engine.num_backend_compilations()
     t0 = time.perf_counter()
     outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=desc, concurrency=concurrency)

@@ -112,7 +112,7 @@ def run_column(model, max_gen: int, peer) -> dict:
         llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
                   decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options, **common.llm_options())
         row = policy if layout == "slots" else f"{policy}-paged"
-        llm.warmup(max_prompt_len=FLAGS.prompt_len)
+        llm.warmup()
         compiled = Engine.num_backend_compilations()
         elapsed = float("inf")
         for _ in range(FLAGS.repeats):

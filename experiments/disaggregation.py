@@ -148,7 +148,7 @@ def main(argv):
                 rate = per_device * n
                 front = build(model, options, devices)
                 if not FLAGS.simulate:
-                    front.warmup(max_prompt_len=FLAGS.prompt_high)
+                    front.warmup()
                 outputs = front.replay([w.as_tuple() for w in workload(model.config.vocab_size, rate)],
                                        desc=f"{label} @ {rate:g}/s")
                 getattr(getattr(front, "core", None), "close", lambda: None)()

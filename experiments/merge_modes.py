@@ -74,7 +74,7 @@ def run(model, items, mode: str, budget: int | None) -> dict:
     llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
               dtype=FLAGS.dtype, merge_mode=mode, max_num_batched_tokens=budget, **common.llm_options())
     name = mode if budget is None or mode == "fused" else f"{mode}@{budget}"
-    llm.warmup(max_prompt_len=FLAGS.long_prompt_len)
+    llm.warmup()
     compiled = Engine.num_backend_compilations()
     outs = llm.replay(items, use_tqdm=True, desc=name)
     if Engine.num_backend_compilations() != compiled:

@@ -132,7 +132,7 @@ def main(argv):
             replicas = front.replicas
         # Every replica compiles its own programs (they run on other devices); configurations on
         # the same devices share them.
-        front.warmup(max_prompt_len=longest)
+        front.warmup()
         t0 = time.perf_counter()
         outs = front.replay(work, desc=label)
         wall = time.perf_counter() - t0

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 from absl import app, flags
 
@@ -49,36 +45,9 @@ KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median
 RATIO_KEYS = ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "output_throughput")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def start_server(model_name: str, max_prompt_len: int, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "cbjax.serve", f"--model={FLAGS.model}", f"--served_model_name={model_name}",
-               f"--port={port}", f"--warmup_max_prompt_len={max_prompt_len}", *engine_argv()]
-    print("starting:", " ".join(command[1:]), flush=True)
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + FLAGS.startup_timeout_s
-    while not _healthy(url):
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the server was not healthy after {FLAGS.startup_timeout_s:.0f}s; see {log_path}")
-        time.sleep(1.0)
+def start_server(model_name: str, log_path: str):
+    process, url, _ = common.start_server(FLAGS.model, [f"--served_model_name={model_name}", *engine_argv()],
+                                          log_path, FLAGS.startup_timeout_s)
     return process, url
 
 
@@ -130,11 +99,10 @@ def main(argv):
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
     qps_list = [float(q) for q in FLAGS.qps]
     workloads = {qps: common.make_workload(model, "poisson", qps) for qps in qps_list}
-    max_prompt_len = max(len(w.prompt) for wl in workloads.values() for w in wl)
 
     results = {}
     process, url = (None, FLAGS.url) if FLAGS.url else start_server(
-        model_name, max_prompt_len, os.path.join(FLAGS.output_dir, "server.log"))
+        model_name, os.path.join(FLAGS.output_dir, "server.log"))
     try:
         for qps in qps_list:
             times = asyncio.run(run_load(url, model_name, workloads[qps], f"server@{qps:g}"))

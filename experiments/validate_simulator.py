@@ -52,7 +52,7 @@ METRICS = ("output_throughput", "median_ttft_ms", "median_e2el_ms")
 def throughput_run(llm, work) -> dict:
     from cbjax.metrics import summarize_outputs
 
-    llm.warmup(max_prompt_len=FLAGS.prompt_len)
+    llm.warmup()
     t0 = llm.clock()
     outs = llm.generate([w.prompt for w in work], [w.sampling for w in work], use_tqdm=True,
                         desc=("sim " if llm.engine.__class__.__name__ != "Engine" else "real ") + "generate")

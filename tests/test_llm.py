@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cbjax import LLM, SamplingParams
+from cbjax import LLM, EngineArgs, SamplingParams
+from cbjax.loading import Model
+from cbjax.loading.presets import RANDOM_PRESETS
+from cbjax.simulator import SimClock, SimulatedEngine
 from cbjax.runtime.engine import TRACE_COUNTS
 
 MAX_SEQ_LEN = 128
@@ -23,9 +26,8 @@ def random_prompt(rng, n, vocab=512):
 def test_no_recompilation_after_warmup_over_200_random_requests():
     llm = LLM("tiny-llama", num_slots=8, max_seq_len=MAX_SEQ_LEN, refill_interval=2)
     num_programs = llm.engine.warmup()
-    row_buckets = llm.engine.config.max_prefill_batch.bit_length()  # 1, 2, 4, ... rows per prefill call
-    decode_rows = 4  # 1, 2, 4 live rows, then all 8 slots
-    assert num_programs == len(llm.engine.programs()) == (row_buckets + decode_rows) * len(llm.engine.buckets)
+    # One step per token bucket: 1, 2, 4, ... up to the step budget (min(max_seq_len, 512)).
+    assert num_programs == len(llm.engine.programs()) == MAX_SEQ_LEN.bit_length()
     compiled = sum(TRACE_COUNTS.values())
     rng = np.random.default_rng(0)
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 100, size=200)]
@@ -39,12 +41,27 @@ def test_no_recompilation_after_warmup_over_200_random_requests():
 
 def test_chunked_prefill_programs_are_bounded_and_warmed():
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=64, max_prefill_tokens=24)
-    llm.engine.warmup(chunked=True)
+    llm.warmup()
     compiled = sum(TRACE_COUNTS.values())
     rng = np.random.default_rng(1)
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 60, size=40)]
     llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
     assert sum(TRACE_COUNTS.values()) == compiled
+
+
+@pytest.mark.parametrize("options", [dict(num_slots=8, max_seq_len=512),
+                                     dict(num_slots=8, max_seq_len=2048, max_prefill_tokens=256, kv_cache="paged",
+                                          enable_prefix_caching=True),
+                                     dict(num_slots=64, max_seq_len=4096, kv_cache="paged")])
+def test_the_programs_do_not_grow_with_max_seq_len(options):
+    """The engine's model programs are its token buckets: at most 16, the same at 512 and at
+    4096 tokens (SmolLM2's shapes of the one-step issue; counted, not compiled)."""
+    smollm2 = Model(RANDOM_PRESETS["smollm2-135m-random"], params=None, tokenizer=None, source="shape")
+    counts = []
+    for max_seq_len in (options["max_seq_len"], 8192):
+        config = EngineArgs(**{**options, "max_seq_len": max_seq_len}).engine_config()
+        counts.append(len(SimulatedEngine(smollm2, config, cost=None, clock=SimClock()).programs()))
+    assert counts[0] == counts[1] <= 16
 
 
 def test_streaming_step_outputs_add_up(llm):

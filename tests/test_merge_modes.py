@@ -67,7 +67,9 @@ def test_budget_decodes_first_then_chunks(mode, budget):
 def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
     assert llm.warmup() == len(llm.engine.programs())
-    assert all(p[0] == "mixed" for p in llm.engine.programs())
+    # one step per token bucket, up to the budget's power of two
+    budget = llm.engine.config.step_tokens
+    assert [p[1] for p in llm.engine.programs()] == [1 << i for i in range((budget - 1).bit_length() + 1)]
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)
     prompts, params = random_requests(rng, 200)
@@ -90,12 +92,12 @@ def test_decode_only_steps_cost_the_active_rows_not_the_slots():
         llm = LLM("tiny-llama", num_slots=slots, max_seq_len=MAX_SEQ_LEN, merge_mode="chunked",
                   max_num_batched_tokens=2 * slots + 8)
         calls = []
-        mixed_call = llm.engine._mixed_call
-        llm.engine._mixed_call = lambda packed, kv_len: calls.append((packed[0].shape, packed[3].shape, kv_len)) \
-            or mixed_call(packed, kv_len)
+        step = llm.engine._step
+        llm.engine._step = lambda packed, steps: calls.append((packed[0].shape, packed[1].shape)) \
+            or step(packed, steps)
         llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         shapes.append(calls[-1])
-    assert shapes[0] == shapes[1] == ((2,), (2, shapes[0][1][1]), 16)
+    assert shapes[0] == shapes[1] == ((2, 2), (2, shapes[0][1][1]))
 
 
 @pytest.mark.parametrize("kwargs,match", [

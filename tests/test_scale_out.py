@@ -91,7 +91,7 @@ def test_tensor_parallel_gqa_matches_transformers(gqa, tp, kv_cache):
     model, _, prompts, expected = gqa
     llm = LLM(model, tensor_parallel=tp, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8)
     if tp == 4:  # the compile bound holds: after warm-up nothing new is traced (the cache keeps its layout)
-        llm.warmup(max_prompt_len=40)
+        llm.warmup()
     before = llm.engine.num_compilations()
     assert _generate(llm, prompts) == expected
     _assert_tensor_parallel_layout(llm, tp, kv_split=tp <= 2)

@@ -45,7 +45,9 @@ def test_the_simulated_engine_answers_as_the_device_does(name):
     work = _work(16, seed=len(name))
     rounds = profile_rounds(llm, [(w.prompt, w.sampling) for w in work])
     kinds = {c.kind for calls, _ in rounds for c in calls}
-    assert kinds == ({"mixed"} if "mixed" in name else {"prefill", "decode"})
+    # A step is charged by what it holds: prompt rows, decode rows, or both ("mixed", which
+    # only the fused and chunked modes make).
+    assert "mixed" in kinds if "mixed" in name else kinds == {"prefill", "decode"}
     if "preempting" in name:
         assert llm.scheduler.num_preemptions > 0
     assert not llm.requests

@@ -128,7 +128,7 @@ class DisaggregatedCore:
         for c in self.cores:
             c.drain(draining)
 
-    def warmup(self, max_prompt_len: int | None = None) -> int:
+    def warmup(self) -> int:
         """Each side's programs (prefill instances: prefill; decode instances: decode) and the
         KV move's gather and insert at every transfer length."""
         count = 0

@@ -108,10 +108,8 @@ class EngineCore:
         """No more arrivals are coming (offline generation): static may run a partial batch."""
         self.scheduler.drain(draining)
 
-    def warmup(self, max_prompt_len: int | None = None) -> int:
-        """Compile every program this configuration can reach (the step per token bucket).
-        `max_prompt_len` is accepted for the fronts' sake: the programs no longer depend on it."""
-        del max_prompt_len
+    def warmup(self) -> int:
+        """Compile every program this configuration can reach (the step per token bucket)."""
         return self.engine.warmup()
 
     # --------------------------------------------------------------- hooks
@@ -205,9 +203,11 @@ class EngineCore:
                     if i < 0:
                         continue  # a piece of a prompt chunk that continues in a later call
                     row = rows[i]
-                    if row.is_decode:
-                        decoded.append((row.request, out[:, j, 0].tolist(),
-                                        None if logprobs is None else logprobs[:, j]))
+                    if row.is_decode:  # whoever holds the slot now (a row dispatched ahead names no request)
+                        holder = self.scheduler.slots[row.slot]
+                        if holder is not None:
+                            decoded.append((holder, out[:, j, 0].tolist(),
+                                            None if logprobs is None else logprobs[:, j]))
                     else:
                         self._record_prefill(row, int(out[0, j, 0]), bool(out[0, j, 1]), now, touched)
                         if logprobs is not None and row.is_last:
@@ -263,7 +263,8 @@ class EngineCore:
         after = [r.num_tokens + steps for r in holders]
         if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
             return  # the next call would grow a table: let the scheduler reserve (or preempt) first
-        rows = [Row.decode(r) for r in holders]
+        # Rows by slot alone: the call may outlive its requests (nothing else holds them then).
+        rows = [Row(r.slot, [], 0) for r in holders]
         self._ahead = (self.engine.run(rows, steps), rows)
         self.stats.ahead_calls += 1
 

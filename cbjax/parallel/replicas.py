@@ -133,8 +133,8 @@ class Replicas:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
-    def warmup(self, max_prompt_len: int | None = None) -> int:
-        return sum(r.warmup(max_prompt_len) for r in self.replicas)
+    def warmup(self) -> int:
+        return sum(r.warmup() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         """One round of every replica (simulated: of the earliest busy one); their outputs,

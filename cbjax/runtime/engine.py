@@ -14,7 +14,9 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -56,6 +58,7 @@ class Engine:
     # Its decode reads each slot's last token from the device state, so the host may dispatch the
     # next decode before reading this one's tokens (EngineCore's overlap).
     can_run_ahead = True
+    _compiles_ahead = True  # warm-up may compile its programs concurrently (`_compile`)
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
@@ -130,10 +133,10 @@ class Engine:
         return min(256, self.max_len)
 
     def split(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
-        """The round's rows in calls of at most the largest token bucket, in order; a prompt
-        chunk that does not fit the call being filled continues in the next (only its last
-        piece ends the prompt). Each call: (index of the round's row or -1, row)."""
-        top = self.token_buckets()[-1]
+        """The round's rows in calls of at most the step budget (`step_tokens`), in order; a
+        prompt chunk that does not fit the call being filled continues in the next (only its
+        last piece ends the prompt). Each call: (index of the round's row or -1, row)."""
+        top = self.config.step_tokens
         calls: list[list[tuple[int, Row]]] = [[]]
         room = top
         for i, row in enumerate(rows):
@@ -181,12 +184,24 @@ class Engine:
             calls.append((self._step(packed, steps), [i for i, _ in members]))
         return calls
 
+    def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
+        return ((self.params, self.cache, self.state, *packed),
+                dict(config=self.program_config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
+                     paged_kernel=self.config.attention == "pallas", history_block=self.history_block()))
+
     def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
-        out, self.cache, self.state = ragged_step(
-            self.params, self.cache, self.state, *packed, config=self.program_config, max_len=self.max_len,
-            steps=steps, max_logprobs=self.max_logprobs, paged_kernel=self.config.attention == "pallas",
-            history_block=self.history_block())
+        args, static = self._step_arguments(packed, steps)
+        out, self.cache, self.state = ragged_step(*args, **static)
         return out
+
+    def _padding(self, num_tokens: int) -> tuple[np.ndarray, ...]:
+        return pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+
+    def _compile(self, num_tokens: int, steps: int) -> None:
+        """Compile one program ahead of time (it lands in the jit's cache: the first call with
+        these shapes then compiles nothing)."""
+        args, static = self._step_arguments(self._padding(num_tokens), steps)
+        ragged_step.lower(*args, **static).compile()
 
     def programs(self, only: str | None = None) -> list[tuple]:
         """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
@@ -202,15 +217,26 @@ class Engine:
         return progs
 
     def _warm(self, num_tokens: int, steps: int) -> jax.Array:
-        """One program's compilation: a step of nothing but padding."""
-        return self._step(pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row), steps)
+        """A step of nothing but padding: compiles its program if nothing has yet."""
+        return self._step(self._padding(num_tokens), steps)
 
     def warmup(self, only: str | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
         leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
         progs = self.programs(only)
-        for _, num_tokens, steps in progs:
-            jax.block_until_ready(self._warm(num_tokens, steps))
+        if self._compiles_ahead:
+            # Compiled ahead of time, not run: a padding step of 512 tokens costs a second of
+            # CPU. The programs are independent, so they compile on a thread per core (XLA
+            # releases the GIL): no gain on XLA:CPU, whose compiler already splits one program
+            # over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but
+            # the tracing of one overlaps another's compile or persistent-cache read.
+            workers = min(len(progs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1)
+            with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+                list(pool.map(lambda p: self._compile(*p[1:]), progs))
+        else:
+            for _, num_tokens, steps in progs:
+                jax.block_until_ready(self._warm(num_tokens, steps))
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():

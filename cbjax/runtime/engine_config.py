@@ -13,7 +13,7 @@ CPU_KERNEL_CHOICES = ("auto", "on", "off")
 # A step's default token budget: prompts longer than it are prefilled over several calls, which
 # costs nothing in exactness and keeps the programs to about ten (the count vLLM's and
 # tpu-inference's users settled on after naming start-up compile time their first complaint).
-DEFAULT_STEP_TOKENS = 512
+DEFAULT_STEP_TOKENS = 2048
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -51,7 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # The most tokens one step holds, its largest token bucket (so it bounds the programs): a
     # round's rows beyond it go in further calls, a long prompt chunk split across them.
-    # Default: max_num_batched_tokens, else min(max_seq_len, 512).
+    # Default: max_num_batched_tokens, else min(max_seq_len, 2048).
     max_step_tokens: int | None = None
     # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
     # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),

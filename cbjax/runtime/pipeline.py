@@ -84,6 +84,7 @@ class PipelineEngine(Engine):
 
     reads_block_tables = False
     can_run_ahead = False  # its decode hands activations between stages through the host loop
+    _compiles_ahead = False  # its programs are per stage: compiled by the warm-up calls themselves
 
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)
@@ -104,8 +105,7 @@ class PipelineEngine(Engine):
         super().__init__(model, config)
         self.max_logprobs = 0  # its last stage's decode program computes none
         self.stage_params = [jax.device_put(self._params_of(s), d) for s, d in enumerate(self.devices)]
-        groups = np.arange(config.num_slots, dtype=np.int32).reshape(self.micro_batches, -1)
-        self.groups = [[jax.device_put(g, d) for d in self.devices] for g in groups]
+        self.groups = np.arange(config.num_slots).reshape(self.micro_batches, -1).tolist()  # slots per micro-batch
 
     def _params_of(self, s: int) -> dict:
         p, lo, hi = self.params, self.bounds[s], self.bounds[s + 1]
@@ -181,12 +181,15 @@ class PipelineEngine(Engine):
         for step in range(steps):
             step_out = []
             for g, group in enumerate(self.groups):
-                group_rows = [Row(int(slot), [], 0) for slot in group]
+                group_rows = [Row(slot, [], 0) for slot in group]
                 packed = pack(group_rows, per_group, row_bucket(per_group, self.num_slots), self.sampling_row)
                 step_out.append(self._through_stages(packed, ("decode", g), "decode", longest + step))
             outs.append(jnp.concatenate(step_out))
-        # The rows come back in slot order: a round's row is found at its slot.
-        return jnp.stack(outs), [r.slot for r in rows]
+        # The results come in slot order: the round's row of slot s is at s.
+        members = [-1] * self.num_slots
+        for i, r in enumerate(rows):
+            members[r.slot] = i
+        return jnp.stack(outs), members
 
     def _through_stages(self, packed, chain, kind: str, attended: int) -> jax.Array:
         last = self.stages - 1

@@ -25,8 +25,8 @@ flags.DEFINE_integer("max_pending", 1024, "Requests held at once (waiting or run
 define_engine_flags()
 flags.DEFINE_integer("seed", 0, "Sampling seed for requests that bring none.", lower_bound=0)
 flags.DEFINE_bool("warmup", True, "Compile every program before serving (first requests then pay no compile).")
-flags.DEFINE_integer("warmup_max_prompt_len", None, "Skip compiling prefill buckets for prompts longer than this "
-                     "(they compile on first use).", lower_bound=1)
+flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
+                    "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
 flags.DEFINE_bool("access_log", False, "Log one line per HTTP request.")
 flags.DEFINE_float("body_timeout_s", 30.0, "Seconds a request body may take to arrive; slower gets 408.",
                    lower_bound=0.001)
@@ -36,10 +36,11 @@ flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on e
 
 def main(argv):
     del argv
-    from cbjax import LLM
+    from cbjax import LLM, compile_cache
     from cbjax.serve import Server
 
     logging.basicConfig(level=logging.INFO if FLAGS.access_log else logging.WARNING)
+    compile_cache.enable(FLAGS.compilation_cache)
     try:
         llm = LLM(FLAGS.model, engine_args(seed=FLAGS.seed))
     except ValueError as e:
@@ -48,7 +49,7 @@ def main(argv):
         t0 = time.perf_counter()
         print(f"compiling {FLAGS.model}'s programs ({FLAGS.num_slots} slots, {FLAGS.max_seq_len} tokens)...",
               flush=True)
-        print(f"compiled {llm.warmup(FLAGS.warmup_max_prompt_len)} programs in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"compiled {llm.warmup()} programs in {time.perf_counter() - t0:.1f}s", flush=True)
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                     max_pending=FLAGS.max_pending, access_log=FLAGS.access_log,
                     api_key=FLAGS.api_key or os.environ.get("CBJAX_API_KEY") or None,

@@ -105,7 +105,10 @@ def simulate(m: Measurement, accelerator=None, requests_per_client: int = 8) -> 
                      vocab_size=config.vocab_size, seed=0)
     options = dict(dtype="bfloat16", kv_cache="paged", attention="pallas", page_size=page, num_slots=slots,
                    num_pages=slots * (max_len // page), max_seq_len=max_len, tensor_parallel=m.tp,
-                   max_prefill_tokens=max(m.input, 8192), weight_dtype=m.weight_dtype, kv_dtype=m.kv_dtype)
+                   max_prefill_tokens=max(m.input, 8192), weight_dtype=m.weight_dtype, kv_dtype=m.kv_dtype,
+                   # The presets were fitted on prefill calls of at most 8 prompts (the engine's
+                   # call size then); these rows keep that size until they are refitted.
+                   max_step_tokens=8 * m.input)
     if m.mode == "static":
         llm = LLM(m.model, simulate=cost, policy="static", batch_size=m.batch, **options)
         start = llm.clock()

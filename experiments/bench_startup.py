@@ -1,0 +1,60 @@
+"""How long `python -m cbjax.serve` takes to answer /health: the first launch (compiling every
+program into an empty persistent cache) and the second (reading them back), plus the
+engine's program count and where a start's time goes (load, warm-up).
+
+Each launch is its own process with the same flags; the cache directory is a fresh
+temporary one unless --compilation_cache names one. The serve defaults are the engine
+flags' (8 slots, 512 tokens).
+
+    python experiments/bench_startup.py
+    python experiments/bench_startup.py --model=smollm2-135m --num_slots=64 --max_seq_len=4096 --kv_cache=paged
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from absl import app, flags
+
+import common
+from cbjax.serve import flags as engine_flags
+from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_integer("launches", 2, "Launches in a row over one cache (the first fills it).", lower_bound=1)
+flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for /health.", lower_bound=1.0)
+flags.DEFINE_string("output_json", "results/bench_startup.json", "Where to write the results.")
+define_engine_flags()
+flags.adopt_module_key_flags(engine_flags)
+
+
+def launch(cache_dir: str, log_path: str) -> dict:
+    env = {**os.environ, "CBJAX_COMPILATION_CACHE": cache_dir}
+    process, _, seconds = common.start_server(FLAGS.model, list(engine_argv()), log_path, FLAGS.startup_timeout_s,
+                                              env=env)
+    process.terminate()
+    process.wait(timeout=60)
+    log = open(log_path).read()
+    found = re.search(r"compiled (\d+) programs in ([\d.]+)s", log)
+    return {"health_s": round(seconds, 2), "programs": int(found[1]) if found else None,
+            "warmup_s": float(found[2]) if found else None}
+
+
+def main(argv):
+    del argv
+    cache_dir = FLAGS.compilation_cache or tempfile.mkdtemp(prefix="cbjax-startup-cache-")
+    log_dir = tempfile.mkdtemp(prefix="cbjax-startup-logs-")
+    runs = []
+    for i in range(FLAGS.launches):
+        runs.append(launch(cache_dir, os.path.join(log_dir, f"server-{i}.log")))
+        print(f"launch {i + 1}: /health after {runs[-1]['health_s']:.1f}s ({runs[-1]['programs']} programs, "
+              f"warm-up {runs[-1]['warmup_s']}s)", flush=True)
+    common.write_json({"model": FLAGS.model, "engine": engine_options(), "cache_dir": cache_dir, "launches": runs},
+                      FLAGS.output_json)
+
+
+if __name__ == "__main__":
+    app.run(main)
