@@ -17,12 +17,18 @@ from typing import Callable, Sequence
 from cbjax import checks, compile_cache
 from cbjax.core import EngineArgs, StepStats, build_core
 from cbjax.core.disaggregation import build_disaggregated
-from cbjax.core.replay import progress_bar, run_arrivals
+from cbjax.core.replay import run_arrivals, sleep_until
 from cbjax.core.sample_groups import SampleGroups
 from cbjax.loading import Model
 from cbjax.request import FinishReason, Request, RequestMetrics, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
+
+
+def progress_bar(total: int | None, use_tqdm: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not use_tqdm, unit="req")
 
 
 class LLM:
@@ -228,8 +234,16 @@ class LLM:
         `error` output with its message; the others run unharmed."""
         workload = offline_workload(prompts, sampling_params)
         bar = progress_bar(len(workload), use_tqdm, desc or self._desc())
-        ids, errors, finished = run_arrivals(self, workload, bar, realtime=False, catch_errors=True)
-        return self._collect(ids, errors, finished, workload)
+        ids: list[str | None] = []
+        errors: dict[int, str] = {}
+        for i, (_, prompt, sampling) in enumerate(workload):
+            try:
+                ids.append(self.add_request(prompt, sampling))
+            except ValueError as e:
+                ids.append(None)
+                errors[i] = str(e)
+                bar.update(1)
+        return self._collect(ids, errors, self._drive(bar), workload)
 
     def _collect(self, ids, errors, finished, workload) -> list[RequestOutput]:
         """Outputs in workload order. Requests added online that finished while this call drove
@@ -248,7 +262,7 @@ class LLM:
     def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every request has finished; returns (and releases) the outputs of the
         requests that finished meanwhile, in the order they finished."""
-        finished = self._finished_unreturned + self._run_until_done(None, use_tqdm, None)
+        finished = self._finished_unreturned + self._drive(progress_bar(None, use_tqdm, self._desc()))
         self._finished_unreturned = []
         return self.outputs_of(finished)
 
@@ -257,8 +271,22 @@ class LLM:
         outside `step` (`finish_round`, the engine core's `run_round`)."""
         return self._hand_back(finished, stream=False)
 
-    def _run_until_done(self, total: int | None, use_tqdm: bool, desc: str | None) -> list[Request]:
-        return run_arrivals(self, [], progress_bar(total, use_tqdm, desc or self._desc()))[2]
+    def _drive(self, bar) -> list[Request]:
+        """Run rounds on the core until nothing is unfinished (no more arrivals: a static batch
+        may run partial); returns what finished, in finishing order."""
+        core, finished = self.core, []
+        core.drain(True)
+        try:
+            while core.has_unfinished():
+                done = [r for r in core.run_round() if r.finished]
+                finished += done
+                bar.update(len(done))
+                if core.idle and core.has_unfinished():
+                    sleep_until(self.clock, core.wake_time)
+        finally:
+            bar.close()
+            core.drain(False)
+        return finished
 
     def _desc(self) -> str:
         return self.scheduler_config.policy + ("-paged" if self.pages is not None else "")

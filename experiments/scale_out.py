@@ -114,7 +114,6 @@ def main(argv):
 
     model = load_model(FLAGS.model)
     work = workload(model.config.vocab_size)
-    longest = max(len(p) for _, p, _ in work)
     options = dict(num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache="paged",
                    page_size=FLAGS.page_size, enable_prefix_caching=True)
     rows = []

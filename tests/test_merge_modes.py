@@ -68,7 +68,7 @@ def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
     assert llm.warmup() == len(llm.engine.programs())
     # one step per token bucket, up to the budget's power of two
-    budget = llm.engine.config.step_tokens
+    budget = llm.engine.step_tokens
     assert [p[1] for p in llm.engine.programs()] == [1 << i for i in range((budget - 1).bit_length() + 1)]
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)

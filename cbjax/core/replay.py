@@ -12,12 +12,6 @@ import time
 from typing import Sequence
 
 
-def progress_bar(total: int | None, use_tqdm: bool, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not use_tqdm, unit="req")
-
-
 def sleep_until(clock, wake_time: float | None, cap: float = 0.05) -> None:
     """Wait for `wake_time` on `clock`, at most `cap` seconds; a simulated clock jumps."""
     now = clock()

@@ -30,8 +30,8 @@ from typing import Sequence
 import jax
 
 from cbjax import checks
-from cbjax.core.replay import progress_bar, run_arrivals
-from cbjax.llm import LLM, Prompt, offline_workload
+from cbjax.core.replay import run_arrivals
+from cbjax.llm import LLM, Prompt, offline_workload, progress_bar
 from cbjax.loading import Model, load_model
 from cbjax.request import RequestOutput, SamplingParams
 

@@ -1,5 +1,5 @@
 """What the engine's jitted steps share: the per-slot decode state on the device, the
-packed layout of a row's sampling parameters, the stop test, and the compilation counters."""
+penalties' history, the stop test, and the compilation counters."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-# A request's sampling parameters, packed per row (one host-to-device copy for every row's
-# scalars): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
-MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
-TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION = range(5)
-NUM_INTS = NUM_FLOATS = 5
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -64,32 +56,6 @@ class SlotState:
         (`num_slots`) change nothing."""
         return dataclasses.replace(self, **{name: getattr(self, name).at[target].set(value, mode="drop")
                                             for name, value in fields.items()})
-
-
-def sampling_fields(ints, floats, num_stops: int) -> dict:
-    """The per-row sampling parameters of packed `ints [B, NUM_INTS + stops + bias]` and
-    `floats [B, NUM_FLOATS + bias]`, by `SlotState` field name."""
-    return dict(max_tokens=ints[:, MAX_TOKENS], top_k=ints[:, TOP_K], seeds=ints[:, SEED],
-                min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
-                stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
-                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], presence=floats[:, PRESENCE],
-                frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
-                bias_values=floats[:, NUM_FLOATS:])
-
-
-def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's `(ints, floats)` for `sampling_fields`."""
-    bias_ids = np.full(max_logit_bias, -1, np.int32)
-    bias_values = np.zeros(max_logit_bias, np.float32)
-    for i, (token, bias) in enumerate(sampling.logit_bias):
-        bias_ids[i], bias_values[i] = token, bias
-    logprobs = -1 if sampling.logprobs is None else sampling.logprobs
-    ints = np.concatenate([np.array([sampling.max_tokens, sampling.top_k, seed, sampling.min_tokens, logprobs],
-                                    np.int32), stop_ids, bias_ids])
-    floats = np.concatenate([np.array([sampling.temperature, sampling.top_p, sampling.presence_penalty,
-                                       sampling.frequency_penalty, sampling.repetition_penalty], np.float32),
-                             bias_values])
-    return ints, floats
 
 
 def record_tokens(state: SlotState, reset_slots, token_slots, tokens, in_prompt) -> SlotState:

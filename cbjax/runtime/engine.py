@@ -25,10 +25,9 @@ import numpy as np
 from cbjax.models import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
-from cbjax.runtime import programs, row_packing, sharding
+from cbjax.runtime import programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
-from cbjax.runtime.engine_config import (CPU_KERNEL_CHOICES, EngineConfig, bucket_for,  # noqa: F401 (re-exported)
-                                         prefill_buckets)
+from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
 
@@ -64,6 +63,7 @@ class Engine:
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
         `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
         None keeps everything on the default device."""
+        self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self._configure(model, config)
         mc = model.config
         self.mesh = mesh
@@ -90,31 +90,33 @@ class Engine:
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.eos_ids = tuple(model.config.eos_token_ids)
         self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
+        self.step_tokens = config.step_tokens(self.platform)
+        self._token_buckets = token_buckets(self.step_tokens)
 
     @property
     def num_slots(self) -> int:
         return self.config.num_slots
 
     def stop_ids_for(self, sampling: SamplingParams) -> np.ndarray:
-        return row_packing.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
+        return step.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
         self.stop_ids_for(sampling)  # refuses too many stop ids
-        row_packing.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias,
+        step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias,
                                    self.model.config.vocab_size)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""
         stops = self.stop_ids_for(row.sampling) if row is not None else None
-        return row_packing.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
+        return step.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
 
     def _record_histories(self, rows: list[Row]) -> None:
         """The penalties' history of rows whose request starts past position 0."""
         for row in rows:
             if row.history:
                 self.state = programs.record_history(self.state, np.int32(row.slot),
-                                                     row_packing.history_tokens(row, self.buckets),
+                                                     step.history_tokens(row, self.buckets),
                                                      np.int32(row.prompt_len))
 
     @property
@@ -123,7 +125,7 @@ class Engine:
 
     def token_buckets(self) -> list[int]:
         """The flat-buffer sizes a step is compiled for: powers of two up to the step budget."""
-        return token_buckets(self.config.step_tokens)
+        return list(self._token_buckets)
 
     def history_block(self) -> int:
         """Positions per block of the reference attention's history read (a multiple of the page size)."""
@@ -136,7 +138,7 @@ class Engine:
         """The round's rows in calls of at most the step budget (`step_tokens`), in order; a
         prompt chunk that does not fit the call being filled continues in the next (only its
         last piece ends the prompt). Each call: (index of the round's row or -1, row)."""
-        top = self.config.step_tokens
+        top = self.step_tokens
         calls: list[list[tuple[int, Row]]] = [[]]
         room = top
         for i, row in enumerate(rows):
@@ -164,10 +166,11 @@ class Engine:
 
     def call_tokens(self, rows: list[Row]) -> int:
         """The token bucket of one call; a call with prompt rows pads to at least `prefill_floor`."""
+        buckets = self._token_buckets
         total = sum(r.num_tokens for r in rows)
         if any(not r.is_decode for r in rows):
-            total = max(total, min(self.config.prefill_floor, self.token_buckets()[-1]))
-        return bucket_for(total, self.token_buckets())
+            total = max(total, min(self.config.prefill_floor, buckets[-1]))
+        return next(b for b in buckets if b >= total)
 
     def run(self, rows: list[Row], steps: int = 1) -> list[Call]:
         """Dispatch the round's rows (any mix of prompt chunks and decodes; `steps > 1` only for
@@ -268,7 +271,7 @@ class Engine:
     def copy_kv(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV (source, destination): pages of a paged cache, whole slots of the slot cache
         (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
-        src, dst = row_packing.copy_pairs(copies)
+        src, dst = step.copy_pairs(copies)
         self.cache = programs.copy_kv(self.cache, self.put(src), self.put(dst))
 
     def deactivate(self, slot: int) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
-from cbjax.runtime import programs, row_packing
+from cbjax.runtime import programs, step
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.step import pack, resolve, row_bucket, run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
@@ -140,7 +140,7 @@ class PipelineEngine(Engine):
         return self.caches[-1]
 
     def copy_kv(self, copies) -> None:
-        src, dst = row_packing.copy_pairs(copies)
+        src, dst = step.copy_pairs(copies)
         for s, d in enumerate(self.devices):  # each stage holds its own layers of every slot
             self.caches[s] = programs.copy_kv(self.caches[s], jax.device_put(src, d), jax.device_put(dst, d))
 
@@ -178,12 +178,12 @@ class PipelineEngine(Engine):
         longest = max(r.request.num_tokens if r.request is not None else r.start + 1 for r in rows)
         per_group = self.num_slots // self.micro_batches
         outs = []
-        for step in range(steps):
+        for i in range(steps):
             step_out = []
             for g, group in enumerate(self.groups):
                 group_rows = [Row(slot, [], 0) for slot in group]
                 packed = pack(group_rows, per_group, row_bucket(per_group, self.num_slots), self.sampling_row)
-                step_out.append(self._through_stages(packed, ("decode", g), "decode", longest + step))
+                step_out.append(self._through_stages(packed, ("decode", g), "decode", longest + i))
             outs.append(jnp.concatenate(step_out))
         # The results come in slot order: the round's row of slot s is at s.
         members = [-1] * self.num_slots

@@ -1,4 +1,6 @@
-"""The one device step: a ragged batch of rows over a flat token buffer.
+"""The one device step: a ragged batch of rows over a flat token buffer, and the host side
+of its inputs (each row's scalars and sampling parameters packed into a few small arrays,
+one host-to-device copy each, and the checks that a request's sampling parameters fit them).
 
 Every round runs through `ragged_step`, whatever it holds: a decode row is one token of a
 running sequence, a prefill row a chunk of a prompt (a whole prompt is one chunk). The
@@ -28,14 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.models import forward
-from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens, sampling_fields
+from cbjax.request import SamplingParams
+from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens
 from cbjax.runtime.sampling import count_sampled, sample_next
 from cbjax.scheduling.plan import Row
 
 # Packed int32 columns of one row (one host-to-device copy for every row's scalars), then the
-# sampling parameters of a row that ends its prompt (device_state.sampling_fields).
+# sampling parameters of a row that ends its prompt (`sampling_fields`).
 SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN = range(7)
 HEADER = 7
+# A request's sampling parameters, packed per row (one host-to-device copy for every row's
+# scalars): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
+MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
+TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION = range(5)
+NUM_INTS = NUM_FLOATS = 5
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -71,6 +79,84 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
     return flat, ints, floats
 
 
+# ---------------------------------------------------------------- host side: the packed rows
+def sampling_fields(ints, floats, num_stops: int) -> dict:
+    """The per-row sampling parameters of packed `ints [B, NUM_INTS + stops + bias]` and
+    `floats [B, NUM_FLOATS + bias]`, by `SlotState` field name."""
+    return dict(max_tokens=ints[:, MAX_TOKENS], top_k=ints[:, TOP_K], seeds=ints[:, SEED],
+                min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
+                stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
+                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], presence=floats[:, PRESENCE],
+                frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
+                bias_values=floats[:, NUM_FLOATS:])
+
+
+def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's `(ints, floats)` for `sampling_fields`."""
+    bias_ids = np.full(max_logit_bias, -1, np.int32)
+    bias_values = np.zeros(max_logit_bias, np.float32)
+    for i, (token, bias) in enumerate(sampling.logit_bias):
+        bias_ids[i], bias_values[i] = token, bias
+    logprobs = -1 if sampling.logprobs is None else sampling.logprobs
+    ints = np.concatenate([np.array([sampling.max_tokens, sampling.top_k, seed, sampling.min_tokens, logprobs],
+                                    np.int32), stop_ids, bias_ids])
+    floats = np.concatenate([np.array([sampling.temperature, sampling.top_p, sampling.presence_penalty,
+                                       sampling.frequency_penalty, sampling.repetition_penalty], np.float32),
+                             bias_values])
+    return ints, floats
+
+
+BLANK = SamplingParams(max_tokens=1)  # the sampling parameters of a row that samples nothing
+
+
+def stop_ids(sampling: SamplingParams, eos_ids, max_stop_tokens: int) -> np.ndarray:
+    """The request's stop token ids (EOS included unless ignored), -1 padded."""
+    ids = sorted(set(list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(eos_ids))))
+    if len(ids) > max_stop_tokens:
+        raise ValueError(f"at most {max_stop_tokens} stop tokens (EOS included) per request, got {len(ids)}")
+    out = np.full((max_stop_tokens,), -1, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+def check_sampling(sampling: SamplingParams, max_logprobs: int, max_logit_bias: int, vocab: int) -> None:
+    """Refuse (ValueError) logprobs and logit_bias an engine with these limits cannot apply."""
+    if sampling.logprobs is not None and sampling.logprobs > (max_logprobs or -1):
+        raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={max_logprobs}"
+                         if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
+    if len(sampling.logit_bias) > max_logit_bias:
+        raise ValueError(f"at most {max_logit_bias} logit_bias entries per request, got {len(sampling.logit_bias)}")
+    bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+    if bad:
+        raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+
+
+def sampling_row(row: Row | None, stops: np.ndarray | None, max_stop_tokens: int,
+                 max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row's packed sampling parameters (`pack_sampling`); None: a row that
+    samples nothing."""
+    if row is None:
+        return pack_sampling(BLANK, 0, np.full(max_stop_tokens, -1, np.int32), max_logit_bias)
+    return pack_sampling(row.sampling, row.seed, stops, max_logit_bias)
+
+
+def history_tokens(row: Row, buckets: list[int]) -> np.ndarray:
+    """A row's history (the tokens before it), -1 padded to a length bucket."""
+    tokens = np.full(next(b for b in buckets if b >= len(row.history)), -1, np.int32)
+    tokens[:len(row.history)] = row.history
+    return tokens
+
+
+def copy_pairs(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) ids padded to a power of two (destinations out of range: dropped)."""
+    size = 1 << (len(copies) - 1).bit_length()
+    src = np.zeros(size, np.int32)
+    dst = np.full(size, np.iinfo(np.int32).max, np.int32)
+    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+    return src, dst
+
+
+# ---------------------------------------------------------------- device side: the step
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Resolved:

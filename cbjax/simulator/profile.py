@@ -33,7 +33,7 @@ class ShadowedEngine:
         self.real = real
         self.check = check
         self.recorder = _Recorder()
-        self.shadow = SimulatedEngine(real.model, real.config, self.recorder, SimClock())
+        self.shadow = SimulatedEngine(real.model, real.config, self.recorder, SimClock(), real.platform)
 
     def __getattr__(self, name):
         return getattr(self.real, name)

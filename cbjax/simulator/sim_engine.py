@@ -57,7 +57,10 @@ class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
 
-    def __init__(self, model, config: EngineConfig, cost, clock: SimClock):
+    def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None):
+        # The platform it stands for (its default step budget): a roofline's accelerator, else
+        # this CPU (a calibration measured here).
+        self.platform = platform or ("gpu" if hasattr(cost, "accelerator") else "cpu")
         self._configure(model, config)
         self.max_logprobs = 0  # it samples filler tokens: no distribution to report
         self.cost = cost
