@@ -153,3 +153,30 @@ def test_files_and_classes_stay_small():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
                 too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert too_long == []
+
+
+def test_one_request_passes_through_at_most_12_modules():
+    """A greedy `generate` of one prompt, once compiled, runs host code in at most 12 of our
+    modules (docs/architecture.md lists them), and enters the front door once per request."""
+    import sys
+
+    from cbjax import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", num_slots=4, max_seq_len=64)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # compiles
+    calls: dict[str, int] = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and str(ROOT) in frame.f_code.co_filename:
+            path = pathlib.Path(frame.f_code.co_filename).relative_to(ROOT).as_posix()
+            if path.startswith(PACKAGES):
+                calls[path] = calls.get(path, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        sys.setprofile(None)
+    assert len(calls) <= 12, sorted(calls)
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(path in doc for path in calls), [p for p in calls if p not in doc]
