@@ -64,7 +64,7 @@ class EngineArgs:
     prefill_floor: int = _knob(16, "Smallest token bucket of a step that holds prompt tokens.", lower=1)
     max_step_tokens: int = _knob(None, "Most tokens in one device step, its largest token bucket (longer prompts "
                                  "prefill over several steps); default max_num_batched_tokens, else "
-                                 "256 on a CPU, 2048 on an accelerator.", lower=1)
+                                 "512 on a CPU, 2048 on an accelerator.", lower=1)
     dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))

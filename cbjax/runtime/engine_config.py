@@ -11,14 +11,12 @@ from cbjax.scheduling.config import MERGE_MODES
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
 # A step's default token budget, whatever max_seq_len is: prompts longer than it prefill over
-# several calls (exactly), and the programs stay 9 on a CPU, 12 on an accelerator (tpu-
+# several calls (exactly), and the programs stay 10 on a CPU, 12 on an accelerator (tpu-
 # inference keeps about ten, after its users named start-up compile time their first
-# complaint). A CPU is compute-bound long before 256 tokens, and the step's self-attention
-# part is a square over the whole buffer (packed prompts attend only within their own rows
-# but pay for every pair): at 512 it cost 32 prompts of 64 tokens 12% of LLM.generate's
-# throughput, at 256 half as much. An accelerator reads its weights once per call, so it takes
-# bigger steps (vLLM's online default is 2048).
-DEFAULT_STEP_TOKENS = {"cpu": 256, "accelerator": 2048}
+# complaint). Every call reads all the weights once: SmolLM2's LLM.generate of 8 and 32
+# prompts of 64 tokens ran 6% and 2% slower at 256 than at 512 on 2 cores. An accelerator
+# takes bigger steps still (vLLM's online default is 2048).
+DEFAULT_STEP_TOKENS = {"cpu": 512, "accelerator": 2048}
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
