@@ -42,10 +42,6 @@ class ModelConfig:
     sliding_windows: tuple = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
-    # Whether a program runs its decode-sized f32 matmuls and one-token attention reads through
-    # the CPU kernels (cbjax/models/cpu_kernels.py). The engine sets it for its own programs
-    # (EngineConfig.cpu_kernels); it is not part of a checkpoint (to_dict leaves it out).
-    cpu_kernels: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -85,7 +81,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        del d["cpu_kernels"]
         d["rope_scaling"] = dict(self.rope_scaling)
         return d
 

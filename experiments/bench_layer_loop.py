@@ -5,7 +5,7 @@ For each token count (1 and 8 are decode steps, 512 a prefill) it prints the com
 (lower + compile, no persistent cache) and the median run time of the model's layer stack
 (the real layer: norms, q/k/v, RoPE, attention over the step's own tokens, output
 projection and MLP; no KV cache, which the engine keeps per layer) with XLA's own matmuls
-(the C++ CPU kernels are off in both, so the loop is what differs). The engine's choice
+(XLA's operations in both, not the C++ CPU kernels, so the loop is what differs). The engine's choice
 (`forward` in cbjax/models/transformer.py says which and why) follows these numbers.
 
     python experiments/bench_layer_loop.py
@@ -80,7 +80,7 @@ def main(argv):
 
     compile_cache.enable("off")  # compile times are the point: nothing read back
     model = load_preset(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)
-    config = model.config.replace(cpu_kernels=False)
+    config = model.config
     layers = model.params["layers"]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     layer = layer_fn(config)

@@ -1,8 +1,9 @@
-"""The CPU kernels (cbjax/models/cpu_kernels.cc) against the pure-JAX code they replace."""
+"""The CPU kernels (cbjax/runtime/cpu_kernels.cc) against the pure-JAX code they replace."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,12 +13,23 @@ import numpy as np
 import pytest
 
 from cbjax import LLM, SamplingParams
-from cbjax.models import cpu_kernels
+from cbjax.models.ops import XLA
+from cbjax.runtime import cpu_kernels
 from cbjax.models.attention import attention_part, visible
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.runtime.engine import EngineConfig
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.build_error()}")
+# Skipped only where no C++ compiler is installed: where one is, the kernels must build
+# (test_the_kernels_build_where_a_compiler_is fails otherwise, never skips).
+needs_kernels = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                   reason="no C++ compiler: cpu_kernels='auto' runs through XLA here")
+
+
+@needs_kernels
+def test_the_kernels_build_where_a_compiler_is():
+    assert cpu_kernels.available(), cpu_kernels.build_error()
+    llm = LLM("tiny-llama", num_slots=2, max_seq_len=32)  # cpu_kernels="auto", f32, one CPU device
+    assert llm.engine.ops == cpu_kernels.CPU_KERNELS
 
 
 @needs_kernels
@@ -108,16 +120,17 @@ def test_greedy_outputs_equal_with_kernels_on_and_off():
         for kv in ("slots", "paged"):
             llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
                       merge_mode="chunked", max_num_batched_tokens=9)
-            assert llm.engine.program_config.cpu_kernels == (choice == "on")
+            assert llm.engine.ops == (cpu_kernels.CPU_KERNELS if choice == "on" else XLA)
             outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
 
 
 def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
     code = ("from cbjax import LLM, SamplingParams\n"
-            "from cbjax.models import cpu_kernels\n"
+            "from cbjax.models.ops import XLA\n"
+            "from cbjax.runtime import cpu_kernels\n"
             "llm = LLM('tiny-llama', num_slots=2, max_seq_len=32)\n"
-            "assert not llm.engine.program_config.cpu_kernels\n"
+            "assert llm.engine.ops == XLA\n"
             "assert 'no C++ compiler' in cpu_kernels.build_error(), cpu_kernels.build_error()\n"
             "print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids)\n")
     env = {**os.environ, "CXX": "no-such-compiler", "CBJAX_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
@@ -129,7 +142,7 @@ def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
 STRESS = """
 import sys, time
 import jax, jax.numpy as jnp, numpy as np
-from cbjax.models import cpu_kernels
+from cbjax.runtime import cpu_kernels
 calls = []
 for m, k, n in [(1, 576, 1536), (3, 576, 64), (8, 1536, 576), (2, 64, 4096), (1, 576, 20000)]:
     x, w = jnp.ones((m, k)), jnp.full((n, k), 0.01)

@@ -52,6 +52,8 @@ def test_chunked_prefill_programs_are_bounded_and_warmed():
 @pytest.mark.parametrize("options", [dict(num_slots=8, max_seq_len=512),
                                      dict(num_slots=8, max_seq_len=2048, max_prefill_tokens=256, kv_cache="paged",
                                           enable_prefix_caching=True),
+                                     dict(num_slots=8, max_seq_len=2048, merge_mode="chunked", kv_cache="paged",
+                                          enable_prefix_caching=True),
                                      dict(num_slots=64, max_seq_len=4096, kv_cache="paged")])
 def test_the_programs_do_not_grow_with_max_seq_len(options):
     """The engine's model programs are its token buckets: at most 16, and as many at 8192

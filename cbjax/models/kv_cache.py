@@ -107,6 +107,37 @@ class SlotCache:
         n = int(self.lengths[slot])
         return tuple(jnp.stack([layer[slot, :, :n] for layer in kv]) for kv in (self.k, self.v))
 
+    # One sequence out and in (a KV move between engines), and copies (a fork's prompt).
+    paged = False
+
+    def transfer_unit(self, padded: int) -> int:
+        """Positions per entry of a sequence's transfer table: the whole slot is one."""
+        return padded
+
+    @property
+    def no_page(self) -> int:
+        return 0
+
+    def sequence_out(self, layer: jax.Array, slot, pages, padded: int) -> jax.Array:
+        """One layer's first `padded` positions of `slot`: `[kv_heads, padded, head_dim]`."""
+        del pages
+        return jax.lax.dynamic_slice_in_dim(layer[slot], 0, padded, axis=1)
+
+    def sequence_in(self, layer: jax.Array, new: jax.Array, slot, pages) -> jax.Array:
+        """`new` (`[kv_heads, padded, head_dim]`) written as `slot`'s first positions, in place."""
+        del pages
+        return jax.lax.dynamic_update_slice(layer, new[None].astype(layer.dtype), (slot, 0, 0, 0))
+
+    def copy(self, layer: jax.Array, src, dst) -> jax.Array:
+        """Whole slots `src` copied to `dst` (out-of-range destinations dropped)."""
+        return layer.at[dst].set(layer[src], mode="drop")
+
+    def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
+        """How a kernel walks rows `slot_ids` of one layer: (tables `[B, pages]`, num_pages,
+        page_size, head_stride, page_stride) in elements; a slot is one page of max_len."""
+        num_pages, kv_heads, page_size, d = layer.shape
+        return slot_ids[:, None], num_pages, page_size, page_size * d, kv_heads * page_size * d
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -178,6 +209,37 @@ class PagedCache:
         out = gathered.reshape(kv_heads, b, n_pages * self.page_size, -1)[:, :, :kv_len]
         return out.swapaxes(0, 1)
 
+
+    paged = True
+
+    def transfer_unit(self, padded: int) -> int:
+        del padded
+        return self.page_size
+
+    @property
+    def no_page(self) -> int:
+        return self.num_pages  # out of range: a write there is dropped
+
+    def sequence_out(self, layer: jax.Array, slot, pages, padded: int) -> jax.Array:
+        """One layer's first `padded` positions held in `pages`: `[kv_heads, padded, head_dim]`."""
+        del slot
+        kv_heads, _, page_size, hd = layer.shape
+        return layer[:, pages].reshape(kv_heads, pages.shape[0] * page_size, hd)[:, :padded]
+
+    def sequence_in(self, layer: jax.Array, new: jax.Array, slot, pages) -> jax.Array:
+        """`new` (`[kv_heads, padded, head_dim]`) written into `pages`; pages out of range drop."""
+        del slot
+        kv_heads, _, page_size, hd = layer.shape
+        return layer.at[:, pages].set(new.reshape(kv_heads, pages.shape[0], page_size, hd).astype(layer.dtype),
+                                      mode="drop")
+
+    def copy(self, layer: jax.Array, src, dst) -> jax.Array:
+        """Pages `src` copied to `dst` (a fork's copy on write; out-of-range destinations dropped)."""
+        return layer.at[:, dst].set(layer[:, src], mode="drop")
+
+    def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
+        kv_heads, num_pages, page_size, d = layer.shape
+        return self.block_tables[slot_ids], num_pages, page_size, num_pages * page_size * d, page_size * d
 
     def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
         """Positions `[at, at + size)` of rows `slot_ids` (`at` and `size` multiples of the page

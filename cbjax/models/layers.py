@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.models import cpu_kernels
+from cbjax.models.ops import XLA, Ops
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -70,20 +70,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, cpu_kernel: bool = False) -> jax.Array:
-    """`x @ w.T + b` for a weight stored `[out, in]` (see cbjax/models/params.py);
-    `cpu_kernel` is the program's `ModelConfig.cpu_kernels`."""
-    if cpu_kernel and cpu_kernels.fits(x, w):
-        y = cpu_kernels.matmul_nt(x, w)
-    else:
-        y = jnp.einsum("...d,od->...o", x, w)
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, ops: Ops = XLA) -> jax.Array:
+    """`x @ w.T + b` for a weight stored `[out, in]` (see cbjax/models/params.py), by `ops`."""
+    y = ops.dense(x, w)
     return y if b is None else y + b
 
 
-def mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
-    up = dense(x, p["w_up"], p.get("b_up"), config.cpu_kernels)
+def mlp(x: jax.Array, p: dict, config: ModelConfig, ops: Ops = XLA) -> jax.Array:
+    up = dense(x, p["w_up"], p.get("b_up"), ops)
     if config.is_gpt2:
         h = jax.nn.gelu(up, approximate=True)
     else:
-        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), config.cpu_kernels)) * up
-    return dense(h, p["w_down"], p.get("b_down"), config.cpu_kernels)
+        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), ops)) * up
+    return dense(h, p["w_down"], p.get("b_down"), ops)

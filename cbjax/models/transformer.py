@@ -25,19 +25,19 @@ import jax
 import jax.numpy as jnp
 
 from cbjax.config import ModelConfig
-from cbjax.models import cpu_kernels
+from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
-def _qkv(x, p, config, cos, sin):
+def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
-    q = dense(h, p["wq"], p.get("bq"), config.cpu_kernels).reshape(b, t, config.num_heads, hd)
-    k = dense(h, p["wk"], p.get("bk"), config.cpu_kernels).reshape(b, t, config.num_kv_heads, hd)
-    v = dense(h, p["wv"], p.get("bv"), config.cpu_kernels).reshape(b, t, config.num_kv_heads, hd)
+    q = dense(h, p["wq"], p.get("bq"), ops).reshape(b, t, config.num_heads, hd)
+    k = dense(h, p["wk"], p.get("bk"), ops).reshape(b, t, config.num_kv_heads, hd)
+    v = dense(h, p["wv"], p.get("bv"), ops).reshape(b, t, config.num_kv_heads, hd)
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.norm_eps)
         k = rms_norm(k, p["k_norm"], config.norm_eps)
@@ -95,20 +95,24 @@ def _blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, hi
 
 
 def _reference_attention(q, k, v, cache, layer_k, layer_v, window, slot_ids, positions, history_end, num_valid,
-                         kv_len, all_slots, flat_rows, cpu_kernel=False, history_block=None):
+                         kv_len, all_slots, flat_rows, ops: Ops = XLA, history_block=None):
     """The layer cache's first `kv_len` positions before `history_end` (the history) plus
     the new keys `k`/`v` (`[B, T, kv_heads, d]`), merged by their softmax statistics.
-    `history_block`: read the history in blocks up to the longest one instead (kv_len unused)."""
+    `history_block`: read the history in blocks up to the longest one instead (kv_len unused).
+    `ops` may read the history its own way (the CPU kernel: each row only up to its length)."""
     scale = q.shape[-1] ** -0.5
     t = q.shape[1]
     parts = []
-    if kv_len and cpu_kernel and cpu_kernels.attends(q, layer_k):
+    own = None
+    if kv_len:
         # The same history part, each row reading its keys once up to its own length
         pos = positions[:, 0]
         lo = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)
         hi = jnp.minimum(jnp.minimum(history_end, pos + 1), kv_len)
-        parts.append(cpu_kernels.history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi))
-    elif history_block:
+        own = ops.history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi)
+    if own is not None:
+        parts.append(own)
+    elif kv_len and history_block:
         parts.append(_blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end,
                                       num_valid > 0, history_block, scale))
     elif kv_len:  # 0: nothing precedes the chunk (a fresh prefill), no cache read at all
@@ -147,6 +151,7 @@ def forward(
     embed: bool = True,  # static; False: `tokens` are hidden states [B, T, hidden] (a later pipeline stage)
     head: bool = True,  # static; False: return the hidden states after the last layer (an earlier stage)
     first_layer: int = 0,  # static: the model layer that params["layers"][0] is (pipeline stages)
+    ops: Ops = XLA,  # static: the backend's operations (cbjax/models/ops.py)
     history_block: int | None = None,  # static: read the history in blocks up to the longest (not kv_len)
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
@@ -155,7 +160,7 @@ def forward(
     (`params["layers"]` and `cache` hold just those): `embed`/`head` say whether it
     starts from token ids and ends in logits."""
     b, t = tokens.shape[:2]
-    if paged_kernel and (not hasattr(cache, "block_tables") or any(config.windows)):
+    if paged_kernel and (not cache.paged or any(config.windows)):
         raise ValueError("the Pallas decode kernel needs the paged cache and full (non-sliding) attention")
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
@@ -186,7 +191,7 @@ def forward(
     # unrolled, every matmul reads its weights in place and every cache write is in place.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
-        q, k, v = _qkv(x, p, config, cos, sin)
+        q, k, v = _qkv(x, p, config, cos, sin, ops)
         # Written before it is read: the read then depends on the write, so XLA updates the
         # layer's buffer in place instead of keeping a copy of the old one for the read
         # (written after, every layer's cache was copied twice per call).
@@ -196,10 +201,10 @@ def forward(
             out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged)
         else:
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
-                                       history_end, num_valid, kv_len, all_slots, flat_rows, config.cpu_kernels,
+                                       history_end, num_valid, kv_len, all_slots, flat_rows, ops,
                                        history_block)
-        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), config.cpu_kernels)
-        x = x + mlp(norm(x, p["mlp_norm"], config), p, config)
+        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), ops)
+        x = x + mlp(norm(x, p["mlp_norm"], config), p, config, ops)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         ks, vs = ([jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in kv] for kv in (ks, vs))
@@ -217,5 +222,5 @@ def forward(
     x = norm(x, params["final_norm"], config)
     # Contract against the rows of `[vocab, hidden]`: `x @ embed.T` made XLA:CPU copy the whole
     # transposed embedding (113 MB for SmolLM2) in every decode step.
-    logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"], cpu_kernel=config.cpu_kernels)
+    logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"], ops=ops)
     return logits.astype(jnp.float32), cache

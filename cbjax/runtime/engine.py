@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 
-from cbjax.models import cpu_kernels
+from cbjax.models.ops import XLA
+from cbjax.runtime import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
 from cbjax.runtime import programs, sharding, step
@@ -37,7 +38,7 @@ Call = tuple[object, list[int]]
 
 
 def use_cpu_kernels(choice: str, params, mesh) -> bool:
-    """ModelConfig.cpu_kernels for an engine: the kernels need f32 weights on one CPU device."""
+    """Whether an engine runs the CPU kernels: they need f32 weights on one CPU device."""
     if choice == "off":
         return False
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
@@ -74,8 +75,8 @@ class Engine:
             self.params = sharding.shard_params(model.params, mc, mesh)
         else:
             self.params = model.params
-        # The model config the programs are traced with: the model's, plus which kernels they use.
-        self.program_config = mc.replace(cpu_kernels=use_cpu_kernels(config.cpu_kernels, self.params, mesh))
+        # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
+        self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
         self.reset()
 
     def _configure(self, model, config: EngineConfig) -> None:
@@ -189,8 +190,9 @@ class Engine:
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
         return ((self.params, self.cache, self.state, *packed),
-                dict(config=self.program_config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
-                     paged_kernel=self.config.attention == "pallas", history_block=self.history_block()))
+                dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
+                     paged_kernel=self.config.attention == "pallas", history_block=self.history_block(),
+                     ops=self.ops))
 
     def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
         args, static = self._step_arguments(packed, steps)

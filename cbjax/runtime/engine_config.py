@@ -57,7 +57,7 @@ class EngineConfig:
     # Default: max_num_batched_tokens, else DEFAULT_STEP_TOKENS for the engine's platform.
     max_step_tokens: int | None = None
     # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
-    # cbjax/models/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
+    # cbjax/runtime/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
     # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0

@@ -17,10 +17,8 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from cbjax.models.kv_cache import PagedCache
 from cbjax.runtime import sharding
 from cbjax.runtime.device_state import TRACE_COUNTS
 
@@ -54,13 +52,10 @@ def _pages_for(table: list[int], padded: int, page_size: int, fill: int) -> np.n
 @functools.partial(jax.jit, static_argnames=("padded",))
 def _gather(cache, state, slot, pages, *, padded):
     TRACE_COUNTS[("get_sequence", type(cache).__name__, padded)] += 1
-    if isinstance(cache, PagedCache):
-        def take(layer):  # [kv_heads, pages, page_size, hd] -> [kv_heads, pages x page_size, hd]
-            kv_heads, _, page_size, hd = layer.shape
-            return layer[:, pages].reshape(kv_heads, pages.shape[0] * page_size, hd)[:, :padded]
-    else:
-        def take(layer):
-            return jax.lax.dynamic_slice_in_dim(layer[slot], 0, padded, axis=1)
+
+    def take(layer):
+        return cache.sequence_out(layer, slot, pages, padded)
+
     return tuple(map(take, cache.k)), tuple(map(take, cache.v)), state.rows(slot[None])
 
 
@@ -68,14 +63,10 @@ def _gather(cache, state, slot, pages, *, padded):
 def _scatter(cache, state, k, v, row, slot, pages, length):
     padded = k[0].shape[1]
     TRACE_COUNTS[("insert_sequence", type(cache).__name__, padded)] += 1
-    if isinstance(cache, PagedCache):
-        def put(layer, new):  # pages past the sequence's are out of range and dropped
-            kv_heads, _, page_size, hd = layer.shape
-            return layer.at[:, pages].set(new.reshape(kv_heads, pages.shape[0], page_size, hd).astype(layer.dtype),
-                                          mode="drop")
-    else:
-        def put(layer, new):
-            return jax.lax.dynamic_update_slice(layer, new[None].astype(layer.dtype), (slot, 0, 0, 0))
+
+    def put(layer, new):
+        return cache.sequence_in(layer, new, slot, pages)
+
     cache = dataclasses.replace(cache, k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)),
                                 lengths=cache.lengths.at[slot].set(length))
     state = jax.tree.map(lambda field, new: field.at[slot].set(new[0]), state, row)
@@ -84,7 +75,7 @@ def _scatter(cache, state, k, v, row, slot, pages, length):
 
 def get_sequence(engine, slot: int, length: int, pages: list[int] | None, padded: int) -> SequenceKV:
     """Slot `slot`'s first `length` cached positions (paged: held in `pages`) and state row."""
-    page_size = engine.cache.page_size if isinstance(engine.cache, PagedCache) else padded
+    page_size = engine.cache.transfer_unit(padded)
     table = _pages_for(pages or [], -(-padded // page_size) * page_size, page_size, 0)
     k, v, row = _gather(engine.cache, engine.state, engine.put(np.int32(slot)), engine.put(table),
                         padded=padded)
@@ -107,11 +98,10 @@ def move(seq: SequenceKV, engine) -> SequenceKV:
 def insert_sequence(engine, seq: SequenceKV, slot: int, pages: list[int] | None) -> None:
     """Write `seq` (already at `engine`'s shardings) into slot `slot` (paged: into `pages`)."""
     padded = seq.k[0].shape[1]
-    paged = isinstance(engine.cache, PagedCache)
-    page_size = engine.cache.page_size if paged else padded
-    fill = engine.cache.num_pages if paged else 0
+    cache = engine.cache
+    page_size, fill = cache.transfer_unit(padded), cache.no_page
     table = _pages_for(pages or [], padded, page_size, fill)
-    if paged:
+    if cache.paged:
         table[-(-seq.length // page_size):] = fill  # only the pages holding the sequence are written
     engine.cache, engine.state = _scatter(engine.cache, engine.state, seq.k, seq.v, seq.state,
                                           engine.put(np.int32(slot)), engine.put(table),

@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cbjax.models.kv_cache import PagedCache
 from cbjax.runtime.device_state import record_tokens
 
 
@@ -18,11 +17,8 @@ from cbjax.runtime.device_state import record_tokens
 def copy_kv(cache, src, dst):
     """Copy keys and values from `src` to `dst` (`[N]` int32, `dst` padded with an out-of-range
     id): whole slots of a `SlotCache`, pages of a `PagedCache` (a fork's copy on write)."""
-    axis = 1 if isinstance(cache, PagedCache) else 0
-
     def copy(layer):
-        index = (slice(None),) * axis
-        return layer.at[index + (dst,)].set(layer[index + (src,)], mode="drop")
+        return cache.copy(layer, src, dst)
 
     return dataclasses.replace(cache, k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
 

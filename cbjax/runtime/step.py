@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.models import forward
+from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
 from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens
 from cbjax.runtime.sampling import count_sampled, sample_next
@@ -196,7 +197,7 @@ def resolve(state, lengths, flat, ints) -> Resolved:
 
 
 def run_layers(params, config, cache, batch: Resolved, *, hidden=None, paged_kernel=False, history_block=None,
-               first_layer=0, embed=True, head=True):
+               first_layer=0, embed=True, head=True, ops=XLA):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
     `head=False`, the hidden states of every token), and the cache with the keys written."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
@@ -208,7 +209,7 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, paged_ker
                          slot_ids=batch.token_slot, kv_len=cache.max_len, logits_rows=last_token,
                          paged_kernel=paged_kernel, ragged=ragged, flat_rows=batch.token_row,
                          history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
-                         history_block=history_block, first_layer=first_layer, embed=embed, head=head)
+                         history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops)
     # Several tokens of one slot set its length in any order; one write per row settles it.
     lengths = cache.lengths.at[jnp.where(batch.q_len > 0, batch.slot, cache.num_slots)].set(
         batch.start + batch.q_len, mode="drop")
@@ -246,22 +247,22 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     return out, logprobs, state
 
 
-_STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "history_block")
+_STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "history_block", "ops")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
 def ragged_step(params, cache, state, flat, ints, floats, *, config, max_len, steps=1, max_logprobs=0,
-                paged_kernel=False, history_block=None):
+                paged_kernel=False, history_block=None, ops=XLA):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state."""
-    TRACE_COUNTS[("step", config, flat.shape[1], steps, cache.num_slots)] += 1
+    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots)] += 1
 
     def one_step(carry, _):
         cache, state = carry
         batch = resolve(state, cache.lengths, flat, ints)
         logits, cache = run_layers(params, config, cache, batch, paged_kernel=paged_kernel,
-                                   history_block=history_block)
+                                   history_block=history_block, ops=ops)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
                                            max_logprobs=max_logprobs)
         return (cache, state), (out, logprobs)

@@ -1,12 +1,12 @@
-"""The CPU kernels of decode steps (cpu_kernels.cc) as JAX ops.
+"""The CPU kernels of decode steps (cpu_kernels.cc) as JAX ops: an optional CPU backend.
 
-A program traced with `ModelConfig.cpu_kernels` (the engine sets it on a single-device CPU
-engine: `EngineConfig.cpu_kernels`) sends two things here:
+`CPU_KERNELS`, the model's `Ops` (cbjax/models/ops.py) for a single-device CPU engine
+(`EngineConfig.cpu_kernels`), takes two things from XLA:
 
-- `layers.dense`: matmuls of at most `MAX_ROWS` rows (decode-sized; prefill's larger ones stay
+- `dense`: matmuls of at most `MAX_ROWS` rows (decode-sized; prefill's larger ones stay
   with XLA's GEMM, which is as fast there);
-- the transformer's history attention for one query token per row (decode steps and the
-  mixed step's flat rows), on the slot and the paged cache alike.
+- the history attention of one query token per row (the step's flat rows), on the slot
+  and the paged cache alike, each row read only up to its own length.
 
 The pure-JAX code they replace is the reference (tests compare the two). The kernels are
 compiled once per machine with the system C++ compiler (`$CXX`, else `c++`) against the XLA
@@ -32,6 +32,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from cbjax.models.ops import Ops
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention")
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
@@ -137,14 +139,8 @@ def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Arra
     `[B, kv_heads, group, 1]`."""
     _require()
     b, _, hq, d = q.shape
-    if hasattr(cache, "block_tables"):  # pool [kv_heads, pages, page_size, d]
-        kv_heads, num_pages, page_size, _ = layer_k.shape
-        tables = cache.block_tables[slot_ids]
-        head_stride, page_stride = num_pages * page_size * d, page_size * d
-    else:  # [slots, kv_heads, max_len, d]: one page per slot
-        num_pages, kv_heads, page_size, _ = layer_k.shape
-        tables = slot_ids[:, None]
-        head_stride, page_stride = page_size * d, kv_heads * page_size * d
+    tables, num_pages, page_size, head_stride, page_stride = cache.kernel_layout(layer_k, slot_ids)
+    kv_heads = layer_k.shape[cache.head_axis]
     group = hq // kv_heads
     shapes = (jax.ShapeDtypeStruct((b, kv_heads, group, d), jnp.float32),
               jax.ShapeDtypeStruct((b, kv_heads, group), jnp.float32),
@@ -154,3 +150,18 @@ def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Arra
         hi.astype(jnp.int32), scale=np.float32(d ** -0.5), page_size=np.int64(page_size),
         head_stride=np.int64(head_stride), page_stride=np.int64(page_stride), num_pages=np.int64(num_pages))
     return out[:, :, :, None], top[..., None], total[..., None]
+
+
+class CpuKernelOps(Ops):
+    """The model's operations with the C++ kernels where they fit, XLA's elsewhere."""
+
+    def dense(self, x, w):
+        return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
+
+    def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
+        if not attends(q, layer_k):
+            return None
+        return history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi)
+
+
+CPU_KERNELS = CpuKernelOps()

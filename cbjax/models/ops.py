@@ -1,0 +1,36 @@
+"""The model's replaceable operations: what a backend may do its own way.
+
+`forward` takes an `Ops` as a static argument (hashable: one instance per backend), so a
+backend choice is part of a program's key but not of the model's config. `Ops` itself is
+XLA's way and the reference: a backend (cbjax/runtime/cpu_kernels.py, the C++ CPU
+kernels) subclasses it and says, per call, whether it takes the work or leaves it here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+class Ops:
+    def dense(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """`x @ w.T` for a weight stored `[out, in]` (see cbjax/models/params.py)."""
+        return jnp.einsum("...d,od->...o", x, w)
+
+    def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
+        """`attention_part` of one query token per row over cached positions [lo, hi) of each
+        row's slot, or None to leave it to the reference read (cbjax/models/transformer.py)."""
+        del q, cache, layer_k, layer_v, slot_ids, lo, hi
+        return None
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+XLA = Ops()
