@@ -31,6 +31,24 @@ def progress_bar(total: int | None, use_tqdm: bool, desc: str):
     return tqdm(total=total, desc=desc, disable=not use_tqdm, unit="req")
 
 
+def drive(core, clock, bar) -> list[Request]:
+    """Run rounds on `core` until nothing is unfinished (no more arrivals: a static batch may
+    run partial); returns what finished, in finishing order."""
+    finished = []
+    core.drain(True)
+    try:
+        while core.has_unfinished():
+            done = [r for r in core.run_round() if r.finished]
+            finished += done
+            bar.update(len(done))
+            if core.idle and core.has_unfinished():
+                sleep_until(clock, core.wake_time)
+    finally:
+        bar.close()
+        core.drain(False)
+    return finished
+
+
 class LLM:
     def __init__(self, model: str | Model, args: EngineArgs | None = None, *,
                  clock: Callable[[], float] = time.perf_counter, simulate=None, devices: Sequence | None = None,
@@ -234,8 +252,7 @@ class LLM:
         `error` output with its message; the others run unharmed."""
         workload = offline_workload(prompts, sampling_params)
         bar = progress_bar(len(workload), use_tqdm, desc or self._desc())
-        ids: list[str | None] = []
-        errors: dict[int, str] = {}
+        ids, errors = [], {}  # request ids in order (None: refused), refusals' messages by index
         for i, (_, prompt, sampling) in enumerate(workload):
             try:
                 ids.append(self.add_request(prompt, sampling))
@@ -243,7 +260,7 @@ class LLM:
                 ids.append(None)
                 errors[i] = str(e)
                 bar.update(1)
-        return self._collect(ids, errors, self._drive(bar), workload)
+        return self._collect(ids, errors, drive(self.core, self.clock, bar), workload)
 
     def _collect(self, ids, errors, finished, workload) -> list[RequestOutput]:
         """Outputs in workload order. Requests added online that finished while this call drove
@@ -262,7 +279,7 @@ class LLM:
     def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every request has finished; returns (and releases) the outputs of the
         requests that finished meanwhile, in the order they finished."""
-        finished = self._finished_unreturned + self._drive(progress_bar(None, use_tqdm, self._desc()))
+        finished = self._finished_unreturned + drive(self.core, self.clock, progress_bar(None, use_tqdm, self._desc()))
         self._finished_unreturned = []
         return self.outputs_of(finished)
 
@@ -270,23 +287,6 @@ class LLM:
         """Hand back (and release) the outputs of requests that finished in rounds run
         outside `step` (`finish_round`, the engine core's `run_round`)."""
         return self._hand_back(finished, stream=False)
-
-    def _drive(self, bar) -> list[Request]:
-        """Run rounds on the core until nothing is unfinished (no more arrivals: a static batch
-        may run partial); returns what finished, in finishing order."""
-        core, finished = self.core, []
-        core.drain(True)
-        try:
-            while core.has_unfinished():
-                done = [r for r in core.run_round() if r.finished]
-                finished += done
-                bar.update(len(done))
-                if core.idle and core.has_unfinished():
-                    sleep_until(self.clock, core.wake_time)
-        finally:
-            bar.close()
-            core.drain(False)
-        return finished
 
     def _desc(self) -> str:
         return self.scheduler_config.policy + ("-paged" if self.pages is not None else "")

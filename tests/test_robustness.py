@@ -47,7 +47,7 @@ def test_requests_finishing_on_their_first_token_are_returned(model):
     assert finished[ids[1]].token_ids == [first[1]] and finished[ids[1]].finish_reason == "stop"
     for p in prompts:
         llm.add_request(p, SamplingParams(max_tokens=1))
-    assert len(llm._run_until_done(3, False, None)) == 3
+    assert len(llm.run_until_done()) == 3
 
 
 # 2 ---------------------------------------------------------------------------------------

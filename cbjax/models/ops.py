@@ -1,6 +1,6 @@
 """The model's replaceable operations: what a backend may do its own way.
 
-`forward` takes an `Ops` as a static argument (hashable: one instance per backend), so a
+`forward` takes an `Ops` as a static argument (one instance per backend), so a
 backend choice is part of a program's key but not of the model's config. `Ops` itself is
 XLA's way and the reference: a backend (cbjax/runtime/cpu_kernels.py, the C++ CPU
 kernels) subclasses it and says, per call, whether it takes the work or leaves it here.
@@ -23,11 +23,8 @@ class Ops:
         del q, cache, layer_k, layer_v, slot_ids, lo, hi
         return None
 
-    def __eq__(self, other) -> bool:
-        return type(self) is type(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
+    # One instance per backend (module singletons), so identity is equality: a jit hashes
+    # this static argument on every call, and object's own hash costs no Python frame.
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
