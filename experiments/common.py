@@ -18,7 +18,8 @@ def quiet_libraries() -> None:
     import logging
 
     # font cache, "Unable to initialize backend 'tpu'", one INFO line per HTTP request
-    for name in ("matplotlib", "jax._src.xla_bridge", "httpx", "httpx2", "httpcore", "openai"):
+    for name in ("matplotlib", "jax._src.xla_bridge", "jax._src.compilation_cache", "httpx", "httpx2", "httpcore",
+                 "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         import transformers
