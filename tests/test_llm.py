@@ -267,3 +267,19 @@ def test_overlap_runs_decode_ahead_without_changing_outputs(layout):
         if llm.pages is not None:
             assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_admitted_in_a_round_gets_its_first_token_in_that_round(overlap):
+    """vLLM's scenario: admit, step once, the first token is out, also while a decode call
+    runs ahead of the host (overlap), whose round then admits and prefills the newcomer."""
+    llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, overlap=overlap)
+    llm.add_request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert llm.core.in_flight == overlap  # a decode call dispatched ahead, not yet recorded
+    late = llm.add_request([8, 9, 10, 11], SamplingParams(max_tokens=5, ignore_eos=True))
+    outputs = {o.request_id: o for o in llm.step()}
+    # its first token (and, prefill_first, the same round's decode token) is out now
+    assert late in outputs and len(outputs[late].new_token_ids) >= 1
+    llm.run_until_done()
