@@ -254,3 +254,21 @@ def test_bench_overlap_reports_both_settings_with_equal_tokens(tmp_path):
     for r in rows:
         assert r["same_tokens"] and r["rounds_off"] > 0 and r["rounds_on"] > 0
         assert r["round_ms_off"] > 0 and r["round_ms_on"] > 0 and r["device_ms_on"] > 0
+
+
+def test_bench_layer_loop_times_both_loops(tmp_path):
+    out = tmp_path / "layer_loop.json"
+    run_script("bench_layer_loop.py", "--model=tiny-llama", "--tokens=1,4", "--repeats=1", f"--output_json={out}")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 4]
+    assert all(r[k] > 0 for r in rows for k in ("unrolled_compile_s", "scanned_compile_s", "unrolled_run_ms",
+                                                   "scanned_run_ms"))
+
+
+def test_bench_startup_times_a_cold_and_a_cached_launch(tmp_path):
+    out = tmp_path / "startup.json"
+    run_script("bench_startup.py", "--model=tiny-llama", "--num_slots=2", "--max_seq_len=64",
+               f"--compilation_cache={tmp_path / 'cache'}", f"--output_json={out}")
+    launches = json.loads(out.read_text())["launches"]
+    assert len(launches) == 2 and all(run["health_s"] > 0 and run["programs"] == 10 for run in launches)
+    assert any((tmp_path / "cache").iterdir()), "the first launch left its programs in the cache"
