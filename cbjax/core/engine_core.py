@@ -4,8 +4,9 @@ A round asks the scheduler for a `Plan`, deactivates the slots it preempted, han
 engine the paged block tables, runs the plan's rows through the engine's one step (prompt
 rows and then decode rows, or both in one step), copies the results to the host once, and
 records them with the scheduler in one place (`_record`), whatever the round's kind. The
-front door (`LLM`) only takes requests in and hands outputs out; the server loop, the replicas front and the simulator's profiler use this class's
-public hooks (`load`, `idle`, `wake_time`, `run_round`, `engine_swapped`).
+front door (`LLM`) only takes requests in and hands outputs out; the server loop, the
+replicas front and the simulator's profiler use this class's public hooks (`load`, `idle`,
+`wake_time`, `run_round`, `engine_swapped`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The device engine: `run` puts a round's rows (prompt chunks, decodes, or both) through
-the one jitted step (step.py), in calls of at most the largest token bucket.
+the one jitted step (step.py), in calls of at most the step budget.
 
 JetStream's vocabulary: `prefill` computes a prompt chunk's keys and values and
 `insert`s them into a slot; `generate`/`decode` advances every active slot. Here both are
@@ -21,12 +21,10 @@ import os
 import jax
 import numpy as np
 
-
-from cbjax.models.ops import XLA
-from cbjax.runtime import cpu_kernels
 from cbjax.models.kv_cache import PagedCache, SlotCache
+from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
-from cbjax.runtime import programs, sharding, step
+from cbjax.runtime import cpu_kernels, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
@@ -58,7 +56,6 @@ class Engine:
     # Its decode reads each slot's last token from the device state, so the host may dispatch the
     # next decode before reading this one's tokens (EngineCore's overlap).
     can_run_ahead = True
-    _compiles_ahead = True  # warm-up may compile its programs concurrently (`_compile`)
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
@@ -104,8 +101,7 @@ class Engine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
         self.stop_ids_for(sampling)  # refuses too many stop ids
-        step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias,
-                                   self.model.config.vocab_size)
+        step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""
@@ -183,10 +179,16 @@ class Engine:
         calls = []
         for members in self.split(rows):
             call_rows = [r for _, r in members]
-            num_tokens = self.call_tokens(call_rows)
-            packed = pack(call_rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
-            calls.append((self._step(packed, steps), [i for i, _ in members]))
+            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps),
+                          [i for i, _ in members]))
         return calls
+
+    def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
+        return pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+
+    def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
+        """One call of the step on packed rows (a pipeline runs it through its stages)."""
+        return self._step(packed, steps)
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
         return ((self.params, self.cache, self.state, *packed),
@@ -199,14 +201,21 @@ class Engine:
         out, self.cache, self.state = ragged_step(*args, **static)
         return out
 
-    def _padding(self, num_tokens: int) -> tuple[np.ndarray, ...]:
-        return pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
-
     def _compile(self, num_tokens: int, steps: int) -> None:
         """Compile one program ahead of time (it lands in the jit's cache: the first call with
         these shapes then compiles nothing)."""
-        args, static = self._step_arguments(self._padding(num_tokens), steps)
+        args, static = self._step_arguments(self._pack([], num_tokens), steps)
         ragged_step.lower(*args, **static).compile()
+
+    def _compile_all(self, progs: list[tuple]) -> None:
+        """Compiled ahead of time, not run: a padding step of 512 tokens costs a second of CPU.
+        The programs are independent, so they compile on a thread per core (XLA releases the
+        GIL): no gain on XLA:CPU, whose compiler already splits one program over the cores (10
+        SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but the tracing of one
+        overlaps another's compile or persistent-cache read."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(max(min(len(progs), cores), 1)) as pool:
+            list(pool.map(lambda p: self._compile(*p[1:]), progs))
 
     def programs(self, only: str | None = None) -> list[tuple]:
         """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
@@ -221,27 +230,11 @@ class Engine:
                       and ("step", n, steps) not in progs]
         return progs
 
-    def _warm(self, num_tokens: int, steps: int) -> jax.Array:
-        """A step of nothing but padding: compiles its program if nothing has yet."""
-        return self._step(self._padding(num_tokens), steps)
-
     def warmup(self, only: str | None = None) -> int:
         """Compile every program up front (so timings and latencies exclude compilation);
         leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
         progs = self.programs(only)
-        if self._compiles_ahead:
-            # Compiled ahead of time, not run: a padding step of 512 tokens costs a second of
-            # CPU. The programs are independent, so they compile on a thread per core (XLA
-            # releases the GIL): no gain on XLA:CPU, whose compiler already splits one program
-            # over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but
-            # the tracing of one overlaps another's compile or persistent-cache read.
-            workers = min(len(progs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                          else os.cpu_count() or 1)
-            with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
-                list(pool.map(lambda p: self._compile(*p[1:]), progs))
-        else:
-            for _, num_tokens, steps in progs:
-                jax.block_until_ready(self._warm(num_tokens, steps))
+        self._compile_all(progs)
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():

@@ -29,7 +29,7 @@ from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
 from cbjax.runtime.engine import Engine
-from cbjax.runtime.step import pack, resolve, row_bucket, run_layers, sample_rows
+from cbjax.runtime.step import resolve, run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
 from cbjax.scheduling.plan import Row
 
@@ -84,7 +84,6 @@ class PipelineEngine(Engine):
 
     reads_block_tables = False
     can_run_ahead = False  # its decode hands activations between stages through the host loop
-    _compiles_ahead = False  # its programs are per stage: compiled by the warm-up calls themselves
 
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)
@@ -163,16 +162,14 @@ class PipelineEngine(Engine):
                 self._new_round()  # a round is its prompt calls, then its decode calls
             return [self._decode(rows, steps)]
         self._new_round()
-        self._record_histories(rows)
-        calls = []
-        for k, members in enumerate(self.split(rows)):
-            call_rows = [r for _, r in members]
-            num_tokens = self.call_tokens(call_rows)
-            packed = pack(call_rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
-            attended = max(r.start + r.num_tokens for r in call_rows)
-            calls.append((self._through_stages(packed, ("prefill", k), "prefill", attended)[None],
-                          [i for i, _ in members]))
-        return calls
+        return super().run(rows, steps)
+
+    def _dispatch(self, packed, steps: int) -> jax.Array:
+        """A call of prompt rows through the stages (logged with the longest row's end as its
+        attended length)."""
+        ints = packed[1]
+        attended = int((ints[:, step.START] + ints[:, step.QLEN]).max())
+        return self._through_stages(packed, ("prefill", len(self.call_log[-1])), "prefill", attended)[None]
 
     def _decode(self, rows: list[Row], steps: int):
         longest = max(r.request.num_tokens if r.request is not None else r.start + 1 for r in rows)
@@ -182,7 +179,7 @@ class PipelineEngine(Engine):
             step_out = []
             for g, group in enumerate(self.groups):
                 group_rows = [Row(slot, [], 0) for slot in group]
-                packed = pack(group_rows, per_group, row_bucket(per_group, self.num_slots), self.sampling_row)
+                packed = self._pack(group_rows, per_group)
                 step_out.append(self._through_stages(packed, ("decode", g), "decode", longest + i))
             outs.append(jnp.concatenate(step_out))
         # The results come in slot order: the round's row of slot s is at s.
@@ -217,9 +214,12 @@ class PipelineEngine(Engine):
         progs = [("stages", n, 1) for n in self.token_buckets()] if only != "decode" else []
         return progs + ([("stages", per_group, 1)] if ("stages", per_group, 1) not in progs else [])
 
-    def _warm(self, num_tokens: int, steps: int) -> jax.Array:
-        packed = pack([], num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
-        return self._through_stages(packed, ("warmup", num_tokens), "prefill", 0)
+    def _compile_all(self, progs: list[tuple]) -> None:
+        """A padding pass per program, in turn: its programs are per stage and device, and each
+        pass updates the stages' caches."""
+        for _, num_tokens, _ in progs:
+            padding = self._pack([], num_tokens)
+            jax.block_until_ready(self._through_stages(padding, ("warmup", num_tokens), "prefill", 0))
 
 
 def bubble_fraction(rounds: list[list[StageCall]], seconds, num_stages: int) -> dict:

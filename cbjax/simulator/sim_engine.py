@@ -107,7 +107,7 @@ class SimulatedEngine(Engine):
         return token, done
 
     # ------------------------------------------------------------ the step
-    def _step(self, rows: list[Row], steps: int) -> np.ndarray:
+    def _call(self, rows: list[Row], steps: int) -> np.ndarray:
         """One call of the step over `rows`: the device's answer `[steps, rows bucket, 2]`, and
         its cost charged. A call of prompt rows alone is charged as a prefill, of decode rows
         alone as a decode, of both as a mixed step."""
@@ -150,7 +150,7 @@ class SimulatedEngine(Engine):
         return out
 
     def run(self, rows: list[Row], steps: int = 1) -> list:
-        return [(self._step([r for _, r in members], steps), [i for i, _ in members]) for members in self.split(rows)]
+        return [(self._call([r for _, r in members], steps), [i for i, _ in members]) for members in self.split(rows)]
 
     def deactivate(self, slot: int) -> None:
         self.active[slot] = False
