@@ -143,32 +143,26 @@ def test_calibration_fit_recovers_known_costs_and_round_trips(tmp_path):
         LLM("tiny-llama", simulate="gtx-480")
 
 
-def test_calibrated_simulation_tracks_real_runs_within_a_loose_bound():
-    """Calibrate on one profile, predict another workload's run time (the exact errors on
-    SmolLM2 are measured by experiments/validate_simulator.py and quoted in the README)."""
+def test_calibrated_simulation_charges_the_real_engines_calls():
+    """Calibrate on one profile, then simulate another workload: the simulated time is exactly
+    the fitted cost of the calls the real engine makes for it (the same plan, charged). How
+    close that time comes to the wall clock is a measurement, not a pass/fail check:
+    experiments/validate_simulator.py prints it for SmolLM2 (docs/simulator.md)."""
     rounds = []
     for slots in (2, 8):
         llm = LLM("tiny-llama", num_slots=slots, max_seq_len=64)
         profile = [(w.prompt, w.sampling) for w in _work(32, seed=slots, max_prompt=30, cap=30)]
-        profile_rounds(llm, profile)  # compiles what the profile needs (cheaper than a full warm-up)
-        # The same rounds twice; each round's faster time, so a moment of load elsewhere on the
-        # machine does not end up in the fit.
         first, second = profile_rounds(llm, profile), profile_rounds(llm, profile)
         assert [calls for calls, _ in first] == [calls for calls, _ in second]
         rounds += [(calls, min(a, b)) for (calls, a), (_, b) in zip(first, second)]
     cost = CalibratedCost.fit(rounds)
     work = _work(48, seed=99, max_prompt=28, cap=32)
-    prompts, params = [w.prompt for w in work], [w.sampling for w in work]
-    real = LLM("tiny-llama", num_slots=6, max_seq_len=64)
-    real.generate(prompts, params, use_tqdm=False)  # compiles
-    real_s = float("inf")
-    for _ in range(2):  # the faster of two runs, as for the profile
-        t0 = real.clock()
-        real.generate(prompts, params, use_tqdm=False)
-        real_s = min(real_s, real.clock() - t0)
+    real = profile_rounds(LLM("tiny-llama", num_slots=6, max_seq_len=64), [(w.prompt, w.sampling) for w in work])
     sim = LLM("tiny-llama", num_slots=6, max_seq_len=64, simulate=cost)
-    sim.generate(prompts, params, use_tqdm=False)
-    assert 0.5 < sim.clock() / real_s < 2.0, (sim.clock(), real_s)
+    sim.generate([w.prompt for w in work], [w.sampling for w in work], use_tqdm=False)
+    charged = sum(cost.seconds(call) for calls, _ in real for call in calls)
+    assert sim.stats.rounds == len(real) and charged > 0
+    assert sim.clock() == pytest.approx(charged, rel=1e-9)
 
 
 def _run_script(name, *args):
