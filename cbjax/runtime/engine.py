@@ -217,6 +217,15 @@ class Engine:
         with concurrent.futures.ThreadPoolExecutor(max(min(len(progs), cores), 1)) as pool:
             list(pool.map(lambda p: self._compile(*p[1:]), progs))
 
+    def _run_once(self, progs: list[tuple]) -> None:
+        """Run each compiled program once on padding (the rows name no slot). XLA:CPU sets up a
+        program's YNNPACK matmuls at its first execution, not at compile: 0.6 s for a SmolLM2
+        step of 32+ tokens, which the first request through that program would pay."""
+        out = None
+        for _, num_tokens, steps in progs:
+            out = self._dispatch(self._pack([], num_tokens), steps)
+        jax.block_until_ready(out)
+
     def programs(self, only: str | None = None) -> list[tuple]:
         """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
         those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
@@ -235,6 +244,7 @@ class Engine:
         leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
         progs = self.programs(only)
         self._compile_all(progs)
+        self._run_once(progs)
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():
