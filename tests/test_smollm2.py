@@ -107,3 +107,27 @@ def test_shipped_length_predictor_loads_for_smollm2_and_reproduces_its_held_out_
     with open(os.path.join(root, "report.json")) as f:
         assert tau == pytest.approx(json.load(f)["held_out_kendall_tau"], abs=1e-6)
     assert tau > 0.5
+
+
+def test_converted_weights_are_kept_and_a_damaged_entry_converts_again(smollm2, tmp_path, monkeypatch):
+    from cbjax.loading import gguf
+
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    first = gguf.load_gguf(GGUF_PATH, with_tokenizer=False)
+    converted = gguf._converted_dir(GGUF_PATH)
+    assert converted.startswith(str(tmp_path)) and os.path.isfile(os.path.join(converted, "config.json"))
+
+    read = gguf._read
+    monkeypatch.setattr(gguf, "_read", lambda path: pytest.fail("converted the GGUF file again"))
+    second = gguf.load_gguf(GGUF_PATH, with_tokenizer=False)
+    assert second.config == first.config == smollm2.config
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        assert np.array_equal(a, b)
+
+    with open(os.path.join(converted, "config.json"), "w") as f:
+        f.write("{not json")
+    monkeypatch.setattr(gguf, "_read", read)
+    third = gguf.load_gguf(GGUF_PATH, with_tokenizer=False)
+    assert third.config == first.config
+    assert np.array_equal(third.params["embed"], first.params["embed"])
+    assert gguf._read_converted(GGUF_PATH) is not None  # written again

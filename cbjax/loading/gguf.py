@@ -8,7 +8,14 @@ layout into an interleaved one; `_unpermute` undoes that so the weights fit our
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -93,11 +100,16 @@ def gguf_config(reader, path: str) -> ModelConfig:
     )
 
 
-def _tokenizer_cache_dir(path: str) -> str:
+def _cache_dir(kind: str, path: str) -> str:
+    """Where something derived from the GGUF file at `path` is kept: under `$CBJAX_CACHE_DIR`
+    (default `~/.cache/cbjax`), keyed by the file's name, size and modification time."""
     stat = os.stat(path)
-    root = os.environ.get("CBJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "cbjax"))
-    key = f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}"
-    return os.path.join(root, "tokenizers", key)
+    root = os.environ.get("CBJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbjax")
+    return os.path.join(root, kind, f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    return _cache_dir("tokenizers", path)
 
 
 def load_gguf_tokenizer(path: str):
@@ -120,35 +132,79 @@ def load_gguf_tokenizer(path: str):
     return tokenizer
 
 
-def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
+def _read(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The config and every tensor, dequantized to float32 in our (Hugging Face) layout."""
     import gguf
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises assorted errors on a damaged file
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = gguf_config(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {}
+    for t in reader.tensors:
+        try:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        tensors[t.name] = w
+    return config, tensors
 
-    def loader(t):
-        def load():
-            try:
-                w = gguf.quants.dequantize(t.data, t.tensor_type)
-            except (NotImplementedError, ValueError) as e:
-                raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} "
-                                 f"({t.tensor_type.name}): {e}") from e
-            w = np.asarray(w, np.float32)
-            if t.name.endswith("attn_q.weight"):
-                return _unpermute(w, config.num_heads)
-            if t.name.endswith("attn_k.weight"):
-                return _unpermute(w, config.num_kv_heads)
-            return w
-        return load
 
+# Reading a GGUF file costs seconds (SmolLM2-135M: 2.4 s parsing its metadata, 1 s
+# dequantizing), most of a warm server start; the float32 tensors it yields are kept as .npy
+# files beside the tokenizer and memory-mapped on the next load (0.3 s). The key holds this
+# module's source, so a change to the conversion converts again.
+_CONVERTER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+def _converted_dir(path: str) -> str:
+    return f"{_cache_dir('converted', path)}-{_CONVERTER}"
+
+
+def _read_converted(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
+    cached = _converted_dir(path)
+    try:
+        with open(os.path.join(cached, "config.json")) as f:
+            saved = json.load(f)
+        config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
+        return config, {name: np.load(os.path.join(cached, f"{i}.npy"), mmap_mode="r")
+                        for i, name in enumerate(saved["tensors"])}
+    except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: convert again
+        return None
+
+
+def _write_converted(path: str, config: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+    cached = _converted_dir(path)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        for i, w in enumerate(tensors.values()):
+            np.save(os.path.join(tmp, f"{i}.npy"), w)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"config": dataclasses.asdict(config), "tensors": list(tensors)}, f)
+        shutil.rmtree(cached, ignore_errors=True)  # a damaged entry
+        os.rename(tmp, cached)  # whole or absent, whatever runs beside us
+    except OSError:  # a read-only or full disk (or another process won the race): convert next time
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    converted = _read_converted(path)
+    if converted is None:
+        converted = _read(path)
+        _write_converted(path, *converted)
+    config, tensors = converted
     names = [(p, ours, lambda w: w) for p, ours in _GGUF_NAMES]
-    params = convert_tensors({n: loader(t) for n, t in tensors.items()}, config, names, dtype,
-                             lambda n: path)
+    params = convert_tensors({n: functools.partial(np.asarray, w) for n, w in tensors.items()}, config, names,
+                             dtype, lambda n: path)
     tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
     return Model(config, params, tokenizer, source=os.path.abspath(path))

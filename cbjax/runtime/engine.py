@@ -208,19 +208,17 @@ class Engine:
         ragged_step.lower(*args, **static).compile()
 
     def _compile_all(self, progs: list[tuple]) -> None:
-        """Compiled ahead of time, not run: a padding step of 512 tokens costs a second of CPU.
-        The programs are independent, so they compile on a thread per core (XLA releases the
-        GIL): no gain on XLA:CPU, whose compiler already splits one program over the cores (10
-        SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but the tracing of one
-        overlaps another's compile or persistent-cache read."""
+        """Compile every program, then run each once on padding (the rows name no slot).
+
+        The run: XLA:CPU sets up a program's YNNPACK matmuls at its first execution, not at
+        compile, 0.6-1 s for a SmolLM2 step of 32+ tokens, which the first request through that
+        program would pay. The programs are independent, so they compile on a thread per core
+        (XLA releases the GIL): no gain on XLA:CPU, whose compiler already splits one program
+        over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but the
+        tracing of one overlaps another's compile or persistent-cache read."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(max(min(len(progs), cores), 1)) as pool:
             list(pool.map(lambda p: self._compile(*p[1:]), progs))
-
-    def _run_once(self, progs: list[tuple]) -> None:
-        """Run each compiled program once on padding (the rows name no slot). XLA:CPU sets up a
-        program's YNNPACK matmuls at its first execution, not at compile: 0.6 s for a SmolLM2
-        step of 32+ tokens, which the first request through that program would pay."""
         out = None
         for _, num_tokens, steps in progs:
             out = self._dispatch(self._pack([], num_tokens), steps)
@@ -244,7 +242,6 @@ class Engine:
         leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
         progs = self.programs(only)
         self._compile_all(progs)
-        self._run_once(progs)
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():
