@@ -22,9 +22,14 @@ ENV = "CBJAX_COMPILATION_CACHE"
 MIN_COMPILE_SECONDS = 0.2
 
 
+def cache_root() -> Path:
+    """Where cbjax keeps what it derives once per machine (compiled programs, the CPU kernels'
+    build, converted weights, tokenizers): `$CBJAX_CACHE_DIR`, else `~/.cache/cbjax`."""
+    return Path(os.environ.get("CBJAX_CACHE_DIR") or Path.home() / ".cache" / "cbjax")
+
+
 def default_dir() -> str:
-    root = os.environ.get("CBJAX_CACHE_DIR") or Path.home() / ".cache" / "cbjax"
-    return str(Path(root) / "jax")
+    return str(cache_root() / "jax")
 
 
 def enable(path: str | None = None) -> str | None:

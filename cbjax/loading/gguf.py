@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cbjax.compile_cache import cache_root
 from cbjax.loading.model import Model, convert_tensors
 from cbjax.config import ModelConfig
 
@@ -101,11 +102,10 @@ def gguf_config(reader, path: str) -> ModelConfig:
 
 
 def _cache_dir(kind: str, path: str) -> str:
-    """Where something derived from the GGUF file at `path` is kept: under `$CBJAX_CACHE_DIR`
-    (default `~/.cache/cbjax`), keyed by the file's name, size and modification time."""
+    """Where something derived from the GGUF file at `path` is kept (under `cache_root()`),
+    keyed by the file's name, size and modification time."""
     stat = os.stat(path)
-    root = os.environ.get("CBJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbjax")
-    return os.path.join(root, kind, f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+    return str(cache_root() / kind / f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
 
 
 def _tokenizer_cache_dir(path: str) -> str:
@@ -157,7 +157,7 @@ def _read(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
 # Reading a GGUF file costs seconds (SmolLM2-135M: 2.4 s parsing its metadata, 1 s
 # dequantizing), most of a warm server start; the float32 tensors it yields are kept as .npy
-# files beside the tokenizer and memory-mapped on the next load (0.3 s). The key holds this
+# files beside the tokenizer and memory-mapped on the next load (0.1 s). The key holds this
 # module's source, so a change to the conversion converts again.
 _CONVERTER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax.compile_cache import cache_root
 from cbjax.models.ops import Ops
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention")
@@ -64,7 +65,7 @@ def _compiler() -> str:
 def library_path() -> Path:
     key = "\n".join([SOURCE.read_text(), _compiler(), " ".join(_FLAGS), jax.__version__, platform.machine(),
                      _cpu_signature()])
-    cache = Path(os.environ.get("CBJAX_CACHE_DIR") or Path.home() / ".cache" / "cbjax")
+    cache = cache_root()
     return cache / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
