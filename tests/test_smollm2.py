@@ -113,9 +113,12 @@ def test_converted_weights_are_kept_and_a_damaged_entry_converts_again(smollm2, 
     from cbjax.loading import gguf
 
     monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
-    first = gguf.load_gguf(GGUF_PATH, with_tokenizer=False)
     converted = gguf._converted_dir(GGUF_PATH)
+    stale = gguf._cache_dir("converted", GGUF_PATH) + "-earlier"  # an entry of an earlier converter
+    os.makedirs(stale)
+    first = gguf.load_gguf(GGUF_PATH, with_tokenizer=False)
     assert converted.startswith(str(tmp_path)) and os.path.isfile(os.path.join(converted, "config.json"))
+    assert not os.path.exists(stale)
 
     read = gguf._read
     monkeypatch.setattr(gguf, "_read", lambda path: pytest.fail("converted the GGUF file again"))

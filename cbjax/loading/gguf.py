@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -132,8 +134,9 @@ def load_gguf_tokenizer(path: str):
     return tokenizer
 
 
-def _read(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """The config and every tensor, dequantized to float32 in our (Hugging Face) layout."""
+def _read(path: str) -> tuple[ModelConfig, dict[str, Callable[[], np.ndarray]]]:
+    """The config and a loader per tensor: dequantized to float32 in our (Hugging Face) layout,
+    one tensor at a time."""
     import gguf
 
     try:
@@ -141,18 +144,19 @@ def _read(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     except Exception as e:  # the gguf package raises assorted errors on a damaged file
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = gguf_config(reader, path)
-    tensors = {}
-    for t in reader.tensors:
+
+    def load(t) -> np.ndarray:
         try:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         except (NotImplementedError, ValueError) as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
         if t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, config.num_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, config.num_kv_heads)
-        tensors[t.name] = w
-    return config, tensors
+            return _unpermute(w, config.num_heads)
+        if t.name.endswith("attn_k.weight"):
+            return _unpermute(w, config.num_kv_heads)
+        return w
+
+    return config, {t.name: functools.partial(load, t) for t in reader.tensors}
 
 
 # Reading a GGUF file costs seconds (SmolLM2-135M: 2.4 s parsing its metadata, 1 s
@@ -166,33 +170,44 @@ def _converted_dir(path: str) -> str:
     return f"{_cache_dir('converted', path)}-{_CONVERTER}"
 
 
-def _read_converted(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
+def _read_converted(path: str) -> tuple[ModelConfig, dict[str, Callable[[], np.ndarray]]] | None:
     cached = _converted_dir(path)
     try:
         with open(os.path.join(cached, "config.json")) as f:
             saved = json.load(f)
         config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
-        return config, {name: np.load(os.path.join(cached, f"{i}.npy"), mmap_mode="r")
-                        for i, name in enumerate(saved["tensors"])}
+        # Mapped here (reading nothing yet), so a damaged file shows now and converts again.
+        mapped = {name: np.load(os.path.join(cached, f"{i}.npy"), mmap_mode="r")
+                  for i, name in enumerate(saved["tensors"])}
     except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: convert again
         return None
+    return config, {name: functools.partial(np.asarray, w) for name, w in mapped.items()}
 
 
-def _write_converted(path: str, config: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+def _write_converted(path: str, config: ModelConfig, loaders: dict[str, Callable[[], np.ndarray]]) -> bool:
+    """Convert every tensor into the cache, one at a time (a float32 copy of the whole model never
+    sits in memory). False when the disk would not take it."""
     cached = _converted_dir(path)
     tmp = None
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
-        for i, w in enumerate(tensors.values()):
-            np.save(os.path.join(tmp, f"{i}.npy"), w)
+        for i, load in enumerate(loaders.values()):
+            np.save(os.path.join(tmp, f"{i}.npy"), load())
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(config), "tensors": list(tensors)}, f)
+            json.dump({"config": dataclasses.asdict(config), "tensors": list(loaders)}, f)
         shutil.rmtree(cached, ignore_errors=True)  # a damaged entry
         os.rename(tmp, cached)  # whole or absent, whatever runs beside us
+        # Entries of this file's earlier versions, or of an earlier converter, are a model's
+        # size each on disk: they go.
+        for stale in glob.glob(os.path.join(os.path.dirname(cached), glob.escape(os.path.basename(path)) + "-*")):
+            if stale != cached:
+                shutil.rmtree(stale, ignore_errors=True)
+        return True
     except OSError:  # a read-only or full disk (or another process won the race): convert next time
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        return False
 
 
 def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
@@ -200,11 +215,11 @@ def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     converted = _read_converted(path)
     if converted is None:
-        converted = _read(path)
-        _write_converted(path, *converted)
-    config, tensors = converted
+        config, loaders = _read(path)
+        # Read back mapped when the cache took it; else converted again, tensor by tensor, below.
+        converted = (_write_converted(path, config, loaders) and _read_converted(path)) or (config, loaders)
+    config, loaders = converted
     names = [(p, ours, lambda w: w) for p, ours in _GGUF_NAMES]
-    params = convert_tensors({n: functools.partial(np.asarray, w) for n, w in tensors.items()}, config, names,
-                             dtype, lambda n: path)
+    params = convert_tensors(loaders, config, names, dtype, lambda n: path)
     tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
     return Model(config, params, tokenizer, source=os.path.abspath(path))
