@@ -1,6 +1,7 @@
-"""The ragged paged-attention kernel (interpret mode) against its pure-JAX reference, and the
-reference against a plain per-token loop: odd head dims, MHA/GQA/MQA, empty rows, lengths
-0/1/page boundaries, decodes beside prefill chunks, f32 and bf16."""
+"""The ragged paged-attention kernels (Triton's and Mosaic TPU's, each in its interpret mode)
+against their pure-JAX reference, and the reference against a plain per-token loop: MHA/GQA/MQA
+(odd groups), empty rows, lengths 0/1/page boundaries, decodes beside prefill chunks, shuffled
+pages, f32 and bf16; and the shapes the kernels refuse."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, refere
 PAGE = 8
 
 
-def make_batch(rng, seqs, q_heads, kv_heads, head_dim, dtype, pages_per_seq=8, extra_rows=5):
+def make_batch(rng, seqs, q_heads, kv_heads, head_dim, dtype, pages_per_seq=8, extra_rows=5, page=PAGE):
     """`seqs`: (q_len, kv_len) per sequence. Pages are shuffled across sequences; table
     entries past a sequence's pages are junk."""
     num_pages = len(seqs) * pages_per_seq + 3
-    k = rng.normal(size=(kv_heads, num_pages, PAGE, head_dim)).astype(np.float32)
-    v = rng.normal(size=(kv_heads, num_pages, PAGE, head_dim)).astype(np.float32)
+    k = rng.normal(size=(kv_heads, num_pages, page, head_dim)).astype(np.float32)
+    v = rng.normal(size=(kv_heads, num_pages, page, head_dim)).astype(np.float32)
     order = rng.permutation(num_pages)
     table = np.full((len(seqs), pages_per_seq), 10 ** 6, np.int32)  # junk beyond each sequence
     for s, (_, kv_len) in enumerate(seqs):
-        used = -(-kv_len // PAGE)
+        used = -(-kv_len // page)
         table[s, :used] = order[s * pages_per_seq:s * pages_per_seq + used]
     q_lens = np.array([q for q, _ in seqs], np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -33,14 +34,15 @@ def make_batch(rng, seqs, q_heads, kv_heads, head_dim, dtype, pages_per_seq=8, e
 
 
 def loop_attention(q, k, v, kv_lens, table, cu, scale):
+    page = k.shape[2]
     """The contract, token by token in numpy."""
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     out = np.zeros_like(q)
     kv_heads, group = k.shape[0], q.shape[1] // k.shape[0]
     for s in range(len(kv_lens)):
         q_len = int(cu[s + 1] - cu[s])
-        keys = k[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // PAGE)]].reshape(kv_heads, -1, k.shape[-1])
-        vals = v[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // PAGE)]].reshape(kv_heads, -1, k.shape[-1])
+        keys = k[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // page)]].reshape(kv_heads, -1, k.shape[-1])
+        vals = v[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // page)]].reshape(kv_heads, -1, k.shape[-1])
         for i in range(q_len):
             position = int(kv_lens[s]) - q_len + i
             for h in range(q.shape[1]):
@@ -58,10 +60,13 @@ MIXES = {
 }
 
 
+KERNELS = {"triton": True, "tpu": "tpu"}  # the `interpret` argument that runs each one on the CPU
+
+
 @pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa"])
-@pytest.mark.parametrize("head_dim", [32, 40])
-def test_kernel_matches_reference_f32(mix, heads, head_dim):
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1), (6, 2)], ids=["mha", "gqa4", "mqa", "gqa3"])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_kernels_match_reference_f32(mix, heads, head_dim):
     rng = np.random.default_rng(hash((mix, heads, head_dim)) % 2 ** 32)
     q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], *heads, head_dim, jnp.float32)
     scale = head_dim ** -0.5
@@ -70,20 +75,24 @@ def test_kernel_matches_reference_f32(mix, heads, head_dim):
     np.testing.assert_allclose(np.asarray(ref)[:valid], loop_attention(q, k, v, kv_lens, table, cu, scale)[:valid],
                                rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(ref)[valid:] == 0), "padding rows are zeros in the reference"
-    for block_q, pages_per_block in ((16, 2), (4, 1), (32, 8)):
-        out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=scale, block_q=block_q,
-                                     pages_per_block=pages_per_block, interpret=True)
-        assert out.shape == q.shape and out.dtype == q.dtype
-        np.testing.assert_allclose(np.asarray(out)[:valid], np.asarray(ref)[:valid], rtol=2e-5, atol=2e-5)
+    blocks = {"triton": ((None, None), (16, 1), (32, 8)), "tpu": ((None, None), (16, 1))}
+    for kernel, interpret in KERNELS.items():
+        for block_q, pages_per_block in blocks[kernel]:
+            out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=scale, block_q=block_q,
+                                         pages_per_block=pages_per_block, interpret=interpret)
+            assert out.shape == q.shape and out.dtype == q.dtype
+            np.testing.assert_allclose(np.asarray(out)[:valid], np.asarray(ref)[:valid], rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{kernel} block_q={block_q} pages_per_block={pages_per_block}")
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("mix", ["mixed", "chunk_at_page_boundary"])
-def test_kernel_matches_reference_bf16(mix):
+def test_kernels_match_reference_bf16(mix, kernel):
     rng = np.random.default_rng(7)
-    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], 8, 2, 64, jnp.bfloat16)
+    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], 8, 2, 64, jnp.bfloat16, page=16)
     valid = int(cu[-1])
     ref = reference(q, k, v, kv_lens, table, cu, 0.125)
-    out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=0.125, interpret=True)
+    out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=0.125, interpret=KERNELS[kernel])
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32)[:valid], np.asarray(ref, np.float32)[:valid],
                                rtol=2e-2, atol=2e-2)
@@ -96,3 +105,17 @@ def test_kernel_rejects_mismatched_metadata():
         ragged_paged_attention(q, k, v, kv_lens, table, cu[:-1], scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="multiple"):
         ragged_paged_attention(q[:, :3], k, v, kv_lens, table, cu, scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("change, knob", [
+    (dict(head_dim=40), "head_dim"), (dict(head_dim=96), "head_dim"), (dict(page=24), "page_size"),
+    (dict(page=8, dtype=jnp.bfloat16), "page_size"), (dict(block_q=24), "block_q"), (dict(block_q=8), "block_q"),
+    (dict(pages_per_block=3), "pages_per_block")])
+def test_kernel_refuses_shapes_it_cannot_compile_for(change, knob):
+    shape = dict(head_dim=32, page=8, dtype=jnp.float32)
+    blocks = {k: change.pop(k) for k in ("block_q", "pages_per_block") if k in change}
+    shape.update(change)
+    q, k, v, kv_lens, table, cu = make_batch(np.random.default_rng(9), MIXES["decodes"], 4, 2, shape["head_dim"],
+                                             shape["dtype"], page=shape["page"])
+    with pytest.raises(ValueError, match=knob):
+        ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=1.0, **blocks)

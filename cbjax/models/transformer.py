@@ -48,23 +48,18 @@ def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
 
 
 def _kernel_attention(q, cache, pool_k, pool_v, slot_ids, starts, ragged):
-    """Attention by the Pallas kernels over the page pool (interpret mode where there is no GPU)."""
-    scale = q.shape[-1] ** -0.5
-    interpret = jax.default_backend() == "cpu"
-    if ragged is not None:
-        # A flat mixed batch (one token per row): the ragged kernel attends each sequence's
-        # new tokens over its pages, loading each page once per query tile, not per token.
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    """Attention by the ragged Pallas kernel over the page pool (the platform's kernel; on a CPU
+    its body in interpret mode). `ragged`: a flat mixed batch, one token per row
+    (cu_q_lens, kv_lens, row slots); None: a decode step, one token per row and sequence."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-        cu_q_lens, kv_lens, row_slots = ragged
-        return ragged_paged_attention(q[:, 0], pool_k, pool_v, kv_lens, cache.block_tables[row_slots], cu_q_lens,
-                                      scale=scale, interpret=interpret)[:, None]
-    # Decode: each query sees its slot's first starts + 1 positions.
-    from pallas_kernels.paged_attention import paged_attention
-
-    return paged_attention(q[:, 0], pool_k, pool_v, cache.block_tables[slot_ids], starts + 1, scale=scale,
-                           interpret=interpret,
-                           backend="tpu" if jax.default_backend() == "tpu" else "triton")[:, None]
+    if ragged is None:
+        rows = q.shape[0]
+        ragged = (jnp.arange(rows + 1, dtype=jnp.int32), starts + 1, slot_ids)
+    cu_q_lens, kv_lens, row_slots = ragged
+    # The kernel loads each page once per query tile of a sequence, not once per token.
+    return ragged_paged_attention(q[:, 0], pool_k, pool_v, kv_lens, cache.block_tables[row_slots], cu_q_lens,
+                                  scale=q.shape[-1] ** -0.5)[:, None]
 
 
 def _blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end, valid, block, scale):
@@ -143,7 +138,7 @@ def forward(
     slot_ids: jax.Array | None = None,  # [B] int32; default arange(B)
     kv_len: int | None = None,  # static; default cache.max_len
     logits_index: jax.Array | None = None,  # [B]: return logits only at these chunk offsets
-    paged_kernel: bool = False,  # static: decode attention by the Pallas kernel (paged cache)
+    paged_kernel: bool = False,  # static: attention by the ragged Pallas kernel (paged cache)
     logits_rows: jax.Array | None = None,  # [R]: return logits only of these rows (T == 1)
     ragged: tuple | None = None,  # flat mixed batch for the ragged kernel: (cu_q_lens, kv_lens, row slots)
     flat_rows: jax.Array | None = None,  # [B] with T == 1: tokens of one sequence in a flat buffer share a row id
@@ -161,7 +156,7 @@ def forward(
     starts from token ids and ends in logits."""
     b, t = tokens.shape[:2]
     if paged_kernel and (not cache.paged or any(config.windows)):
-        raise ValueError("the Pallas decode kernel needs the paged cache and full (non-sliding) attention")
+        raise ValueError("the Pallas kernel needs the paged cache and full (non-sliding) attention")
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
     all_slots = slot_ids is None

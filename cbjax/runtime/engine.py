@@ -29,6 +29,7 @@ from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState
 from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
+from pallas_kernels.ragged_paged_attention import check_supported
 
 # (device result, for each row of the call the index of the round's row whose result it is,
 # or -1 for a piece of a prompt chunk that continues in a later call)
@@ -49,6 +50,20 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
     if choice == "on":
         raise ValueError(f"cpu_kernels='on' is unavailable: {why_not}")
     return False
+
+
+def check_kernel_config(model, config: EngineConfig) -> None:
+    """Refuse, naming the knob, what the Pallas kernels cannot compile for, when the engine is
+    built rather than when its first program lowers on the accelerator."""
+    mc = model.config
+    if any(mc.windows):
+        raise ValueError("attention='pallas' does not support sliding-window layers: use attention='reference'")
+    dtype = jax.tree.leaves(model.params)[0].dtype
+    try:
+        check_supported(head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype, q_heads=mc.num_heads,
+                        kv_heads=mc.num_kv_heads)
+    except ValueError as e:
+        raise ValueError(f"attention='pallas': {e}") from None
 
 
 class Engine:
@@ -82,6 +97,8 @@ class Engine:
         if config.max_seq_len > model.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
+        if config.attention == "pallas":
+            check_kernel_config(model, config)
         self.model = model
         self.config = config
         self.max_len = config.max_seq_len

@@ -44,9 +44,9 @@ class EngineConfig:
     kv_cache: str = "slots"  # or "paged"
     page_size: int = 16
     num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
-    # Decode attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas"
-    # (pallas_kernels/paged_attention; interpret mode on CPU). Not yet validated on a GPU,
-    # so not the default there.
+    # Attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas" (the ragged
+    # kernels of pallas_kernels/ragged_paged_attention: Triton on a GPU, Mosaic on a TPU, interpret
+    # mode on a CPU). Cross-lowered in the tests, not yet run on an accelerator: not the default.
     attention: str = "reference"
     # "prefill_first": a step of prompt rows, then one of decode rows. "fused" / "chunked": one
     # step of both per round over at most `max_num_batched_tokens` tokens (runtime/step.py).

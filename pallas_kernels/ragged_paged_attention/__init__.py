@@ -1,7 +1,7 @@
 """Ragged paged attention over a flat mixed batch: `ragged_paged_attention` (our Pallas
-kernel) and its pure-JAX `reference`."""
+kernels: Triton on a GPU, Mosaic on a TPU), its pure-JAX `reference`, and the shape checks."""
 
-from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.kernel import HEAD_DIMS, block_sizes, check_supported, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import reference
 
-__all__ = ["ragged_paged_attention", "reference"]
+__all__ = ["HEAD_DIMS", "block_sizes", "check_supported", "ragged_paged_attention", "reference"]

@@ -1,4 +1,11 @@
-"""Entry point of the ragged paged-attention kernel."""
+"""Entry point of the ragged paged-attention kernels: the platform picks the kernel.
+
+`jax.lax.platform_dependent` puts both kernels in the traced program and lowers only the
+one for the platform it is compiled for: Triton on a GPU (`triton_kernel.py`), Mosaic on
+a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode.
+So a program traced on this CPU and lowered with `lowering_platforms=("cuda",)` or
+`("tpu",)` holds the real kernel call (tests/test_cross_lowering.py).
+"""
 
 from __future__ import annotations
 
@@ -6,23 +13,81 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.ragged_paged_attention import triton_kernel
+from pallas_kernels.ragged_paged_attention import tpu_kernel, triton_kernel
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None = None,
+                    kv_heads: int | None = None, block_q: int | None = None,
+                    pages_per_block: int | None = None) -> None:
+    """Refuse (ValueError, naming the knob) a shape the kernels cannot compile for: Triton's
+    block shapes are powers of two (a dot needs 16 per side), Mosaic DMAs pages in whole
+    sublane tiles (8 rows of 32 bits, 16 of a 16-bit type)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the Pallas attention kernels need head_dim in {HEAD_DIMS}, got {head_dim}: "
+                         "use attention='reference'")
+    min_page = 8 * 4 // np.dtype(dtype).itemsize
+    if not _power_of_two(page_size) or page_size < min_page:
+        raise ValueError(f"the Pallas attention kernels need page_size a power of two >= {min_page} "
+                         f"for {np.dtype(dtype).name} KV, got {page_size}")
+    if q_heads is not None and kv_heads is not None and q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if block_q is not None and (not _power_of_two(block_q) or block_q < 16):
+        raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
+    if pages_per_block is not None and not _power_of_two(pages_per_block):
+        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+
+
+def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int, int]:
+    """`(block_q, pages_per_block)` for a shape: 16 query tokens per tile, and pages enough
+    for 128 keys per step at head_dim <= 64 (64 above: the tile's K and V then fill the same
+    fast memory), no more than a sequence can hold."""
+    keys = 128 if head_dim <= 64 else 64
+    pages = max(keys // page_size, 1)
+    return 16, min(pages, 1 << max(pages_per_seq - 1, 0).bit_length())
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
-                           block_q: int = 16, pages_per_block: int = 4, interpret: bool = False):
+                           block_q: int | None = None, pages_per_block: int | None = None,
+                           interpret: bool | str = False):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
     `page_indices[s]`; causal within its new tokens. Returns `[T, q_heads, hd]` in q's
-    dtype; rows past `cu_q_lens[-1]` are left unspecified."""
-    if q.shape[1] % k_pages.shape[0]:
-        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k_pages.shape[0]})")
+    dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
+    Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
+    interpreter (both on any platform); False lets the platform choose."""
+    head_dim, page_size = q.shape[2], k_pages.shape[2]
+    auto_q, auto_pages = block_sizes(head_dim, page_size, page_indices.shape[1])
+    block_q = auto_q if block_q is None else block_q
+    pages_per_block = auto_pages if pages_per_block is None else pages_per_block
+    check_supported(head_dim=head_dim, page_size=page_size, dtype=k_pages.dtype, q_heads=q.shape[1],
+                    kv_heads=k_pages.shape[0], block_q=block_q, pages_per_block=pages_per_block)
     if cu_q_lens.shape[0] != kv_lens.shape[0] + 1 or page_indices.shape[0] != kv_lens.shape[0]:
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
-    out = triton_kernel.attention(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
-                                  cu_q_lens.astype(jnp.int32), scale=scale, block_q=block_q,
-                                  pages_per_block=min(pages_per_block, page_indices.shape[1]), interpret=interpret)
-    return out.astype(q.dtype)
+    args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+            cu_q_lens.astype(jnp.int32))
+    sizes = dict(scale=scale, block_q=block_q, pages_per_block=pages_per_block)
+
+    def gpu(*a):
+        return triton_kernel.attention(*a, **sizes, interpret=False)
+
+    def tpu(*a):
+        return tpu_kernel.attention(*a, **sizes, interpret=False)
+
+    def interpreted(*a):
+        return triton_kernel.attention(*a, **sizes, interpret=True)
+
+    if interpret == "tpu":
+        return tpu_kernel.attention(*args, **sizes, interpret=True)
+    if interpret:
+        return interpreted(*args)
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=interpreted)

@@ -37,8 +37,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
     def _():
         rows = row0 + jnp.arange(block_q)
         position = kv_len - (seq_end - seq_start) + (rows - seq_start)  # [block_q]
-        q = q_ref[pl.ds(row0, block_q)].astype(jnp.float32) * scale  # [block_q, block_g, hd]
-        q = q.reshape(block_q * block_g, head_dim)
+        q = q_ref[pl.ds(row0, block_q)]  # [block_q, block_g, hd]
+        q = (q.astype(jnp.float32) * scale).astype(q.dtype).reshape(block_q * block_g, head_dim)
         row_position = jnp.repeat(position, block_g)  # the row of q above, for each of its heads
         last = jnp.minimum(jnp.minimum(row0 + block_q, seq_end) - 1 - seq_start + kv_len - (seq_end - seq_start),
                            kv_len - 1)
@@ -47,15 +47,16 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
             o, m, l = carry
             pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)]
             pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be anything
-            k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-            v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-            logits = jnp.dot(q, k.T)  # [block_q * block_g, block_tokens]
+            k = k_ref[pages].reshape(block_tokens, head_dim)  # the cache's dtype: bf16 dots on tensor cores
+            v = v_ref[pages].reshape(block_tokens, head_dim)
+            logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [block_q * block_g, block_tokens]
             key = j * block_tokens + jnp.arange(block_tokens)
             logits = jnp.where(key[None, :] <= row_position[:, None], logits, _MASKED)
             m_new = jnp.maximum(m, logits.max(axis=-1))
             correction = jnp.exp(m - m_new)
             p = jnp.exp(logits - m_new[:, None])
-            return correction[:, None] * o + jnp.dot(p, v), m_new, correction * l + p.sum(axis=-1)
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return correction[:, None] * o + pv, m_new, correction * l + p.sum(axis=-1)
 
         steps = pl.cdiv(last + 1, block_tokens)
         init = (jnp.zeros((block_q * block_g, head_dim), jnp.float32),
@@ -68,7 +69,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
 
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
               interpret):
-    """`[T, q_heads, hd]` float32 (see `reference` for the contract)."""
+    """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract)."""
     num_tokens, q_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_indices.shape
@@ -85,7 +86,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, kv_heads, block_g, head_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows, kv_heads, block_g, head_dim), q.dtype),
         grid=(num_seqs, kv_heads, tiles),
         in_specs=[
             pl.BlockSpec((rows, None, block_g, head_dim), lambda s, h, i: (0, h, 0, 0)),
@@ -97,6 +98,9 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
             pl.BlockSpec((None, padded_pages), lambda s, h, i: (s, 0)),
         ],
         out_specs=pl.BlockSpec((rows, None, block_g, head_dim), lambda s, h, i: (0, h, 0, 0)),
+        # Triton named explicitly: JAX 0.10's default GPU lowering is Mosaic GPU, which this
+        # kernel (gathers of whole pages, masked stores) is not written for.
+        compiler_params=plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="cbjax_ragged_paged_attention",
     )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table)
