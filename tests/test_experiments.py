@@ -61,10 +61,11 @@ def test_static_bound():
 def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
     out = tmp_path / "bench.json"
     run_script("bench_paged_attention.py", "--interpret", "--batch_sizes=2", "--context_lens=64", "--page_sizes=16",
-               "--q_heads=4", "--kv_heads=2", "--head_dim=32", "--dtype=float32", "--iters=1",
-               "--pages_per_block=2", "--splits=2", f"--output_json={out}")
+               "--q_lens=1,5", "--q_heads=4", "--kv_heads=2", "--head_dim=32", "--dtype=float32", "--iters=1",
+               "--pages_per_block=2", f"--output_json={out}")
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 1 and all("us" in rows[0][n] for n in ("ours", "xla_reference", "dense"))
+    assert [r["q_len"] for r in rows] == [1, 5]
+    assert all("us" in r[n] for r in rows for n in ("ours", "xla_reference", "dense"))
 
 
 def experiments_module(name: str):

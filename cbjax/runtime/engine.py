@@ -224,6 +224,17 @@ class Engine:
         args, static = self._step_arguments(self._pack([], num_tokens), steps)
         ragged_step.lower(*args, **static).compile()
 
+    def lowered(self, platforms: tuple[str, ...]) -> dict[tuple, dict]:
+        """`{program: {platform: jax Lowered}}`: every program `warmup` compiles, traced here and
+        lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
+        Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
+        out = {}
+        for prog in self.programs():
+            args, static = self._step_arguments(self._pack([], prog[1]), prog[2])
+            traced = ragged_step.trace(*args, **static)
+            out[prog] = {p: traced.lower(lowering_platforms=(p,)) for p in platforms}
+        return out
+
     def _compile_all(self, progs: list[tuple]) -> None:
         """Compile every program, then run each once on padding (the rows name no slot).
 
