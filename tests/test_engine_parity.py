@@ -49,6 +49,10 @@ POLICIES = {
                                              ordering="priority"),
     "chunked-11-paged-pallas": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=11,
                                     kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
+    # The kernels in the third merge mode, with prefix hits and preemptions.
+    "fused-paged-pallas-prefix-preempt": dict(policy="continuous", merge_mode="fused", max_num_batched_tokens=40,
+                                              kv_cache="paged", page_size=8, num_pages=14,
+                                              enable_prefix_caching=True, attention="pallas"),
 }
 
 

@@ -58,7 +58,8 @@ def check_kernel_config(model, config: EngineConfig) -> None:
     mc = model.config
     if any(mc.windows):
         raise ValueError("attention='pallas' does not support sliding-window layers: use attention='reference'")
-    dtype = jax.tree.leaves(model.params)[0].dtype
+    leaves = jax.tree.leaves(model.params)
+    dtype = leaves[0].dtype if leaves else jax.numpy.bfloat16  # a simulated model: the accelerator's 16 bits
     try:
         check_supported(head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype, q_heads=mc.num_heads,
                         kv_heads=mc.num_kv_heads)
