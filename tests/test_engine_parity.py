@@ -75,8 +75,17 @@ def hf_greedy(hf, prompt, max_tokens):
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def setup(request, tmp_path_factory):
-    hf = make_hf_model(request.param, seed=11, eos_token_id=2, bos_token_id=1)
-    model = load_hf_dir(save_hf_model(hf, str(tmp_path_factory.mktemp(request.param))), with_tokenizer=False)
+    return _setup(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_setup(tmp_path_factory):
+    return _setup("llama", tmp_path_factory)
+
+
+def _setup(family, tmp_path_factory):
+    hf = make_hf_model(family, seed=11, eos_token_id=2, bos_token_id=1)
+    model = load_hf_dir(save_hf_model(hf, str(tmp_path_factory.mktemp(family))), with_tokenizer=False)
     assert model.config.eos_token_ids == (2,)
     prompts, max_tokens = workload(model.config.vocab_size)
     expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
@@ -119,6 +128,28 @@ def test_online_random_order_matches_transformers(setup, name):
         if "preempt" in name:
             assert llm.scheduler.num_preemptions > 0
             assert sum(o.metrics.num_preemptions for o in outputs) == llm.scheduler.num_preemptions
+
+
+def test_the_tpu_kernel_through_the_engine_matches_transformers(llama_setup):
+    """The Mosaic TPU kernel's body, under Pallas's TPU interpreter (slow: one family, one mode),
+    as the engine's attention: the engine's own ragged batches (padding rows, finished decode
+    rows beside chunks cut at odd offsets, preemptions) give transformers' greedy tokens."""
+    import jax
+
+    from pallas_kernels.ragged_paged_attention import set_cpu_interpreter
+
+    model, prompts, max_tokens, expected = llama_setup
+    previous = set_cpu_interpreter("tpu")
+    jax.clear_caches()  # the kernel choice is read when the step is traced
+    try:
+        llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8, num_pages=14,
+                  attention="pallas", merge_mode="chunked", max_num_batched_tokens=13)
+        outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
+    finally:
+        set_cpu_interpreter(previous)
+        jax.clear_caches()
+    _check(outputs, prompts, max_tokens, expected)
+    assert llm.scheduler.num_preemptions > 0
 
 
 def test_offline_generate_matches_transformers(setup):

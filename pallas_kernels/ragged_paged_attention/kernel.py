@@ -4,7 +4,8 @@
 one for the platform it is compiled for: Triton on a GPU (`triton_kernel.py`), Mosaic on
 a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode.
 So a program traced on this CPU and lowered with `lowering_platforms=("cuda",)` or
-`("tpu",)` holds the real kernel call (tests/test_cross_lowering.py).
+`("tpu",)` holds the real kernel call (tests/test_cross_lowering.py). `set_cpu_interpreter`
+makes a CPU interpret the TPU kernel instead (the engine's parity tests run both).
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention import tpu_kernel, triton_kernel
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
+INTERPRETERS = ("triton", "tpu")
+_cpu_interpreter = "triton"
+
+
+def set_cpu_interpreter(kernel: str) -> str:
+    """Which kernel's body a CPU runs in interpret mode when the platform chooses: "triton"
+    (the default) or "tpu" (Pallas's TPU interpreter, DMAs and semaphores simulated; slower).
+    Read when a program is traced: call `jax.clear_caches()` after changing it. Returns the
+    previous choice."""
+    global _cpu_interpreter
+    if kernel not in INTERPRETERS:
+        raise ValueError(f"the CPU interpreter must be one of {INTERPRETERS}, got {kernel!r}")
+    previous, _cpu_interpreter = _cpu_interpreter, kernel
+    return previous
 
 
 def _power_of_two(n: int) -> bool:
@@ -84,10 +99,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         return tpu_kernel.attention(*a, **sizes, interpret=False)
 
     def interpreted(*a):
+        if _cpu_interpreter == "tpu":
+            return tpu_kernel.attention(*a, **sizes, interpret=True)
         return triton_kernel.attention(*a, **sizes, interpret=True)
 
     if interpret == "tpu":
         return tpu_kernel.attention(*args, **sizes, interpret=True)
     if interpret:
-        return interpreted(*args)
+        return triton_kernel.attention(*args, **sizes, interpret=True)
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=interpreted)
