@@ -417,11 +417,17 @@ def test_disconnects_free_slots_and_pages(paged_server, caplog, capfd):
             # A fifth request queues behind them; its client gives up once it waits in the engine
             # (a fixed client timeout could expire before a loaded machine had even submitted it).
             queued = asyncio.ensure_future(session.post(server.url + "/v1/completions", json=long))
+            # Both gauges in one reading: the engine thread sets them after it delivers a round's
+            # tokens, so a loaded machine can show the fourth stream's token while the gauges still
+            # say "3 running, 1 waiting" (that stream), and the fifth would be cancelled before it
+            # was submitted (CI saw it: 4 aborts, 5 expected).
             deadline = time.monotonic() + 30
-            while _metrics(server).get("vllm:num_requests_waiting", 0) < 1:
+            while True:
+                waiting = _metrics(server)
+                if waiting.get("vllm:num_requests_running") == 4 and waiting.get("vllm:num_requests_waiting", 0) >= 1:
+                    break
                 assert time.monotonic() < deadline and not queued.done(), "the fifth request never queued"
                 await asyncio.sleep(0.05)
-            waiting = _metrics(server)
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await queued
