@@ -69,14 +69,35 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
     flags.register_multi_flags_validator(["prompt_low", "prompt_high"],
                                          lambda v: v["prompt_high"] >= v["prompt_low"],
                                          message="--prompt_high must be >= --prompt_low")
-    flags.DEFINE_enum("workload", "synthetic", ["synthetic", "chat", "held_out"],
-                      "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
-                      "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
-                      "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
-                      "each generating the length its model gave it.")
+    flags.DEFINE_string("workload", "synthetic",
+                        "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
+                        "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
+                        "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
+                        "each generating the length its model gave it; a request trace shipped in cbjax/data/traces "
+                        "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a path to a file of either format: "
+                        "the trace's arrivals and lengths (--trace_* flags, --length_scale), random-token prompts "
+                        "whose Mooncake hash ids are shared prefixes, EOS ignored.")
+    flags.register_validator("workload", _workload_ok, message="--workload must be synthetic, chat, held_out, "
+                             "a trace name (azure_code, azure_conv, mooncake, mooncake_synthetic) or a trace file")
+    flags.DEFINE_float("trace_start_s", 0.0, "Trace workloads: the window starts this many seconds into the trace.",
+                       lower_bound=0.0)
+    flags.DEFINE_float("trace_window_s", None, "Trace workloads: the window's length in trace seconds (default: to "
+                       "the end; --num_requests caps the count either way).", lower_bound=1e-9)
+    flags.DEFINE_float("time_scale", None, "Trace workloads: multiply the trace's own arrival times by this (0.5: "
+                       "twice as fast). Unset: the script's QPS sets the mean rate, the trace's burstiness kept.",
+                       lower_bound=1e-9)
+    flags.DEFINE_float("length_scale", 1.0, "Trace workloads: multiply prompt and output lengths by this (a "
+                       "GPU-scale trace on a small CPU model); they are also capped at --output_cap and the "
+                       "engine's --max_seq_len.", lower_bound=1e-9)
     flags.DEFINE_string("trace", "configs/length_predictor_smollm2", "--workload=held_out: the length predictor "
                         "checkpoint whose held-out prompts to replay (experiments/train_length_predictor.py).")
     flags.DEFINE_integer("seed", 0, "Workload seed.")
+
+
+def _workload_ok(value) -> bool:
+    from cbjax.traces import TRACES
+
+    return value in ("synthetic", "chat", "held_out") or value in TRACES or os.path.isfile(value)
 
 
 def _simulate_ok(value) -> bool:
@@ -190,6 +211,15 @@ def make_workload(model, arrival: str, qps: float = 1.0):
             pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
         return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
                                 seed=FLAGS.seed)
+    if FLAGS.workload not in ("synthetic", "chat"):
+        from cbjax.traces import trace_workload
+
+        return trace_workload(FLAGS.workload, vocab_size=model.config.vocab_size, start_s=FLAGS.trace_start_s,
+                              window_s=FLAGS.trace_window_s, num_requests=FLAGS.num_requests,
+                              time_scale=FLAGS.time_scale or 1.0, rate=None if FLAGS.time_scale else qps,
+                              length_scale=FLAGS.length_scale, max_output_len=FLAGS.output_cap,
+                              max_len=FLAGS.max_seq_len if "max_seq_len" in FLAGS else None,
+                              all_at_once=arrival == "all_at_once", seed=FLAGS.seed)
     if FLAGS.workload == "chat":
         if model.tokenizer is None:
             raise ValueError("the chat workload needs a model with a tokenizer")
