@@ -463,14 +463,15 @@ def test_a_short_body_gets_408_and_its_connection_back(paged_server):
     with socket.create_connection((server.host, server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\": ")
-        t0 = time.monotonic()
+        # No bound on how soon the 408 comes (no timing assertions): the socket's 30 s timeout
+        # only keeps a server that never answers from hanging the suite.
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             chunk = sock.recv(65536)
             if not chunk:
                 break
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 10, reply[:200]
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     assert _client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].token_ids
 
