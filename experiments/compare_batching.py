@@ -1,7 +1,8 @@
 """The Anyscale throughput table: static vs dynamic vs continuous batching at equal KV memory.
 
 Same prompts; output budgets drawn from a capped exponential (mean `output_mean`,
-capped at each max generation length, EOS ignored); all requests arrive at once.
+capped at each max generation length, EOS ignored), or a trace's or ShareGPT's lengths
+(`--workload`); all requests arrive at once.
 `kv_cache_bytes` fixes the KV memory, from which each layout derives how many
 sequences it holds; the transformers peers run at that same batch size. Next to
 each continuous/static ratio we print the bound the drawn workload allows at
@@ -24,7 +25,9 @@ from hf_peers import load_peer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
-flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens (the study used 512).", lower_bound=1)
+flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens (the study used 512). With --workload=sharegpt or a "
+                     "trace: each request's prompt plus output is capped at prompt_len + the column's max "
+                     "generation length, its output at the latter.", lower_bound=1)
 flags.DEFINE_list("max_gen_lens", ["8", "32", "128"], "Max generation lengths, one table column each "
                   "(the study used 32,128,512,1536).")
 flags.DEFINE_float("output_mean", 32.0, "Mean of the capped-exponential output budget (the study used 128).",
@@ -46,6 +49,8 @@ flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged rows (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only, as vLLM's kernel does).")
 common.define_simulate_flag()
+common.define_trace_flags(("synthetic",), "'synthetic': --prompt_len prompts of random tokens and capped-"
+                          "exponential budgets (--output_mean); ")
 flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.", lower_bound=0.0)
 flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
@@ -88,9 +93,15 @@ def run_column(model, max_gen: int, peer) -> dict:
         largest = FLAGS.prompt_len + max(int(x) for x in FLAGS.max_gen_lens)
         budget = FLAGS.num_slots * SlotCache.bytes_per_slot(model.config, largest, dtype)
     slots = max(1, budget // SlotCache.bytes_per_slot(model.config, max_seq_len, dtype))
-    work = synthetic(FLAGS.num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
-                     output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=max_gen),
-                     vocab_size=model.config.vocab_size, seed=FLAGS.seed)
+    if FLAGS.workload == "synthetic":
+        work = synthetic(FLAGS.num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
+                         output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=max_gen),
+                         vocab_size=model.config.vocab_size, seed=FLAGS.seed)
+        mean_seq = FLAGS.prompt_len + FLAGS.output_mean
+    else:  # a trace's (or ShareGPT's) lengths, all arriving at once
+        work = common.recorded_workload(model, FLAGS.num_requests, max_len=max_seq_len, max_output_len=max_gen,
+                                        arrival="all_at_once")
+        mean_seq = sum(len(w.prompt) + w.sampling.max_tokens for w in work) / len(work)
     prompts = [w.prompt for w in work]
     budgets = [w.sampling.max_tokens for w in work]
     column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget),
@@ -103,7 +114,7 @@ def run_column(model, max_gen: int, peer) -> dict:
             page = FLAGS.page_size
             seq_len = -(-max_seq_len // page) * page
             pool_tokens = budget // SlotCache.bytes_per_slot(model.config, 1, dtype)
-            fit = int(pool_tokens // (FLAGS.prompt_len + FLAGS.output_mean))
+            fit = int(pool_tokens // mean_seq)
             paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), FLAGS.num_requests)
             layout_options = dict(kv_cache="paged", kv_cache_bytes=int(budget), page_size=page,
                                   num_slots=paged_slots, batch_size=paged_slots, attention=FLAGS.paged_attention)

@@ -31,6 +31,12 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
         assert column["bound_continuous_over_static"] >= 1.0
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
+    # A trace's lengths instead (Azure's code service, scaled to the tiny model).
+    run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=8", "--num_requests=4", "--num_slots=2",
+               "--prompt_len=24", "--policies=continuous", "--paged_policies=", "--workload=azure_code",
+               "--length_scale=0.01", f"--output_dir={tmp_path}")
+    column = json.loads((tmp_path / "compare_batching.json").read_text())["columns"][0]
+    assert set(column["rows"]) == {"continuous"} and column["mean_budget"] <= 8
 
 
 def test_latency_sweep_and_ablate_write_results(tmp_path):
@@ -40,8 +46,9 @@ def test_latency_sweep_and_ablate_write_results(tmp_path):
     sweep = json.loads((tmp_path / "latency_sweep.json").read_text())
     assert set(sweep["results"]) == {"static@50", "continuous@50"}
     assert all(r["completed"] == 6 and "request_goodput" in r for r in sweep["results"].values())
+    # Mooncake's arrivals (rescaled to the QPS) and lengths (scaled to the tiny model).
     run_script("ablate.py", "--model=tiny-llama", "--knob=refill_interval", "--values=1,4", *small,
-               f"--output_dir={tmp_path}")
+               "--workload=mooncake", "--length_scale=0.004", f"--output_dir={tmp_path}")
     ablate = json.loads((tmp_path / "ablate_refill_interval.json").read_text())
     assert [r["value"] for r in ablate["runs"]] == [1, 4]
     assert (tmp_path / "ablate_refill_interval.png").stat().st_size > 0
@@ -81,6 +88,9 @@ def experiments_module(name: str):
     ("compare_batching.py", "--max_gen_lens=8,-3"),
     ("compare_batching.py", "--policies=static,fastest"),
     ("latency_sweep.py", "--qps=0"),
+    ("latency_sweep.py", "--workload=azure_coed"),
+    ("compare_batching.py", "--workload=held_out"),
+    ("latency_sweep.py", "--length_scale=0"),
     ("latency_sweep.py", "--num_requests=0"),
     ("latency_sweep.py", "--prompt_low=40 --prompt_high=20"),
     ("ablate.py", "--num_slots=-1"),
@@ -118,7 +128,8 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
 def test_help_lists_the_workload_flags(script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
-    for name in ("--num_requests", "--prompt_low", "--output_cap", "--burstiness", "--workload"):
+    for name in ("--num_requests", "--prompt_low", "--output_cap", "--burstiness", "--workload", "--length_scale",
+                 "--trace_start_s", "--time_scale"):
         assert name in proc.stdout, f"{script} --help does not show {name}"
 
 
