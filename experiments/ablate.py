@@ -49,7 +49,7 @@ def main(argv):
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
     arrival = "all_at_once" if FLAGS.qps <= 0 else "poisson"
     workload = common.make_workload(model, arrival, max(FLAGS.qps, 1e-9))
     keyword, parse = KNOBS[FLAGS.knob]

@@ -130,6 +130,12 @@ def define_simulate_flag() -> None:
                              "a100-40gb, a100-80gb, tpu-v5e) or an existing calibration .json file")
 
 
+def wants_tokenizer() -> bool:
+    """Whether --workload draws text (chat openings, ShareGPT, or a trace's prompts in ShareGPT
+    text): the model is then loaded with its tokenizer."""
+    return FLAGS.workload in ("chat", "sharegpt") or (_trace_ok(FLAGS.workload) and FLAGS.trace_text)
+
+
 def load_model(name: str, dtype: str, with_tokenizer: bool = False):
     """The model to run, or under --simulate the one to simulate (a shape needs no weights)."""
     if "simulate" in FLAGS and FLAGS.simulate:
@@ -278,6 +284,8 @@ def run_replay(llm, workload, slo=None, desc: str | None = None, concurrency: in
     metrics = summarize_outputs(outs, slo=slo)
     metrics["wall_s"] = wall
     metrics["mean_running"] = llm.stats.mean_running
+    if llm.pages is not None and llm.pages.enable_prefix_caching:  # full prompt pages found cached
+        metrics["prefix_hit_rate"] = llm.pages.stats.hit_rate
     metrics["e2el_s"] = sorted(o.metrics.e2e_latency for o in outs if o.metrics.e2e_latency is not None)
     return metrics
 

@@ -195,7 +195,7 @@ def main(argv):
     from cbjax.metrics import write_json
 
     start = time.perf_counter()
-    model = common.load_model(FLAGS.model, FLAGS.dtype)
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
     peers = FLAGS.peers and not FLAGS.simulate
     peer = load_peer(FLAGS.model) if peers else None  # transformers' twin of the same checkpoint
     peer_settings = {}

@@ -23,7 +23,8 @@ flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second).")
 flags.DEFINE_list("concurrency", [], "Closed-loop clients: also run each policy with this many requests in flight, "
                   "the next sent as one finishes (AIPerf, vllm bench serve --max-concurrency); rows policy@cN.")
 flags.DEFINE_list("policies", ["static", "dynamic", "continuous"], "Policies to compare.")
-EngineArgs.define_flags(["num_slots", "max_seq_len", "window_ms", "dtype", "kv_cache_bytes", "page_size"],
+EngineArgs.define_flags(["num_slots", "max_seq_len", "window_ms", "dtype", "kv_cache_bytes", "page_size",
+                         "enable_prefix_caching"],
                         max_seq_len=256, window_ms=100.0)
 flags.DEFINE_float("ttft_ms", None, "SLO on time to first token, for goodput.", lower_bound=0.0)
 flags.DEFINE_float("tpot_ms", None, "SLO on time per output token, for goodput.", lower_bound=0.0)
@@ -53,9 +54,10 @@ KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "mean_
         "p99_e2el_ms", "output_throughput")
 
 
-def layout_options(model, policy: str) -> dict:
+def layout_options(model, policy: str, mean_len: float) -> dict:
     """The slot cache sized by --num_slots or --kv_cache_bytes; the paged row gets the same
-    memory, with as many sequences as fit at the workload's mean length."""
+    memory, with as many sequences as fit at the workload's mean length (prompt + output),
+    and prefix caching if asked."""
     from cbjax.models.kv_cache import SlotCache
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
@@ -66,9 +68,9 @@ def layout_options(model, policy: str) -> dict:
                     **({"length_predictor": FLAGS.length_predictor} if predicted else {}))
     if policy != "continuous-paged":
         return dict(policy=policy, num_slots=max(1, budget // (FLAGS.max_seq_len * per_token)))
-    mean_len = (FLAGS.prompt_low + FLAGS.prompt_high) / 2 + FLAGS.output_mean
     return dict(policy="continuous", kv_cache="paged", kv_cache_bytes=int(budget), page_size=FLAGS.page_size,
-                num_slots=max(1, int(budget // per_token // mean_len)), attention=FLAGS.paged_attention)
+                num_slots=max(1, int(budget // per_token // mean_len)), attention=FLAGS.paged_attention,
+                enable_prefix_caching=FLAGS.enable_prefix_caching)
 
 
 def main(argv):
@@ -77,7 +79,7 @@ def main(argv):
     from cbjax.metrics import SLO, write_json
 
     start = time.perf_counter()
-    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
     slo = SLO(ttft_ms=FLAGS.ttft_ms, tpot_ms=FLAGS.tpot_ms, e2el_ms=FLAGS.e2e_ms)
     results = {}
     qps_list = [float(q) for q in FLAGS.qps]
@@ -85,9 +87,13 @@ def main(argv):
     loads += [(f"c{c}", dict(concurrency=int(c)), int(c)) for c in FLAGS.concurrency]
     for label, load, concurrency in loads:
         workload = common.make_workload(model, "poisson", load.get("qps", 1.0))
+        if FLAGS.workload == "synthetic":
+            mean_len = (FLAGS.prompt_low + FLAGS.prompt_high) / 2 + FLAGS.output_mean
+        else:
+            mean_len = sum(len(w.prompt) + w.sampling.max_tokens for w in workload) / len(workload)
         for policy in FLAGS.policies:
             llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
-                      **layout_options(model, policy), **common.llm_options())
+                      **layout_options(model, policy, mean_len), **common.llm_options())
             if policy == "continuous-sjf-predicted" and FLAGS.simulate:
                 llm.core.predict_len = common.predicted_lengths(FLAGS.trace)
             results[f"{policy}@{label}"] = {"policy": policy, **load, **common.run_replay(
@@ -97,7 +103,8 @@ def main(argv):
     header = f"{'policy @ qps':<{width}}" + "".join(f"{k:>16}" for k in KEYS) + f"{'goodput req/s':>15}"
     lines = [header, "-" * len(header)]
     for name, m in results.items():
-        lines.append(f"{name:<{width}}" + "".join(f"{m[k]:>16.1f}" for k in KEYS) + f"{m['request_goodput']:>15.2f}")
+        lines.append(f"{name:<{width}}" + "".join(f"{m[k]:>16.1f}" for k in KEYS) + f"{m['request_goodput']:>15.2f}"
+                     + (f"   prefix hits {m['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in m else ""))
     table = "\n".join(lines)
     print("\n" + table)
 

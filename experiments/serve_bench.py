@@ -96,7 +96,7 @@ def main(argv):
     start = time.perf_counter()
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     model_name = FLAGS.served_model_name or FLAGS.model
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=FLAGS.workload == "chat")
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
     qps_list = [float(q) for q in FLAGS.qps]
     workloads = {qps: common.make_workload(model, "poisson", qps) for qps in qps_list}
 
