@@ -16,6 +16,7 @@ mean budget.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 from absl import app, flags
@@ -32,7 +33,10 @@ flags.DEFINE_list("max_gen_lens", ["8", "32", "128"], "Max generation lengths, o
                   "(the study used 32,128,512,1536).")
 flags.DEFINE_float("output_mean", 32.0, "Mean of the capped-exponential output budget (the study used 128).",
                    lower_bound=1.0)
-flags.DEFINE_integer("num_requests", 24, "Requests per column.", lower_bound=1)
+flags.DEFINE_integer("num_requests", 24, "Requests per column (at least; see --waves).", lower_bound=1)
+flags.DEFINE_integer("waves", 3, "Requests per column are at least this many times the column's slots, so that "
+                     "every policy refills slots several times (a column whose requests fit in one batch cannot "
+                     "show what continuous batching does).", lower_bound=1)
 flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget; sets the number of slots per column. "
                      "Default: --num_slots at the largest max generation length.")
 flags.DEFINE_integer("num_slots", 8, "Slots at the largest max generation length when --kv_cache_bytes is unset.", lower_bound=1)
@@ -55,7 +59,9 @@ flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.", lower_bound=0.
 flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
-flags.DEFINE_integer("repeats", 1, "Timed runs per cell; the best is kept (shared CPUs can vary by 30% run to run).", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "Timed runs per cell, the policies interleaved (run 1 of each, then run 2 of "
+                     "each, ...): each ratio is taken within a round and the table prints its median and range "
+                     "(shared CPUs drift by 30% over minutes).", lower_bound=1)
 flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON and the plot go.")
 
 
@@ -93,21 +99,23 @@ def run_column(model, max_gen: int, peer) -> dict:
         largest = FLAGS.prompt_len + max(int(x) for x in FLAGS.max_gen_lens)
         budget = FLAGS.num_slots * SlotCache.bytes_per_slot(model.config, largest, dtype)
     slots = max(1, budget // SlotCache.bytes_per_slot(model.config, max_seq_len, dtype))
+    num_requests = max(FLAGS.num_requests, FLAGS.waves * int(slots))
     if FLAGS.workload == "synthetic":
-        work = synthetic(FLAGS.num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
+        work = synthetic(num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
                          output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=max_gen),
                          vocab_size=model.config.vocab_size, seed=FLAGS.seed)
         mean_seq = FLAGS.prompt_len + FLAGS.output_mean
     else:  # a trace's (or ShareGPT's) lengths, all arriving at once
-        work = common.recorded_workload(model, FLAGS.num_requests, max_len=max_seq_len, max_output_len=max_gen,
+        work = common.recorded_workload(model, num_requests, max_len=max_seq_len, max_output_len=max_gen,
                                         arrival="all_at_once")
         mean_seq = sum(len(w.prompt) + w.sampling.max_tokens for w in work) / len(work)
     prompts = [w.prompt for w in work]
     budgets = [w.sampling.max_tokens for w in work]
-    column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget),
+    column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget), "num_requests": len(work),
               "mean_budget": sum(budgets) / len(budgets), "bound_continuous_over_static": static_bound(budgets, slots),
               "rows": {}}
     runs = [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]
+    engines = {}
     for policy, layout in runs:
         layout_options = dict(num_slots=slots, batch_size=slots)
         if layout == "paged":
@@ -115,31 +123,40 @@ def run_column(model, max_gen: int, peer) -> dict:
             seq_len = -(-max_seq_len // page) * page
             pool_tokens = budget // SlotCache.bytes_per_slot(model.config, 1, dtype)
             fit = int(pool_tokens // mean_seq)
-            paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), FLAGS.num_requests)
+            paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), len(work))
             layout_options = dict(kv_cache="paged", kv_cache_bytes=int(budget), page_size=page,
                                   num_slots=paged_slots, batch_size=paged_slots, attention=FLAGS.paged_attention)
         else:
             seq_len = max_seq_len
         llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
                   decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options, **common.llm_options())
-        row = policy if layout == "slots" else f"{policy}-paged"
         llm.warmup()
-        compiled = Engine.num_backend_compilations()
-        elapsed = float("inf")
-        for _ in range(FLAGS.repeats):
+        engines[policy if layout == "slots" else f"{policy}-paged"] = llm
+    compiled = Engine.num_backend_compilations()
+    seconds = {row: [] for row in engines}
+    for repeat in range(FLAGS.repeats):
+        for row, llm in engines.items():  # interleaved: a drift of the machine hits every row of a round alike
             llm.reset_stats()
             t0 = llm.clock()  # the wall clock, or simulated time under --simulate
-            outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True, desc=f"{row} gen<={max_gen}")
-            elapsed = min(elapsed, llm.clock() - t0)
-        tokens = sum(len(o.token_ids) for o in outs)
-        assert tokens == sum(budgets), "EOS is ignored: every request makes its budget"
-        if Engine.num_backend_compilations() != compiled:
-            print(f"warning: {row} compiled during the timed run; its time includes compilation")
-        column["rows"][row] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
-                               "mean_running": llm.stats.mean_running, "decode_steps": llm.stats.decode_steps,
-                               "preemptions": llm.scheduler.num_preemptions}
+            outs = llm.generate(prompts, [w.sampling for w in work], use_tqdm=True,
+                                desc=f"{row} gen<={max_gen} run {repeat + 1}/{FLAGS.repeats}")
+            seconds[row].append(llm.clock() - t0)
+            assert sum(len(o.token_ids) for o in outs) == sum(budgets), "EOS is ignored: every request makes its budget"
+    if Engine.num_backend_compilations() != compiled:
+        print(f"warning: gen<={max_gen} compiled during the timed runs; their times include compilation")
+    tokens = sum(budgets)
+    for row, llm in engines.items():
+        rates = [tokens / t for t in seconds[row]]
+        column["rows"][row] = {"tokens_per_s": statistics.median(rates), "seconds": seconds[row],
+                               "tokens_per_s_runs": rates, "mean_running": llm.stats.mean_running,
+                               "decode_steps": llm.stats.decode_steps, "preemptions": llm.scheduler.num_preemptions}
         if llm.pages is not None:
             column["rows"][row]["num_pages"] = llm.pages.num_pages
+    if "static" in seconds:  # each round's ratio, then their median and range
+        for row in engines:
+            ratios = sorted(a / b for a, b in zip(seconds["static"], seconds[row]))
+            column["rows"][row]["over_static"] = {"median": statistics.median(ratios), "min": ratios[0],
+                                                  "max": ratios[-1], "runs": ratios}
     if peer is not None:
         from hf_peers import continuous_generate_batch, static_generate
 
@@ -150,13 +167,23 @@ def run_column(model, max_gen: int, peer) -> dict:
     return column
 
 
+def over_static(row: dict, static: dict) -> str:
+    """A row's throughput over static's: the median of the rounds' ratios and their range
+    (one run, or a transformers peer timed once: the ratio of the medians)."""
+    ratio = row.get("over_static")
+    if ratio is None or len(ratio["runs"]) == 1:
+        return f"{row['tokens_per_s'] / static['tokens_per_s']:.2f}x"
+    return f"{ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+
+
 def print_table(columns: list[dict]) -> str:
     rows = list(columns[0]["rows"])
-    labeled: list[tuple[str, list[str]]] = [("slots (equal KV mem)", [str(c["slots"]) for c in columns])]
+    labeled: list[tuple[str, list[str]]] = [("slots (equal KV mem)", [str(c["slots"]) for c in columns]),
+                                            ("requests", [str(c.get("num_requests", "")) for c in columns])]
     labeled += [(f"{r} tok/s", [f"{c['rows'][r]['tokens_per_s']:.1f}" for c in columns]) for r in rows]
     if "static" in rows:
-        labeled += [(f"{r} / static", [f"{c['rows'][r]['tokens_per_s'] / c['rows']['static']['tokens_per_s']:.2f}x"
-                                       for c in columns]) for r in rows if r != "static"]
+        labeled += [(f"{r} / static", [over_static(c["rows"][r], c["rows"]["static"]) for c in columns])
+                    for r in rows if r != "static"]
         labeled.append(("bound cont./static", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
     labeled += [(f"{r} mean running", [f"{c['rows'][r]['mean_running']:.2f}" for c in columns])
                 for r in rows if "mean_running" in columns[0]["rows"][r]]

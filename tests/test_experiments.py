@@ -21,11 +21,15 @@ def run_script(name: str, *args: str) -> None:
 
 
 def test_compare_batching_writes_table_json_and_plot(tmp_path):
-    run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=32", "--num_requests=8",
-               "--num_slots=2", "--prompt_len=8", f"--output_dir={tmp_path}")
+    run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=32", "--num_requests=4",
+               "--num_slots=2", "--prompt_len=8", "--repeats=2", f"--output_dir={tmp_path}")
     result = json.loads((tmp_path / "compare_batching.json").read_text())
     assert [c["max_gen_len"] for c in result["columns"]] == [32]
     for column in result["columns"]:
+        assert column["num_requests"] == 6  # three waves of the column's 2 slots
+        continuous = column["rows"]["continuous"]
+        assert len(continuous["seconds"]) == 2 and continuous["over_static"]["min"] <= continuous["over_static"]["max"]
+        assert "x [" in result["table"]  # each ratio printed with its range
         assert set(column["rows"]) == {"static", "dynamic", "continuous", "continuous-paged"}
         assert column["rows"]["continuous-paged"]["num_pages"] > 0
         assert column["bound_continuous_over_static"] >= 1.0
@@ -33,7 +37,7 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
     # A trace's lengths instead (Azure's code service, scaled to the tiny model).
     run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=8", "--num_requests=4", "--num_slots=2",
-               "--prompt_len=24", "--policies=continuous", "--paged_policies=", "--workload=azure_code",
+               "--prompt_len=24", "--policies=continuous", "--paged_policies=", "--workload=azure_code", "--repeats=1",
                "--length_scale=0.01", f"--output_dir={tmp_path}")
     column = json.loads((tmp_path / "compare_batching.json").read_text())["columns"][0]
     assert set(column["rows"]) == {"continuous"} and column["mean_budget"] <= 8
