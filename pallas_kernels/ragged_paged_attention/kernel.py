@@ -90,21 +90,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
     args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
             cu_q_lens.astype(jnp.int32))
-    sizes = dict(scale=scale, block_q=block_q, pages_per_block=pages_per_block)
+    kernels = {"triton": triton_kernel, "tpu": tpu_kernel}
 
-    def gpu(*a):
-        return triton_kernel.attention(*a, **sizes, interpret=False)
+    def run(kernel: str, interpreted: bool):
+        return functools.partial(kernels[kernel].attention, scale=scale, block_q=block_q,
+                                 pages_per_block=pages_per_block, interpret=interpreted)
 
-    def tpu(*a):
-        return tpu_kernel.attention(*a, **sizes, interpret=False)
-
-    def interpreted(*a):
-        if _cpu_interpreter == "tpu":
-            return tpu_kernel.attention(*a, **sizes, interpret=True)
-        return triton_kernel.attention(*a, **sizes, interpret=True)
-
-    if interpret == "tpu":
-        return tpu_kernel.attention(*args, **sizes, interpret=True)
     if interpret:
-        return triton_kernel.attention(*args, **sizes, interpret=True)
-    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=interpreted)
+        return run("tpu" if interpret == "tpu" else "triton", True)(*args)
+    return jax.lax.platform_dependent(*args, cuda=run("triton", False), rocm=run("triton", False),
+                                      tpu=run("tpu", False), default=run(_cpu_interpreter, True))
