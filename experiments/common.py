@@ -241,6 +241,12 @@ def make_workload(model, arrival: str, qps: float = 1.0):
                      vocab_size=vocab_size, seed=FLAGS.seed, arrival=kind, qps=qps, burstiness=FLAGS.burstiness)
 
 
+def mean_sequence_len(workload) -> float:
+    """Prompt plus output budget, averaged over a workload's requests (what a paged pool of a
+    given size holds that many of, on average)."""
+    return sum(len(w.prompt) + w.sampling.max_tokens for w in workload) / len(workload)
+
+
 def recorded_workload(model, n: int, *, max_len: int | None, max_output_len: int | None, arrival: str,
                       qps: float = 1.0):
     """`--workload=sharegpt` or a request trace (define_trace_flags): at most `n` requests,

@@ -108,7 +108,7 @@ def run_column(model, max_gen: int, peer) -> dict:
     else:  # a trace's (or ShareGPT's) lengths, all arriving at once
         work = common.recorded_workload(model, num_requests, max_len=max_seq_len, max_output_len=max_gen,
                                         arrival="all_at_once")
-        mean_seq = sum(len(w.prompt) + w.sampling.max_tokens for w in work) / len(work)
+        mean_seq = common.mean_sequence_len(work)
     prompts = [w.prompt for w in work]
     budgets = [w.sampling.max_tokens for w in work]
     column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget), "num_requests": len(work),

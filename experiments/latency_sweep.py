@@ -90,7 +90,7 @@ def main(argv):
         if FLAGS.workload == "synthetic":
             mean_len = (FLAGS.prompt_low + FLAGS.prompt_high) / 2 + FLAGS.output_mean
         else:
-            mean_len = sum(len(w.prompt) + w.sampling.max_tokens for w in workload) / len(workload)
+            mean_len = common.mean_sequence_len(workload)
         for policy in FLAGS.policies:
             llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
                       **layout_options(model, policy, mean_len), **common.llm_options())
