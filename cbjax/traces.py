@@ -77,8 +77,16 @@ def _positive(value, what: str, where: str) -> int:
 
 
 def read_trace(name_or_path: str) -> list[TraceRequest]:
-    """Every request of a trace, in arrival order, the first arriving at 0."""
+    """Every request of a trace, in arrival order, the first arriving at 0. Parsed once per
+    file version (a sweep builds its workload once per rate)."""
     path = trace_path(name_or_path)
+    stat = os.stat(path)
+    return list(_parse_trace(path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_trace(path: str, mtime_ns: int, size: int) -> tuple[TraceRequest, ...]:
+    del mtime_ns, size  # the cache key: an edited file is read again
     rows = []
     with open(path, newline="") as f:
         if path.endswith(".jsonl"):
@@ -109,7 +117,7 @@ def read_trace(name_or_path: str) -> list[TraceRequest]:
         raise ValueError(f"{path}: no requests")
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
-    return [TraceRequest(t - t0, p, o, b) for t, p, o, b in rows]
+    return tuple(TraceRequest(t - t0, p, o, b) for t, p, o, b in rows)
 
 
 def block_reuse(records: list[TraceRequest]) -> float:
