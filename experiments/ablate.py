@@ -13,6 +13,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
@@ -31,6 +32,7 @@ flags.DEFINE_list("values", ["1", "4", "16"], "Values of the knob.")
 flags.DEFINE_float("qps", 0.0, "Poisson arrival rate; 0 sends every request at once (offline).",
                    lower_bound=0.0)
 EngineArgs.define_flags(["num_slots", "max_seq_len", "waiting_served_ratio", "dtype"], max_seq_len=256)
+flags.adopt_module_key_flags(engine_args)  # the EngineArgs knobs, in --help
 flags.DEFINE_string("output_dir", "results/ablate", "Where the JSON and the plot go.")
 common.define_simulate_flag()
 common.define_workload_flags(num_requests=32, output_mean=32.0, output_cap=96)

@@ -125,7 +125,7 @@ def define_simulate_flag() -> None:
     flags.DEFINE_string("simulate", None, "Run on the scheduling simulator instead of the device: an accelerator "
                         "(h100, h200, a100-40gb, a100-80gb, tpu-v5e: roofline) or a calibration .json from "
                         "experiments/calibrate_simulator.py. Time is simulated; --model may then also name a "
-                        "shape (opt-13b, llama2-13b, llama3-8b, llama3.2-1b); transformers peers are skipped.")
+                        "shape (opt-13b, llama2-13b, llama3-8b, llama3.2-1b, mistral-7b, ...); transformers peers are skipped.")
     flags.register_validator("simulate", _simulate_ok, message="--simulate must name an accelerator (h100, h200, "
                              "a100-40gb, a100-80gb, tpu-v5e) or an existing calibration .json file")
 

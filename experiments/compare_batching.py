@@ -22,6 +22,8 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core import engine_args
+from cbjax.core.engine_args import EngineArgs
 from hf_peers import load_peer
 
 FLAGS = flags.FLAGS
@@ -47,8 +49,10 @@ flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged cache.", low
 flags.DEFINE_integer("paged_max_seqs", None, "Most sequences the paged cache decodes together (its slots). "
                      "Default: the pool's tokens over the mean sequence length (prompt + mean output); the "
                      "decode step computes every slot, so more slots than fit on average only cost time.")
-flags.DEFINE_bool("peers", True, "Also run transformers' generate (static batches) and generate_batch "
-                  "(not under --simulate).")
+PEERS = ("hf_generate_static", "hf_generate_batch")
+flags.DEFINE_list("peers", list(PEERS), "transformers rows (not under --simulate), each timed once per column: "
+                  "hf_generate_static (generate over static batches), hf_generate_batch (its continuous batching); "
+                  "empty for none.")
 flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
                   "Attention of the paged rows (pallas: the Pallas kernels, GPU; under --simulate, reads live "
                   "pages only, as vLLM's kernel does).")
@@ -56,7 +60,9 @@ common.define_simulate_flag()
 common.define_trace_flags(("synthetic",), "'synthetic': --prompt_len prompts of random tokens and capped-"
                           "exponential budgets (--output_mean); ")
 flags.DEFINE_float("window_ms", 50.0, "Dynamic batching window.", lower_bound=0.0)
-flags.DEFINE_integer("decode_steps", 1, "Decode steps per device call.", lower_bound=1)
+ENGINE_KNOBS = EngineArgs.define_flags(["decode_steps", "max_step_tokens"])  # every row's engine
+CONTINUOUS_KNOBS = EngineArgs.define_flags(["refill_interval", "merge_mode", "max_num_batched_tokens"])  # its rows
+flags.adopt_module_key_flags(engine_args)  # the EngineArgs knobs, in --help
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 flags.DEFINE_integer("repeats", 3, "Timed runs per cell, the policies interleaved (run 1 of each, then run 2 of "
@@ -66,6 +72,8 @@ flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON an
 
 
 common.validate_list("max_gen_lens", int, 1, "positive integers")
+flags.register_validator("peers", lambda v: all(p in PEERS for p in v),
+                         message="--peers must be a list among " + ", ".join(PEERS))
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
                      "policies among static, dynamic, continuous")
 flags.register_validator("paged_policies", lambda v: all(p in ("static", "dynamic", "continuous") for p in v),
@@ -75,13 +83,31 @@ flags.register_validator("paged_max_seqs", lambda v: v is None or v >= 1, messag
 
 
 def static_bound(budgets: list[int], batch: int) -> float:
-    """Continuous/static throughput bound at equal slots for these budgets (FCFS batches)."""
+    """Continuous/static throughput bound at equal slots for these budgets if continuous
+    wasted no slot-step at all (FCFS batches for static)."""
     import numpy as np
 
     longest = [max(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
     sizes = [len(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
     # Static spends sum(longest * size) slot-steps for sum(budgets) useful tokens.
     return float(np.dot(longest, sizes) / np.sum(budgets))
+
+
+def fcfs_bound(budgets: list[int], slots: int) -> float:
+    """Static's decode steps over continuous's for these budgets in arrival order: static runs
+    batches of `slots` to their longest member; continuous gives each request, in order, the
+    slot that frees first, and ends when its last slot does. With few waves that tail can cost
+    continuous all it saved (every wave's longest request at the cap): the ratio a run can reach."""
+    import heapq
+
+    static = sum(max(budgets[i:i + slots]) for i in range(0, len(budgets), slots))
+    free = [0] * slots
+    end = 0
+    for b in budgets:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + b)
+        end = max(end, start + b)
+    return static / end
 
 
 def run_column(model, max_gen: int, peer) -> dict:
@@ -113,6 +139,7 @@ def run_column(model, max_gen: int, peer) -> dict:
     budgets = [w.sampling.max_tokens for w in work]
     column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget), "num_requests": len(work),
               "mean_budget": sum(budgets) / len(budgets), "bound_continuous_over_static": static_bound(budgets, slots),
+              "fcfs_bound_continuous_over_static": fcfs_bound(budgets, slots),
               "rows": {}}
     runs = [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]
     engines = {}
@@ -128,8 +155,9 @@ def run_column(model, max_gen: int, peer) -> dict:
                                   num_slots=paged_slots, batch_size=paged_slots, attention=FLAGS.paged_attention)
         else:
             seq_len = max_seq_len
-        llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms,
-                  decode_steps=FLAGS.decode_steps, dtype=dtype, **layout_options, **common.llm_options())
+        knobs = {k: FLAGS[k].value for k in ENGINE_KNOBS + (CONTINUOUS_KNOBS if policy == "continuous" else [])}
+        llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms, dtype=dtype, **knobs,
+                  **layout_options, **common.llm_options())
         llm.warmup()
         engines[policy if layout == "slots" else f"{policy}-paged"] = llm
     compiled = Engine.num_backend_compilations()
@@ -160,7 +188,8 @@ def run_column(model, max_gen: int, peer) -> dict:
     if peer is not None:
         from hf_peers import continuous_generate_batch, static_generate
 
-        for name, fn in (("hf_generate_static", static_generate), ("hf_generate_batch", continuous_generate_batch)):
+        peers = {"hf_generate_static": static_generate, "hf_generate_batch": continuous_generate_batch}
+        for name, fn in ((n, peers[n]) for n in FLAGS.peers):
             with tqdm(total=len(prompts), desc=f"{name} gen<={max_gen}") as bar:
                 tokens, elapsed = fn(peer, prompts, budgets, slots, progress=bar.update)
             column["rows"][name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
@@ -184,7 +213,8 @@ def print_table(columns: list[dict]) -> str:
     if "static" in rows:
         labeled += [(f"{r} / static", [over_static(c["rows"][r], c["rows"]["static"]) for c in columns])
                     for r in rows if r != "static"]
-        labeled.append(("bound cont./static", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
+        labeled.append(("bound cont./static, FCFS", [f"{c['fcfs_bound_continuous_over_static']:.2f}x" for c in columns]))
+        labeled.append(("bound, no slot idle", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
     labeled += [(f"{r} mean running", [f"{c['rows'][r]['mean_running']:.2f}" for c in columns])
                 for r in rows if "mean_running" in columns[0]["rows"][r]]
     width = max(len("policy"), *(len(label) for label, _ in labeled)) + 2
@@ -223,7 +253,7 @@ def main(argv):
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
-    peers = FLAGS.peers and not FLAGS.simulate
+    peers = bool(FLAGS.peers) and not FLAGS.simulate
     peer = load_peer(FLAGS.model) if peers else None  # transformers' twin of the same checkpoint
     peer_settings = {}
     if peer is not None:

@@ -15,6 +15,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
@@ -41,6 +42,7 @@ common.validate_list("concurrency", int, 1, "positive numbers of requests in fli
 POLICIES = ("static", "dynamic", "continuous", "continuous-paged", "continuous-sjf", "continuous-sjf-predicted")
 common.validate_list("policies", lambda p: 0 if p in POLICIES else -1, 0, "policies among " + ", ".join(POLICIES))
 EngineArgs.define_flags(["length_predictor"])
+flags.adopt_module_key_flags(engine_args)  # the EngineArgs knobs, in --help
 flags.register_multi_flags_validator(
     ["policies", "length_predictor", "simulate"],
     lambda v: "continuous-sjf-predicted" not in v["policies"] or v["length_predictor"] or v["simulate"],

@@ -20,6 +20,7 @@ import time
 from absl import app, flags
 
 import common
+from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
@@ -34,6 +35,7 @@ flags.DEFINE_integer("long_output_len", 16, "Their output length (EOS ignored)."
 flags.DEFINE_float("long_qps", 1.0, "Poisson rate of the long prompts (requests per second).", lower_bound=1e-6)
 flags.DEFINE_float("long_start_s", 0.5, "When the first long prompt may arrive.", lower_bound=0.0)
 EngineArgs.define_flags(["num_slots", "max_seq_len", "kv_cache", "dtype"])
+flags.adopt_module_key_flags(engine_args)  # the EngineArgs knobs, in --help
 flags.DEFINE_list("modes", ["prefill_first", "fused", "chunked"], "Merge modes to run.")
 flags.DEFINE_list("chunked_budgets", ["32", "64", "128", "256"], "Token budgets per step for chunked (the sweep).")
 flags.DEFINE_integer("fused_budget", None, "Token budget per step for fused (default: max_seq_len).", lower_bound=1)

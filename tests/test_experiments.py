@@ -32,7 +32,7 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
         assert "x [" in result["table"]  # each ratio printed with its range
         assert set(column["rows"]) == {"static", "dynamic", "continuous", "continuous-paged"}
         assert column["rows"]["continuous-paged"]["num_pages"] > 0
-        assert column["bound_continuous_over_static"] >= 1.0
+        assert column["bound_continuous_over_static"] >= column["fcfs_bound_continuous_over_static"] >= 1.0
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
     # A trace's lengths instead (Azure's code service, scaled to the tiny model).
@@ -67,6 +67,12 @@ def test_static_bound():
     assert static_bound([4, 4, 4, 4], 2) == pytest.approx(1.0)
     # batches [1, 3] and [2]: static spends 3*2 + 2*1 = 8 slot-steps for 6 tokens.
     assert static_bound([1, 3, 2], 2) == pytest.approx(8 / 6)
+    fcfs_bound = experiments_module("compare_batching").fcfs_bound
+    # Static: batches [8, 1] and [1, 8] take 16 steps. Continuous: slot 0 runs 8; slot 1 runs
+    # 1, 1, then the last 8 from step 2 to 10.
+    assert fcfs_bound([8, 1, 1, 8], 2) == pytest.approx(16 / 10)
+    # Every wave's longest at the cap: continuous's tail is static's last batch.
+    assert fcfs_bound([8, 8, 8, 8], 2) == pytest.approx(1.0)
 
 
 def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
@@ -115,6 +121,10 @@ def experiments_module(name: str):
     ("pipeline_bubbles.py", "--cost_shape=gpt-5"),
     ("scale_out.py", "--configs=2x1:random"),
     ("scale_out.py", "--prefix_len=500"),
+    ("capacity.py", "--schedulers=prefill_first,chunked"),
+    ("capacity.py", "--schedulers=chunked@1"),
+    ("capacity.py", "--workloads=azure_coed"),
+    ("capacity.py", "--slo_batch=64"),
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
@@ -128,7 +138,7 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py", "serve_bench.py"])
+@pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py", "serve_bench.py", "capacity.py"])
 def test_help_lists_the_workload_flags(script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
@@ -142,7 +152,8 @@ def test_compare_batching_table_columns_line_up():
     rows = {"static": {"tokens_per_s": 12.5, "mean_running": 3.0},
             "continuous-paged": {"tokens_per_s": 1234.5, "mean_running": 12.25},
             "hf_generate_batch": {"tokens_per_s": 7.0}}
-    columns = [{"max_gen_len": g, "slots": 8, "bound_continuous_over_static": 1.5, "rows": rows} for g in (8, 1536)]
+    columns = [{"max_gen_len": g, "slots": 8, "bound_continuous_over_static": 1.5,
+                "fcfs_bound_continuous_over_static": 1.25, "rows": rows} for g in (8, 1536)]
     lines = cb.print_table(columns).splitlines()
     assert len({len(line) for line in lines}) == 1, "every line as wide as the header"
     assert any(line.startswith("continuous-paged mean running ") for line in lines)
@@ -182,6 +193,35 @@ def test_eval_perplexity_writes_json_and_png(tmp_path):
     result = json.loads(out.read_text())
     assert result["cbjax_ppl"] > 1 and len(result["per_window_nll"]["cbjax"]) >= 2
     assert (tmp_path / "ppl.png").stat().st_size > 0
+
+
+def test_find_capacity_brackets_then_bisects():
+    find_capacity = experiments_module("capacity").find_capacity
+    threshold = 3.3
+    capacity, probed = find_capacity(lambda q: q <= threshold, start=1.0, low=0.1, high=64.0, steps=4)
+    assert probed[:3] == [1.0, 2.0, 4.0]  # doubles up to the first failure, then bisects 4 times
+    assert len(probed) == 7 and 3.0 <= capacity <= threshold
+    capacity, probed = find_capacity(lambda q: q <= 0.3, start=1.0, low=0.1, high=64.0, steps=1)
+    assert probed[:3] == [1.0, 0.5, 0.25] and 0.25 <= capacity <= 0.3  # halves down to the first pass
+    assert find_capacity(lambda q: False, start=1.0, low=0.1, high=64.0, steps=3)[0] == 0.0
+    assert find_capacity(lambda q: True, start=1.0, low=0.1, high=8.0, steps=3) == (8.0, [1.0, 2.0, 4.0, 8.0])
+
+
+def test_capacity_simulated_writes_table_json_and_plot(tmp_path):
+    run_script("capacity.py", "--simulate=a100-80gb", "--model=llama3.2-1b", "--dtype=bfloat16", "--kv_cache=paged",
+               "--attention=pallas", "--num_slots=8", "--max_seq_len=1024", "--slo_batch=4", "--slo_context=256",
+               "--workloads=sharegpt,azure_conv", "--schedulers=prefill_first,chunked@128", "--num_requests=24",
+               "--search_steps=1", "--qps_start=4", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert set(result["results"]) == {"sharegpt", "azure_conv"} and result["tbt_slo_ms"] > 0
+    for rows in result["results"].values():
+        assert set(rows) == {"prefill_first", "chunked@128"}
+        for row in rows.values():
+            passing = [p["qps"] for p in row["probes"] if p["passes"]]
+            assert row["capacity"] == max(passing, default=0.0)
+            assert all(p["p99_tbt_ms"] <= result["tbt_slo_ms"] for p in row["probes"] if p["passes"])
+    assert "2.6x" in result["table"]
+    assert (tmp_path / "capacity.png").stat().st_size > 0
 
 
 def test_merge_modes_writes_table_json_and_plot(tmp_path):

@@ -141,6 +141,9 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
                          head_dim=128, intermediate_size=13824),
     "llama2-70b": _llama(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                          head_dim=128, intermediate_size=28672),
+    # Sarathi-Serve's single-A100 model (its sliding window, 4096, is not modelled).
+    "mistral-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, intermediate_size=14336, max_position_embeddings=32768),
     "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, intermediate_size=14336),
     "llama3-70b": _llama(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
