@@ -9,9 +9,12 @@ run before the server took it over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -524,34 +527,50 @@ def test_an_engine_failure_fails_requests_cleanly_and_health_says_so(model_dir):
         assert server.pending == 0
 
 
-def test_cli_serves_and_refuses_bad_flags(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "cbjax.serve", "--num_slots=0"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode != 0 and "Flags parsing error" in proc.stderr and "num_slots" in proc.stderr
+@contextlib.contextmanager
+def _cli_server(*args: str):
+    """`python -m cbjax.serve` on tiny-llama with `args`: (an openai client, its startup lines)."""
     server = subprocess.Popen([sys.executable, "-m", "cbjax.serve", "--model=tiny-llama", "--port=0",
-                               "--max_seq_len=64", "--num_slots=2", "--nowarmup"],
+                               "--max_seq_len=64", "--num_slots=2", "--nowarmup", *args],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        url = None
+        url, lines = None, []
         for line in server.stdout:
+            lines.append(line)
             if line.startswith("cbjax serving"):
                 url = line.split(" on ")[-1].strip()
                 break
-        assert url is not None, "the server never said where it listens"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert url is not None, "the server never said where it listens: " + "".join(lines[-20:])
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120), lines
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def test_cli_serves_and_refuses_bad_flags(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cbjax.serve", "--num_slots=0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "Flags parsing error" in proc.stderr and "num_slots" in proc.stderr
+    with _cli_server() as (client, _):
         r = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError, match="tokenizer"):  # tiny-llama has none
             client.completions.create(model="tiny-llama", prompt="text needs a tokenizer")
-    finally:
-        server.terminate()
-        server.wait(60)
+
+
+def test_cli_tensor_parallel_on_host_devices_answers_generates_tokens():
+    """Every EngineArgs knob is a server flag: --tensor_parallel=2 over --host_devices=8 serves
+    LLM.generate's greedy tokens, on an engine sharded over 2 devices."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    expected = LLM("tiny-llama", max_seq_len=64, num_slots=2).generate(prompts, _greedy(8, ignore_eos=True), use_tqdm=False)
+    with _cli_server("--tensor_parallel=2", "--host_devices=8") as (client, lines):
+        assert any("tensor_parallel=2 over 2 of 8 devices" in line for line in lines), "".join(lines)
+        for prompt, want in zip(prompts, expected):
+            r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].token_ids == want.token_ids
 
 
 def _hf_log_softmax(model_dir, ids):

@@ -13,6 +13,7 @@ import time
 
 from absl import app, flags
 
+from cbjax.serve import flags as engine_flags
 from cbjax.serve.flags import define_engine_flags, engine_args
 
 FLAGS = flags.FLAGS
@@ -23,7 +24,11 @@ flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port).", lowe
 flags.DEFINE_integer("max_pending", 1024, "Requests held at once (waiting or running); more get 429.",
                      lower_bound=1)
 define_engine_flags()
+flags.adopt_module_key_flags(engine_flags)
 flags.DEFINE_integer("seed", 0, "Sampling seed for requests that bring none.", lower_bound=0)
+flags.DEFINE_integer("host_devices", None, "On a CPU: expose this many host devices (XLA's "
+                     "--xla_force_host_platform_device_count), for --tensor_parallel, --pipeline_stages or "
+                     "disaggregated instances on one machine. Set before JAX starts.", lower_bound=1)
 flags.DEFINE_bool("warmup", True, "Compile every program before serving (first requests then pay no compile).")
 flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
                     "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
@@ -34,17 +39,36 @@ flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on e
                     "the CBJAX_API_KEY environment variable; unset: no key).")
 
 
+def engine_layout(llm, args) -> str:
+    """How the engine is spread over the devices, in one line."""
+    import jax
+
+    mesh = getattr(getattr(llm, "engine", None), "mesh", None)
+    used = mesh.devices.size if mesh is not None else args.pipeline_stages
+    layout = f"tensor_parallel={args.tensor_parallel} over {used} of {jax.device_count()} devices"
+    if args.pipeline_stages > 1:
+        layout += f", pipeline_stages={args.pipeline_stages}"
+    if args.prefill_instances:
+        layout += f", {args.prefill_instances} prefill + {args.decode_instances} decode instances"
+    return layout
+
+
 def main(argv):
     del argv
     from cbjax import LLM, compile_cache
     from cbjax.serve import Server
 
+    if FLAGS.host_devices:  # read when JAX's CPU backend starts, which nothing has asked for yet
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={FLAGS.host_devices}").strip()
     logging.basicConfig(level=logging.INFO if FLAGS.access_log else logging.WARNING)
     compile_cache.enable(FLAGS.compilation_cache)
     try:
-        llm = LLM(FLAGS.model, engine_args(seed=FLAGS.seed))
+        args = engine_args(seed=FLAGS.seed)
+        llm = LLM(FLAGS.model, args)
     except ValueError as e:
         raise app.UsageError(str(e))
+    print(f"engine: {engine_layout(llm, args)}", flush=True)
     if FLAGS.warmup:
         t0 = time.perf_counter()
         print(f"compiling {FLAGS.model}'s programs ({FLAGS.num_slots} slots, {FLAGS.max_seq_len} tokens)...",

@@ -1,20 +1,26 @@
 """The engine's absl flags, shared by `python -m cbjax.serve` and experiments/serve_bench.py
-(which starts the server with the same options it replays in process). Each flag is an
-`EngineArgs` field: its name, default, bounds and help are defined there."""
+(which starts the server with the same options it replays in process). Every `EngineArgs`
+field is a flag, its name, default, bounds and help defined there; `seed` is left to each
+script (the server's is the engine's, serve_bench's seeds its workload)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from cbjax.core import EngineArgs
 
-ENGINE_FLAGS = ("policy", "num_slots", "max_seq_len", "window_ms", "refill_interval", "kv_cache", "page_size",
-                "num_pages", "enable_prefix_caching", "merge_mode", "max_num_batched_tokens", "max_step_tokens",
-                "attention", "dtype",
-                "ordering", "score_wait", "score_short", "score_priority", "priority_preemption", "length_predictor",
-                "prefill_instances", "decode_instances", "prefill_tensor_parallel", "decode_tensor_parallel")
+ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name != "seed")
 
 
 def define_engine_flags(num_slots: int = 8, max_seq_len: int = 512) -> None:
+    """Define them; a script lists them in its --help with `flags.adopt_module_key_flags` of
+    this module."""
+    from absl import flags
+
+    from cbjax.core import engine_args as engine_args_module
+
     EngineArgs.define_flags(ENGINE_FLAGS, num_slots=num_slots, max_seq_len=max_seq_len)
+    flags.adopt_module_key_flags(engine_args_module)
 
 
 def engine_args(**overrides) -> EngineArgs:
