@@ -295,6 +295,25 @@ MALFORMED = {
 }
 
 
+# Fields of the OpenAI and vLLM request schemas this server does not honour, and a typo.
+UNHONOURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "min_p", "use_beam_search",
+              "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+              "store", "metadata", "service_tier", "modalities", "audio", "prediction", "web_search_options",
+              "reasoning_effort", "functions", "function_call", "temprature")
+
+
+def test_unhonoured_fields_get_a_400_naming_them(served):
+    server, _ = served
+    for path, base in (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})):
+        for name in UNHONOURED:
+            status, body = _post(server, path, {**base, name: {"type": "object"} if "json" in name else 1})
+            assert status == 400 and body["error"]["param"] == name and name in body["error"]["message"], \
+                (path, name, body)
+        status, body = _post(server, path, {**base, "user": "someone"})  # accepted, ignored on purpose
+        assert status == 200, body
+
+
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served):
     server, ref = served
     for name, case in MALFORMED.items():

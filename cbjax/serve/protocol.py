@@ -205,6 +205,26 @@ def _top_k(value: int) -> int:
     return 0 if value == -1 else value  # vLLM spells "off" as -1
 
 
+# Every field a route reads. Any other field is refused by name: one silently dropped
+# (vLLM's guided_json, say) would let a benchmark that sends it measure something else.
+_SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "ignore_eos", "stop_token_ids",
+    "min_tokens", "repetition_penalty", "priority", "prompt_logprobs", "parallel_tool_calls"})
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "response_format"}
+# Accepted and ignored, with the reason.
+IGNORED_FIELDS = {"user": "an end-user id for a provider's abuse monitoring; nothing here reads it"}
+
+
+def check_fields(body: dict, allowed: frozenset) -> None:
+    """Refuse (400, naming it) a field the route does not read and does not ignore on purpose."""
+    for name in body:
+        if name not in allowed and name not in IGNORED_FIELDS:
+            raise bad(f"'{name}' is not a field this server honours (docs/server.md lists them)", name)
+
+
 def _common_refusals(body: dict) -> None:
     _refuse_unless(body, "parallel_tool_calls", lambda v: v is False)
     _refuse_unless(body, "prompt_logprobs", lambda v: v == 0)
@@ -275,6 +295,7 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     """`/v1/completions`: `prompt` is a string, a list of strings, a list of token ids or a
     list of lists of token ids; each prompt is a choice."""
     model = check_model(require_object(body), served)
+    check_fields(body, COMPLETION_FIELDS)
     _common_refusals(body)
     _refuse_unless(body, "suffix", lambda v: v == "")
     echo = get_field(body, "echo", (bool,), False)
@@ -323,6 +344,7 @@ def prompt_ids(prompt, tokenizer, max_len: int) -> list[int]:
 def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     """`/v1/chat/completions`: the messages through the tokenizer's chat template."""
     model = check_model(require_object(body), served)
+    check_fields(body, CHAT_FIELDS)
     _common_refusals(body)
     _refuse_unless(body, "tools", lambda v: v == [])
     _refuse_unless(body, "tool_choice", lambda v: v == "none")
