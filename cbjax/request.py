@@ -13,7 +13,8 @@ from cbjax import checks
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off.
+    """How to sample one request. `temperature=0` is greedy; `top_k=0`, `top_p=1` and `min_p=0` are off
+    (`min_p`: drop tokens less likely than min_p times the most likely one, after temperature).
 
     The logits processors follow vLLM and run on the device in this order: `logit_bias`
     (token id -> added to its logit, clipped to [-100, 100] as OpenAI does), `min_tokens`
@@ -42,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self):
         # Normalised to plain Python values that fit the device's int32/float32 arrays.
@@ -52,6 +54,7 @@ class SamplingParams:
         put("temperature", checks.real("temperature", self.temperature, 0.0))
         put("top_k", checks.integer("top_k (0 disables it)", self.top_k, 0))
         put("top_p", checks.real("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        put("min_p", checks.real("min_p", self.min_p, 0.0, 1.0))
         if self.seed is not None:
             put("seed", checks.integer("seed", self.seed, 0))
         stop = self.stop_token_ids

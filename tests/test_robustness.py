@@ -248,7 +248,7 @@ def test_seeded_sampling_draws_per_token_id_not_per_rank():
     assert (np.argsort(-base, axis=1, kind="stable") != np.argsort(-nudged, axis=1, kind="stable")).any(axis=1).all()
     ones, zeros = jnp.ones(rows), jnp.zeros(rows, jnp.int32)
     seeds = jnp.arange(rows, dtype=jnp.int32)
-    a, b = (sample(jnp.asarray(x), ones, zeros, ones, seeds, zeros) for x in (base, nudged))
+    a, b = (sample(jnp.asarray(x), ones, zeros, ones, zeros.astype(jnp.float32), seeds, zeros) for x in (base, nudged))
     assert len(set(np.asarray(a).tolist())) > 10, "the draws really are random"
     assert np.array_equal(np.asarray(a), np.asarray(b))
 

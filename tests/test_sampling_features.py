@@ -134,6 +134,33 @@ def test_presence_frequency_and_bias_in_generation(hf_and_dir):
     assert all(o.token_ids == [42] * 5 for o in biased)
 
 
+def test_min_p_cuts_relative_to_the_likeliest_token(hf_and_dir):
+    import jax.numpy as jnp
+
+    from cbjax.runtime.sampling import sample
+
+    rows = 256  # one seed per row
+    logits = jnp.tile(jnp.array([[0.0, -1.0, -10.0, -1.2]]), (rows, 1))
+    ones, zeros, seeds = jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.arange(rows, dtype=jnp.int32)
+
+    def drawn(min_p):
+        return set(np.asarray(sample(logits, ones, zeros, ones, jnp.full(rows, min_p), seeds, zeros)).tolist())
+
+    assert drawn(0.0) >= {0, 1, 3}  # off: token 2 (e^-10) may or may not come up in 256 draws
+    assert drawn(0.35) == {0, 1}  # e^-1 = 0.37 of the top token's probability stays, e^-1.2 = 0.30 goes
+    assert drawn(0.5) == {0}
+    # min_p = 1 keeps only the likeliest token: sampling at temperature 1 becomes greedy.
+    _, path = hf_and_dir
+    llm = LLM(path, max_seq_len=MAX_SEQ_LEN, num_slots=4)
+    prompts = _prompts(3, seed=5)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    cut = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, min_p=1.0, seed=1, ignore_eos=True),
+                       use_tqdm=False)
+    assert [o.token_ids for o in cut] == [o.token_ids for o in greedy]
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
 def test_min_tokens_masks_stop_tokens(hf_and_dir):
     _, path = hf_and_dir
     llm = LLM(path, max_seq_len=MAX_SEQ_LEN, num_slots=2)

@@ -249,6 +249,7 @@ MALFORMED = {
     "max_tokens as a string": dict(body={"model": MODEL, "prompt": "hi", "max_tokens": "5"}),
     "negative temperature": dict(body={"model": MODEL, "prompt": "hi", "temperature": -1}),
     "top_p zero": dict(body={"model": MODEL, "prompt": "hi", "top_p": 0}),
+    "min_p past 1": dict(body={"model": MODEL, "prompt": "hi", "min_p": 1.5}),
     "stream not a bool": dict(body={"model": MODEL, "prompt": "hi", "stream": "yes"}),
     "prompt past the context": dict(body={"model": MODEL, "prompt": [5] * 200}),
     "prompt plus max_tokens past the context": dict(body={"model": MODEL, "prompt": [5] * 90, "max_tokens": 50}),
@@ -296,7 +297,7 @@ MALFORMED = {
 
 
 # Fields of the OpenAI and vLLM request schemas this server does not honour, and a typo.
-UNHONOURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "min_p", "use_beam_search",
+UNHONOURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
               "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
               "store", "metadata", "service_tier", "modalities", "audio", "prediction", "web_search_options",
               "reasoning_effort", "functions", "function_call", "temprature")
@@ -312,6 +313,12 @@ def test_unhonoured_fields_get_a_400_naming_them(served):
                 (path, name, body)
         status, body = _post(server, path, {**base, "user": "someone"})  # accepted, ignored on purpose
         assert status == 200, body
+    # min_p = 1 keeps only the likeliest token: sampling becomes greedy.
+    greedy = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6,
+                                               "temperature": 0, "ignore_eos": True})[1]
+    cut = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1,
+                                            "min_p": 1.0, "seed": 3, "ignore_eos": True})[1]
+    assert cut["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served):

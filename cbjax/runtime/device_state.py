@@ -22,6 +22,7 @@ class SlotState:
     temperature: jax.Array  # [S] float32
     top_k: jax.Array  # [S] int32
     top_p: jax.Array  # [S] float32
+    min_p: jax.Array  # [S] float32, 0 = off
     seeds: jax.Array  # [S] int32
     stop_ids: jax.Array  # [S, max_stop_tokens] int32, -1 padded
     min_tokens: jax.Array  # [S] int32
@@ -41,7 +42,8 @@ class SlotState:
             return jnp.full((num_slots, *shape), value, dtype)
 
         return cls(tokens=full(0), active=full(False, bool), num_generated=full(0), max_tokens=full(0),
-                   temperature=full(0, jnp.float32), top_k=full(0), top_p=full(1, jnp.float32), seeds=full(0),
+                   temperature=full(0, jnp.float32), top_k=full(0), top_p=full(1, jnp.float32), min_p=full(0, jnp.float32),
+                   seeds=full(0),
                    stop_ids=full(-1, jnp.int32, max_stop_tokens), min_tokens=full(0),
                    presence=full(0, jnp.float32), frequency=full(0, jnp.float32),
                    repetition=full(1, jnp.float32), logprobs=full(-1), bias_ids=full(-1, jnp.int32, max_logit_bias),

@@ -1,5 +1,5 @@
 """On-device sampling, one set of parameters per slot: the logits processors (logit bias,
-min_tokens, repetition / frequency / presence penalties), then greedy, temperature, top-k,
+min_tokens, repetition / frequency / presence penalties), then greedy, temperature, min-p, top-k,
 top-p; and the log-probabilities of the raw logits.
 
 Randomness is a function of (request seed, index of the token in the output), so a
@@ -12,14 +12,17 @@ import jax
 import jax.numpy as jnp
 
 
-def _sample_row(logits, temperature, top_k, top_p, seed, index):
+def _sample_row(logits, temperature, top_k, top_p, min_p, seed, index):
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     # One descending sort serves both top-k (a rank cut) and top-p (a mass cut).
     neg_sorted, order = jax.lax.sort_key_val(-scaled, jnp.arange(vocab, dtype=jnp.int32))
     sorted_logits = -neg_sorted
     rank = jnp.arange(vocab)
-    keep = (top_k <= 0) | (rank < top_k)
+    # min_p (vLLM's order: on the whole tempered distribution, before top-k and top-p): in
+    # the sorted logits p_i >= min_p * p_0 is logit_i >= logit_0 + log(min_p).
+    keep = (sorted_logits >= sorted_logits[0] + jnp.log(min_p)) | (rank == 0)
+    keep &= (top_k <= 0) | (rank < top_k)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     keep &= (jnp.cumsum(probs) - probs) < top_p  # the top token always survives
     # The draw happens in vocabulary order, so each token id gets its own noise: the same
@@ -50,6 +53,7 @@ def sample(
     temperature: jax.Array,  # [S] float32, 0 = greedy
     top_k: jax.Array,  # [S] int32, 0 = off
     top_p: jax.Array,  # [S] float32, 1 = off
+    min_p: jax.Array,  # [S] float32, 0 = off
     seeds: jax.Array,  # [S] int32
     indices: jax.Array,  # [S] int32: index of the token being sampled in its output
 ) -> jax.Array:
@@ -57,7 +61,7 @@ def sample(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def stochastic(_):
-        drawn = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, seeds, indices)
+        drawn = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, min_p, seeds, indices)
         return jnp.where(temperature > 0, drawn, greedy)
 
     # The sort is the expensive part: skip it when every row is greedy.
@@ -105,8 +109,8 @@ def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
 def sample_next(logits, rows, index, max_logprobs: int):
     """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
     `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`."""
-    token = sample(process_logits(logits, rows, index), rows.temperature, rows.top_k, rows.top_p, rows.seeds,
-                   index)
+    token = sample(process_logits(logits, rows, index), rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                   rows.seeds, index)
     return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
 
 

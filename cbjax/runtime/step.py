@@ -43,8 +43,8 @@ HEADER = 7
 # A request's sampling parameters, packed per row (one host-to-device copy for every row's
 # scalars): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
 MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
-TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION = range(5)
-NUM_INTS = NUM_FLOATS = 5
+TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P = range(6)
+NUM_INTS, NUM_FLOATS = 5, 6
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -87,7 +87,8 @@ def sampling_fields(ints, floats, num_stops: int) -> dict:
     return dict(max_tokens=ints[:, MAX_TOKENS], top_k=ints[:, TOP_K], seeds=ints[:, SEED],
                 min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
                 stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
-                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], presence=floats[:, PRESENCE],
+                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], min_p=floats[:, MIN_P],
+                presence=floats[:, PRESENCE],
                 frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
                 bias_values=floats[:, NUM_FLOATS:])
 
@@ -102,7 +103,8 @@ def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int
     ints = np.concatenate([np.array([sampling.max_tokens, sampling.top_k, seed, sampling.min_tokens, logprobs],
                                     np.int32), stop_ids, bias_ids])
     floats = np.concatenate([np.array([sampling.temperature, sampling.top_p, sampling.presence_penalty,
-                                       sampling.frequency_penalty, sampling.repetition_penalty], np.float32),
+                                       sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p],
+                                      np.float32),
                              bias_values])
     return ints, floats
 

@@ -168,6 +168,7 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logp
             max_tokens=max_tokens,
             temperature=float(get_field(body, "temperature", numbers, 1.0)),
             top_p=float(get_field(body, "top_p", numbers, 1.0)),
+            min_p=float(get_field(body, "min_p", numbers, 0.0)),
             top_k=_top_k(get_field(body, "top_k", (int,), 0)),
             seed=get_field(body, "seed", (int,)),
             stop_token_ids=stop_token_ids,
@@ -209,8 +210,8 @@ def _top_k(value: int) -> int:
 # (vLLM's guided_json, say) would let a benchmark that sends it measure something else.
 _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "ignore_eos", "stop_token_ids",
-    "min_tokens", "repetition_penalty", "priority", "prompt_logprobs", "parallel_tool_calls"})
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "min_p", "ignore_eos",
+    "stop_token_ids", "min_tokens", "repetition_penalty", "priority", "prompt_logprobs", "parallel_tool_calls"})
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                   "response_format"}
