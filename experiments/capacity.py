@@ -205,13 +205,16 @@ def plot(results: dict, slo_ms: float, path: str) -> None:
     for ax, (workload_name, rows) in zip(axes[0], results.items()):
         for scheduler, row in rows.items():
             probes = sorted(row["probes"], key=lambda p: p["qps"])
-            ax.plot([p["qps"] for p in probes], [p["p99_tbt_ms"] for p in probes], marker="o",
-                    label=f"{scheduler} (capacity {row['capacity']:.3g})")
+            line, = ax.plot([p["qps"] for p in probes], [p["p99_tbt_ms"] for p in probes], marker="o",
+                            label=f"{scheduler} (capacity {row['capacity']:.3g})")
+            failed = [p for p in probes if not p["passes"]]  # hollow: the probe failed (TBT or queue)
+            ax.plot([p["qps"] for p in failed], [p["p99_tbt_ms"] for p in failed], "o", markerfacecolor="white",
+                    color=line.get_color())
         ax.axhline(slo_ms, color="k", linestyle="--", linewidth=1, label="P99 TBT SLO")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("Poisson rate (req/s)")
-        ax.set_ylabel("P99 time between tokens (ms)")
+        ax.set_ylabel("P99 time between tokens (ms); hollow: failed")
         ax.set_title(workload_name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
