@@ -117,6 +117,46 @@ def summarize_outputs(outputs, duration: float | None = None, slo: SLO | None = 
     return summarize([RequestTimes.from_output(o) for o in ok], duration, slo)
 
 
+def find_capacity(passes, start: float, low: float, high: float, steps: int) -> tuple[float, list[float]]:
+    """The highest rate in [low, high] at which `passes(rate)` holds, assuming it holds below
+    some threshold and fails above: double (or halve) from `start` to bracket the threshold,
+    then bisect `steps` times. Returns (capacity, or 0.0 when even `low` fails; rates probed)."""
+    probed = []
+
+    def probe(rate):
+        probed.append(rate)
+        return passes(rate)
+
+    rate = min(max(start, low), high)
+    if probe(rate):
+        good, bad = rate, None
+        while bad is None and good < high:
+            rate = min(2 * good, high)
+            if probe(rate):
+                good = rate
+            else:
+                bad = rate
+        if bad is None:
+            return good, probed
+    else:
+        good, bad = None, rate
+        while good is None and bad / 2 >= low:
+            rate = bad / 2
+            if probe(rate):
+                good = rate
+            else:
+                bad = rate
+        if good is None:
+            return 0.0, probed
+    for _ in range(steps):
+        rate = (good + bad) / 2
+        if probe(rate):
+            good = rate
+        else:
+            bad = rate
+    return good, probed
+
+
 def machine_info() -> dict:
     import jax
 

@@ -42,9 +42,10 @@ flags.DEFINE_float("tbt_slo_ms", None, "P99 time-between-tokens SLO in ms. Unset
                    "relaxed one 25x.", lower_bound=1e-6)
 flags.DEFINE_float("slo_scale", 5.0, "The SLO as a multiple of that decode step (when --tbt_slo_ms is unset).",
                    lower_bound=1.0)
-flags.DEFINE_integer("slo_batch", 32, "Requests decoding together in the step that sets the SLO (at most "
-                     "--num_slots).", lower_bound=1)
-flags.DEFINE_integer("slo_context", 4096, "Their prompt length (below --max_seq_len).", lower_bound=1)
+flags.DEFINE_integer("slo_batch", 8, "Requests decoding together in the step that sets the SLO (at most "
+                     "--num_slots; Sarathi-Serve: 32).", lower_bound=1)
+flags.DEFINE_integer("slo_context", 256, "Their prompt length (below --max_seq_len; Sarathi-Serve: 4096).",
+                     lower_bound=1)
 flags.DEFINE_float("max_scheduling_delay_s", 2.0, "A probe also fails when the median time from arrival to the "
                    "first scheduled prefill, over the later half of its arrivals, exceeds this (Sarathi-Serve: the "
                    "median over all, 2 s; a probe of a few hundred requests ends before a growing queue moves the "
@@ -84,46 +85,6 @@ flags.register_multi_flags_validator(
                                               and v["slo_context"] + SLO_TOKENS <= v["max_seq_len"]),
     message="the SLO's decode step needs --slo_batch <= --num_slots and --slo_context + 17 <= --max_seq_len "
             "(or give --tbt_slo_ms)")
-
-
-def find_capacity(passes, start: float, low: float, high: float, steps: int) -> tuple[float, list[float]]:
-    """The highest rate in [low, high] at which `passes(rate)` holds, assuming it holds below
-    some threshold and fails above: double (or halve) from `start` to bracket the threshold,
-    then bisect `steps` times. Returns (capacity, or 0.0 when even `low` fails; rates probed)."""
-    probed = []
-
-    def probe(rate):
-        probed.append(rate)
-        return passes(rate)
-
-    rate = min(max(start, low), high)
-    if probe(rate):
-        good, bad = rate, None
-        while bad is None and good < high:
-            rate = min(2 * good, high)
-            if probe(rate):
-                good = rate
-            else:
-                bad = rate
-        if bad is None:
-            return good, probed
-    else:
-        good, bad = None, rate
-        while good is None and bad / 2 >= low:
-            rate = bad / 2
-            if probe(rate):
-                good = rate
-            else:
-                bad = rate
-        if good is None:
-            return 0.0, probed
-    for _ in range(steps):
-        rate = (good + bad) / 2
-        if probe(rate):
-            good = rate
-        else:
-            bad = rate
-    return good, probed
 
 
 def decode_step_ms(model, llm) -> float:
@@ -223,7 +184,7 @@ def plot(results: dict, slo_ms: float, path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.metrics import write_json
+    from cbjax.metrics import find_capacity, write_json
 
     start = time.perf_counter()
     if FLAGS["workload"].present:

@@ -196,7 +196,8 @@ def test_eval_perplexity_writes_json_and_png(tmp_path):
 
 
 def test_find_capacity_brackets_then_bisects():
-    find_capacity = experiments_module("capacity").find_capacity
+    from cbjax.metrics import find_capacity
+
     threshold = 3.3
     capacity, probed = find_capacity(lambda q: q <= threshold, start=1.0, low=0.1, high=64.0, steps=4)
     assert probed[:3] == [1.0, 2.0, 4.0]  # doubles up to the first failure, then bisects 4 times
