@@ -115,24 +115,17 @@ def make_llm(model, scheduler: str):
 
 
 def probe(llm, model, workload_name: str, scheduler: str, qps: float, slo_ms: float) -> dict:
-    from cbjax.metrics import summarize_outputs
-    from cbjax.runtime.engine import Engine
-
     FLAGS.workload = workload_name
     workload = common.make_workload(model, "poisson", qps)
     llm.reset_stats()
-    compiled = Engine.num_backend_compilations()
-    outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=f"{workload_name} {scheduler} @{qps:.3g}")
-    if Engine.num_backend_compilations() != compiled:
-        print(f"warning: {scheduler} compiled during a probe; its latencies include compilation")
-    metrics = summarize_outputs(outs)
-    later = sorted(outs, key=lambda o: o.metrics.arrival_time)[len(outs) // 2:]
-    delays = [o.metrics.scheduled_time - o.metrics.arrival_time for o in later if o.metrics.scheduled_time is not None]
+    metrics = common.measure_replay(llm, workload, desc=f"{workload_name} {scheduler} @{qps:.3g}")
+    later = metrics["scheduling_delay_s"][len(workload) // 2:]
+    delays = [d for d in later if d is not None]
     delay = statistics.median(delays) if delays else float("inf")
     ok = bool(metrics["p99_itl_ms"] <= slo_ms and delay <= FLAGS.max_scheduling_delay_s)
     return {"qps": qps, "passes": ok, "median_scheduling_delay_s": delay, "p99_tbt_ms": metrics["p99_itl_ms"],
             "median_ttft_ms": metrics["median_ttft_ms"], "output_throughput": metrics["output_throughput"],
-            "mean_running": llm.stats.mean_running}
+            "mean_running": metrics["mean_running"]}
 
 
 def print_table(results: dict, slo_ms: float) -> str:

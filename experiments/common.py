@@ -274,13 +274,19 @@ def script_flags() -> dict:
 
 
 def run_replay(llm, workload, slo=None, desc: str | None = None, concurrency: int | None = None) -> dict:
-    """Replay a workload on the wall clock through a warmed-up engine (or, with
+    """Warm a new engine up, then `measure_replay`."""
+    llm.warmup()
+    return measure_replay(llm, workload, slo, desc, concurrency)
+
+
+def measure_replay(llm, workload, slo=None, desc: str | None = None, concurrency: int | None = None) -> dict:
+    """Replay a workload on the wall clock through an engine already warmed up (or, with
     `concurrency`, from a closed-loop client with that many requests in flight); serving
-    metrics."""
+    metrics, and each request's scheduling delay (arrival to first prefill chunk, None if
+    never scheduled) in arrival order."""
     from cbjax.runtime.engine import Engine
     from cbjax.metrics import summarize_outputs
 
-    llm.warmup()
     compiled = Engine.num_backend_compilations()
     t0 = time.perf_counter()
     outs = llm.replay([w.as_tuple() for w in workload], use_tqdm=True, desc=desc, concurrency=concurrency)
@@ -293,6 +299,8 @@ def run_replay(llm, workload, slo=None, desc: str | None = None, concurrency: in
     if llm.pages is not None and llm.pages.enable_prefix_caching:  # full prompt pages found cached
         metrics["prefix_hit_rate"] = llm.pages.stats.hit_rate
     metrics["e2el_s"] = sorted(o.metrics.e2e_latency for o in outs if o.metrics.e2e_latency is not None)
+    metrics["scheduling_delay_s"] = [None if m.scheduled_time is None else m.scheduled_time - m.arrival_time
+                                     for m in sorted((o.metrics for o in outs), key=lambda m: m.arrival_time)]
     return metrics
 
 

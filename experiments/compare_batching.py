@@ -72,8 +72,8 @@ flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON an
 
 
 common.validate_list("max_gen_lens", int, 1, "positive integers")
-flags.register_validator("peers", lambda v: all(p in PEERS for p in v),
-                         message="--peers must be a list among " + ", ".join(PEERS))
+common.validate_list("peers", lambda p: 0 if p in PEERS else -1, 0, "transformers rows among " + ", ".join(PEERS),
+                     allow_empty=True)
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
                      "policies among static, dynamic, continuous")
 flags.register_validator("paged_policies", lambda v: all(p in ("static", "dynamic", "continuous") for p in v),
@@ -82,12 +82,17 @@ flags.register_validator("kv_cache_bytes", lambda v: v is None or v >= 1, messag
 flags.register_validator("paged_max_seqs", lambda v: v is None or v >= 1, message="--paged_max_seqs must be >= 1")
 
 
+def batch_longest(budgets: list[int], batch: int) -> list[int]:
+    """The longest budget of each static batch (FCFS batches of `batch`): its decode steps."""
+    return [max(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
+
+
 def static_bound(budgets: list[int], batch: int) -> float:
     """Continuous/static throughput bound at equal slots for these budgets if continuous
     wasted no slot-step at all (FCFS batches for static)."""
     import numpy as np
 
-    longest = [max(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
+    longest = batch_longest(budgets, batch)
     sizes = [len(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
     # Static spends sum(longest * size) slot-steps for sum(budgets) useful tokens.
     return float(np.dot(longest, sizes) / np.sum(budgets))
@@ -100,7 +105,7 @@ def fcfs_bound(budgets: list[int], slots: int) -> float:
     continuous all it saved (every wave's longest request at the cap): the ratio a run can reach."""
     import heapq
 
-    static = sum(max(budgets[i:i + slots]) for i in range(0, len(budgets), slots))
+    static = sum(batch_longest(budgets, slots))
     free = [0] * slots
     end = 0
     for b in budgets:

@@ -59,11 +59,7 @@ def test_latency_sweep_and_ablate_write_results(tmp_path):
 
 
 def test_static_bound():
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    try:
-        from compare_batching import static_bound
-    finally:
-        sys.path.pop(0)
+    static_bound = experiments_module("compare_batching").static_bound
     assert static_bound([4, 4, 4, 4], 2) == pytest.approx(1.0)
     # batches [1, 3] and [2]: static spends 3*2 + 2*1 = 8 slot-steps for 6 tokens.
     assert static_bound([1, 3, 2], 2) == pytest.approx(8 / 6)

@@ -88,8 +88,7 @@ def sampling_fields(ints, floats, num_stops: int) -> dict:
                 min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
                 stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
                 temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], min_p=floats[:, MIN_P],
-                presence=floats[:, PRESENCE],
-                frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
+                presence=floats[:, PRESENCE], frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
                 bias_values=floats[:, NUM_FLOATS:])
 
 
