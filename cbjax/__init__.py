@@ -2,7 +2,7 @@
 
 from cbjax.core import EngineArgs
 from cbjax.llm import LLM
-from cbjax.request import RequestOutput, SamplingParams
+from cbjax.request import RequestOutput, SamplingParams, StructuredOutput
 
-__all__ = ["EngineArgs", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineArgs", "LLM", "RequestOutput", "SamplingParams", "StructuredOutput"]
 __version__ = "0.1.0"

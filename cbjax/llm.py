@@ -19,6 +19,7 @@ from cbjax.core import EngineArgs, StepStats, build_core
 from cbjax.core.disaggregation import build_disaggregated
 from cbjax.core.replay import run_arrivals, sleep_until
 from cbjax.core.sample_groups import SampleGroups
+from cbjax.grammar import Grammars
 from cbjax.loading import Model
 from cbjax.request import FinishReason, Request, RequestMetrics, RequestOutput, SamplingParams
 
@@ -80,6 +81,14 @@ class LLM:
         self._ids = itertools.count()
         self._emitted: dict[str, int] = {}
         self.groups = SampleGroups()  # requests with n > 1 samples
+        self._grammars: Grammars | None = None  # structured output's compiler, made on first use
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler (llguidance over this model's tokenizer)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size,
+                                      tuple(self.model.config.eos_token_ids))
+        return self._grammars
 
     # What the core holds, for tests, experiments and other fronts to read.
     engine = property(lambda self: self.core.engine)
@@ -126,11 +135,13 @@ class LLM:
         arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
+        grammar = self.grammars().compile(sampling.structured) if sampling.structured is not None else None
         request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests or self.groups.live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         if sampling.num_samples == 1:
-            self._add(request_id, ids, sampling, arrival, priority, text, self._request_seed(request_id, sampling))
+            self._add(request_id, ids, sampling, arrival, priority, text, self._request_seed(request_id, sampling),
+                      grammar=grammar)
             return request_id
         samples = SampleGroups.sample_params(sampling, self._request_seed(request_id, sampling))
         children = [f"{request_id}/{i}" for i in range(len(samples))]
@@ -138,14 +149,15 @@ class LLM:
             raise ValueError(f"request id {request_id!r} clashes with a live request's samples")
         first = None
         for child, child_sampling in zip(children, samples):
-            r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first)
+            r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first,
+                          grammar=grammar)
             first = first or r
         self.groups.add(request_id, children, sampling)
         return request_id
 
-    def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None) -> Request:
+    def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None) -> Request:
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
-                          fork_of=fork_of)
+                          fork_of=fork_of, grammar=None if grammar is None else self.grammars().state(grammar))
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.core.add(request)

@@ -7,8 +7,47 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 
 from cbjax import checks
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object` (any JSON object), `regex`, `choice` (one of these
+    strings) or `grammar` (a Lark grammar, llguidance's dialect). The engine masks, at every step,
+    the tokens that cannot continue a valid output (cbjax/grammar.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not all(isinstance(c, str) for c in self.choice) \
+                    or not self.choice:
+                raise ValueError("choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured output {name} must be a string, got {type(value).__name__}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        if len(given) != 1:
+            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +65,9 @@ class SamplingParams:
     token, its log-probability and the k most likely tokens', from the raw logits (before
     any processor or temperature, as vLLM's default). `n` samples come back per prompt;
     with `best_of`, that many are drawn and the `n` of highest cumulative log-probability
-    kept. Sample i draws with seed `seed + i`, so it equals a single run with that seed."""
+    kept. Sample i draws with seed `seed + i`, so it equals a single run with that seed.
+    `structured`: a `StructuredOutput` the output must match (the engine masks tokens that
+    cannot continue it; the request decodes one token per step and never runs ahead)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -44,6 +85,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     min_p: float = 0.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         # Normalised to plain Python values that fit the device's int32/float32 arrays.
@@ -83,6 +125,8 @@ class SamplingParams:
         put("n", checks.integer("n", self.n, 1, 1024))
         if self.best_of is not None:
             put("best_of", checks.integer("best_of", self.best_of, self.n, 1024))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def num_samples(self) -> int:
@@ -168,6 +212,8 @@ class Request:
     fork_of: "Request | None" = None
     # Output tokens a length predictor expects (ordering="sjf"/"score"); None: max_tokens.
     predicted_len: int | None = None
+    # The structured output's matcher (cbjax/grammar.py `GrammarState`) when `sampling.structured`.
+    grammar: object | None = None
 
     def __post_init__(self):
         if self.metrics is None:

@@ -89,6 +89,8 @@ class DisaggregatedCore:
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling) -> None:
+        if sampling.structured is not None:
+            raise ValueError("structured output is not supported with prefill/decode disaggregation")
         self.prefill[0].check_request(ids, sampling)
         self.decode[0].check_request(ids, sampling)  # its pages must hold the request too
 

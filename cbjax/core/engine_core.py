@@ -82,6 +82,8 @@ class EngineCore:
         if bad:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         self.engine.check_sampling(sampling)
+        if sampling.structured is not None and not getattr(self.engine, "supports_structured_output", False):
+            raise ValueError(f"structured output is not supported by this engine ({type(self.engine).__name__})")
         if self.pages is not None:
             # Positions it can write: its last token is returned, never written back (the
             # scheduler's decode reservations use the same cap).
@@ -173,13 +175,16 @@ class EngineCore:
             calls = [(engine.run(rows), rows)]
         else:  # prefill_first: a step of prompt rows, then one of decode rows
             calls = [(engine.run(plan.prefills), plan.prefills)] if plan.prefills else []
-            # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
+            # A prefill whose first token is its last joins no decode (alone, one that computes nothing),
+            # nor does a constrained one: its mask needs the first token on the host.
             finishing = {c.request.request_id for c in plan.prefills
-                         if c.is_last and _decodes_after_prefill(c.request)}
+                         if c.is_last and _decodes_after_prefill(c.request) and c.request.grammar is None}
             live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
             if plan.decode and live:
                 rows = [Row.decode(r) for r in live]
-                calls.append((engine.run(rows, engine.config.decode_steps), rows))
+                # A constrained row's mask follows the token before it: one step per call.
+                steps = 1 if any(r.grammar is not None for r in live) else engine.config.decode_steps
+                calls.append((engine.run(rows, steps), rows))
                 if not plan.prefills:
                     self._run_ahead()
         self._count_round(plan, self._record(calls, t1, touched))
@@ -258,7 +263,8 @@ class EngineCore:
         if not (self.overlap and getattr(self.engine, "can_run_ahead", False)) or sched.waiting:
             return
         holders = [r for r in sched.slots if r is not None]
-        if not holders or any(r.state != RequestState.RUNNING for r in holders):
+        # A constrained request's next mask needs this call's token on the host first.
+        if not holders or any(r.state != RequestState.RUNNING or r.grammar is not None for r in holders):
             return
         # Tokens each holder will have when the call in flight is recorded.
         after = [r.num_tokens + steps for r in holders]

@@ -21,6 +21,7 @@ import os
 import jax
 import numpy as np
 
+from cbjax import grammar
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
@@ -72,6 +73,7 @@ class Engine:
     # Its decode reads each slot's last token from the device state, so the host may dispatch the
     # next decode before reading this one's tokens (EngineCore's overlap).
     can_run_ahead = True
+    supports_structured_output = True  # its step applies structured-output masks
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
@@ -202,7 +204,17 @@ class Engine:
         return calls
 
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
-        return pack(rows, num_tokens, row_bucket(num_tokens, self.num_slots), self.sampling_row)
+        """The step's host arrays, with the structured-output masks when a row that samples
+        has a constraint (the masked program; without one, the program has no mask)."""
+        num_rows = row_bucket(num_tokens, self.num_slots)
+        packed = pack(rows, num_tokens, num_rows, self.sampling_row)
+        constrained = [(i, r.request.grammar, r.request.output_token_ids) for i, r in enumerate(rows)
+                       if r.request is not None and r.request.grammar is not None and (r.is_decode or r.is_last)]
+        if not constrained:
+            return packed
+        masks = np.full((num_rows, grammar.mask_words(self.model.config.vocab_size)), -1, np.int32)
+        grammar.fill_masks(constrained, masks)
+        return (*packed, masks)
 
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""

@@ -84,6 +84,7 @@ class PipelineEngine(Engine):
 
     reads_block_tables = False
     can_run_ahead = False  # its decode hands activations between stages through the host loop
+    supports_structured_output = False  # its last stage samples without masks
 
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)

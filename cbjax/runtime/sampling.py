@@ -106,11 +106,21 @@ def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
                         lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits)
 
 
-def sample_next(logits, rows, index, max_logprobs: int):
+def allowed_tokens(mask, vocab: int) -> jax.Array:
+    """`[R, vocab]` bool from `mask [R, ceil(vocab / 32)]` int32 (bit j of word w: token 32 w + j)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab] > 0
+
+
+def sample_next(logits, rows, index, max_logprobs: int, mask=None):
     """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
-    `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`."""
-    token = sample(process_logits(logits, rows, index), rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                   rows.seeds, index)
+    `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`.
+    `mask`: the structured-output bitmask (`allowed_tokens`), applied after the logits
+    processors; None in the programs of steps without a constrained row."""
+    processed = process_logits(logits, rows, index)
+    if mask is not None:
+        processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
+    token = sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index)
     return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
 
 

@@ -217,10 +217,10 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, paged_ker
     return out, dataclasses.replace(cache, lengths=lengths)
 
 
-def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs):
+def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None):
     """Sample each row that ends its prompt or decodes, and update its slot's state; record the
     prompt tokens for the penalties. Returns `[R, 2]` (token or -1, done), logprob columns
-    (or None) and the state."""
+    (or None) and the state. `mask`: the rows' structured-output bitmasks, or None."""
     num_slots = state.active.shape[0]
     num_rows = ints.shape[0]
     prompt_row = (batch.q_len > 0) & ~batch.decode
@@ -237,7 +237,7 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     # A request resumed after preemption has `generated` tokens already: its next token is
     # sampled as output index `generated`, so seeded sampling continues where it was.
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
-    token, logprobs = sample_next(logits, rows, before, max_logprobs)
+    token, logprobs = sample_next(logits, rows, before, max_logprobs, mask)
     samples = (batch.decode & (batch.q_len > 0)) | is_last
     done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
                    max_len) & samples
@@ -252,12 +252,13 @@ _STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "histor
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
-def ragged_step(params, cache, state, flat, ints, floats, *, config, max_len, steps=1, max_logprobs=0,
+def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
                 paged_kernel=False, history_block=None, ops=XLA):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
-    logprob columns when `max_logprobs`, the cache and the state."""
-    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots)] += 1
+    logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
+    rows' structured-output bitmasks (`steps` 1); None compiles a program without one."""
+    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None)] += 1
 
     def one_step(carry, _):
         cache, state = carry
@@ -265,7 +266,7 @@ def ragged_step(params, cache, state, flat, ints, floats, *, config, max_len, st
         logits, cache = run_layers(params, config, cache, batch, paged_kernel=paged_kernel,
                                    history_block=history_block, ops=ops)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
-                                           max_logprobs=max_logprobs)
+                                           max_logprobs=max_logprobs, mask=mask)
         return (cache, state), (out, logprobs)
 
     if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)

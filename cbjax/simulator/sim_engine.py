@@ -56,6 +56,7 @@ class LaneClock(SimClock):
 class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
+    supports_structured_output = False  # its tokens are fillers, no grammar could follow them
 
     def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None):
         # The platform it stands for (its default step budget): a roofline's accelerator, else
