@@ -85,6 +85,7 @@ class Grammars:
         self._eos_ids = list(eos_ids)
         self._lock = threading.Lock()
         self._tokenizer = None
+        self._compiled: dict[StructuredOutput, str] = {}  # checked grammars (the server checks, then adds)
 
     def tokenizer(self):
         with self._lock:
@@ -102,10 +103,15 @@ class Grammars:
         """The checked grammar of a constraint: ValueError naming what llguidance refuses."""
         import llguidance
 
+        if structured in self._compiled:
+            return self._compiled[structured]
         text = grammar_text(structured)
-        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer())
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"structured output ({structured.kind}): {error}")
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer())
+        if failed:
+            raise ValueError(f"structured output ({structured.kind}): {messages[0]}")
+        if len(self._compiled) >= 256:
+            self._compiled.clear()
+        self._compiled[structured] = text
         return text
 
     def state(self, grammar: str) -> GrammarState:

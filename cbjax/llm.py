@@ -83,6 +83,10 @@ class LLM:
         self.groups = SampleGroups()  # requests with n > 1 samples
         self._grammars: Grammars | None = None  # structured output's compiler, made on first use
 
+    def load(self):
+        """What the engine holds after its latest round (`cbjax.core.engine_core.Load`)."""
+        return self.core.load()
+
     def grammars(self) -> Grammars:
         """The structured-output compiler (llguidance over this model's tokenizer)."""
         if self._grammars is None:

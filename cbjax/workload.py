@@ -192,3 +192,27 @@ def profile_workload(profile: Profile, n: int, *, vocab_size: int, qps: float = 
         prompt = shared + rng.integers(first_token, vocab_size, size=int(p) - len(shared)).tolist()
         out.append(WorkloadRequest(float(t), prompt, SamplingParams(max_tokens=int(o), ignore_eos=True)))
     return out
+
+
+def random_json_schema(rng, depth: int = 0) -> dict:
+    """A random JSON schema of bounded size (structured-output workloads and tests): an object
+    of 1-3 properties (each required with probability 0.7, no others), whose values are
+    booleans, enums, bounded integers, short strings, arrays of 0-2 items or objects of 1-2
+    properties, nested to depth 2. `rng`: a `random.Random`."""
+    kinds = ["boolean", "enum", "integer", "string"] + (["array", "object"] if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "object"
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "x y", "ünï", "42"], rng.randint(1, 4))}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 300)}
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 4)}
+    if kind == "array":
+        return {"type": "array", "items": random_json_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+                "maxItems": rng.randint(1, 2)}
+    names = rng.sample(["id", "name", "tags", "size", "ok", "kind", "meta"], rng.randint(1, 3 if depth == 0 else 2))
+    return {"type": "object", "properties": {n: random_json_schema(rng, depth + 1) for n in names},
+            "required": [n for n in names if rng.random() < 0.7], "additionalProperties": False}

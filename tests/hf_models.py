@@ -86,10 +86,11 @@ def save_byte_level_tokenizer(path: str, vocab_size: int = 300) -> "transformers
     return fast
 
 
-def save_chat_model(path: str, family: str = "llama", seed: int = 0) -> str:
-    """A tiny random model with the tokenizer above, as a Hugging Face directory."""
+def save_chat_model(path: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+    """A tiny random model with the tokenizer above, as a Hugging Face directory (`overrides`:
+    config fields, e.g. a longer `max_position_embeddings`)."""
     tokenizer = save_byte_level_tokenizer(path)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model = make_hf_model(family, seed=seed, vocab_size=len(tokenizer), eos_token_id=eos,
-                          bos_token_id=tokenizer.bos_token_id)
+                          bos_token_id=tokenizer.bos_token_id, **overrides)
     return save_hf_model(model, path)

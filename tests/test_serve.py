@@ -9,6 +9,7 @@ run before the server took it over.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -297,7 +298,7 @@ MALFORMED = {
 
 
 # Fields of the OpenAI and vLLM request schemas this server does not honour, and a typo.
-UNHONOURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
+UNHONOURED = ("guided_decoding_backend", "guided_whitespace_pattern", "use_beam_search",
               "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
               "store", "metadata", "service_tier", "modalities", "audio", "prediction", "web_search_options",
               "reasoning_effort", "functions", "function_call", "temprature")
@@ -597,6 +598,22 @@ def test_cli_tensor_parallel_on_host_devices_answers_generates_tokens():
             r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
             assert r.choices[0].token_ids == want.token_ids
+
+
+def test_cli_replicas_answer_generates_tokens():
+    """--replicas=2: two engines behind the router, each answering LLM.generate's greedy tokens."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [4, 4], [8, 1, 2, 3]]
+    expected = LLM("tiny-llama", max_seq_len=64, num_slots=2).generate(prompts, _greedy(8, ignore_eos=True), use_tqdm=False)
+    with _cli_server("--replicas=2", "--routing=round_robin", "--host_devices=2") as (client, lines):
+        assert any("2 replicas (round_robin), tensor_parallel=1 over 2 of 2 devices" in line for line in lines), \
+            "".join(lines)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(
+                model="tiny-llama", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}), prompts))
+        for r, want in zip(answers, expected):
+            assert r.choices[0].token_ids == want.token_ids
+        metrics = urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics"), timeout=30).read().decode()
+        assert "cbjax" in metrics
 
 
 def _hf_log_softmax(model_dir, ids):

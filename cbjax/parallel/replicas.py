@@ -21,6 +21,7 @@ time on one shared clock (as the disaggregated front's instances do).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import zlib
@@ -30,6 +31,7 @@ from typing import Sequence
 import jax
 
 from cbjax import checks
+from cbjax.core.engine_core import Load
 from cbjax.core.replay import run_arrivals
 from cbjax.llm import LLM, Prompt, offline_workload, progress_bar
 from cbjax.loading import Model, load_model
@@ -82,12 +84,12 @@ class Replicas:
         self.routed = [0] * self.data_parallel  # requests sent to each replica
 
     # ------------------------------------------------------------ routing
-    def load(self, i: int) -> int:
+    def queued_work(self, i: int) -> int:
         load = self.replicas[i].core.load()
         return 4 * load.waiting + load.running
 
     def _least_loaded(self) -> int:
-        return min(range(self.data_parallel), key=lambda i: (self.load(i), i))
+        return min(range(self.data_parallel), key=lambda i: (self.queued_work(i), i))
 
     def route(self, prompt_ids: list[int] | None) -> int:
         """The replica a request goes to (only prefix affinity reads its prompt tokens)."""
@@ -98,7 +100,7 @@ class Replicas:
             return least
         key = ",".join(map(str, prompt_ids[:self.affinity_tokens])).encode()
         preferred = zlib.crc32(key) % self.data_parallel
-        return preferred if self.load(preferred) <= self.load(least) + self.affinity_slack else least
+        return preferred if self.queued_work(preferred) <= self.queued_work(least) + self.affinity_slack else least
 
     # ----------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
@@ -121,17 +123,44 @@ class Replicas:
         self.routed[i] += 1
         return rid
 
-    def abort(self, request_id: str):
-        """As `LLM.abort` (a request with n > 1 samples: every live sample's output)."""
+    def abort(self, request_id: str, index: int | None = None):
+        """As `LLM.abort` (a request with n > 1 samples: sample `index`, else every live sample's output)."""
         i = self._owner.get(str(request_id))
         if i is None:
             raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
-        out = self.replicas[i].abort(request_id)
-        del self._owner[str(request_id)]
+        out = self.replicas[i].abort(request_id, index)
+        if not self.replicas[i].has_request(str(request_id)):
+            del self._owner[str(request_id)]
         return out
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
+
+    # ------------------------------------------- what a front reads (the server's engine loop)
+    def has_request(self, request_id: str) -> bool:
+        i = self._owner.get(str(request_id))
+        return i is not None and self.replicas[i].has_request(str(request_id))
+
+    @property
+    def requests(self) -> collections.ChainMap:
+        """Every replica's live requests, by id."""
+        return collections.ChainMap(*(r.requests for r in self.replicas))
+
+    scheduler_config = property(lambda self: self.replicas[0].scheduler_config)
+    engine = property(lambda self: self.replicas[0].engine)  # every replica's is configured alike
+
+    def load(self) -> Load:
+        """What all replicas hold together (their KV usage: the mean)."""
+        loads = [r.load() for r in self.replicas]
+        return Load(sum(x.running for x in loads), sum(x.waiting for x in loads),
+                    sum(x.kv_cache_usage for x in loads) / len(loads), sum(x.num_preemptions for x in loads))
+
+    def grammars(self):
+        """One structured-output compiler for every replica (llguidance reads the tokenizer once)."""
+        shared = self.replicas[0].grammars()
+        for r in self.replicas[1:]:
+            r._grammars = shared
+        return shared
 
     def warmup(self) -> int:
         return sum(r.warmup() for r in self.replicas)

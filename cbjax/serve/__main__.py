@@ -29,6 +29,12 @@ flags.DEFINE_integer("seed", 0, "Sampling seed for requests that bring none.", l
 flags.DEFINE_integer("host_devices", None, "On a CPU: expose this many host devices (XLA's "
                      "--xla_force_host_platform_device_count), for --tensor_parallel, --pipeline_stages or "
                      "disaggregated instances on one machine. Set before JAX starts.", lower_bound=1)
+flags.DEFINE_integer("replicas", 1, "Data-parallel replicas: this many whole engines, each on its own "
+                     "--tensor_parallel devices, behind one router (cbjax/parallel/replicas.py).", lower_bound=1)
+flags.DEFINE_enum("routing", "least_loaded", ["round_robin", "least_loaded", "prefix_affinity"],
+                  "How --replicas route a request: in turn, to the least queued work (vLLM's score), or by a "
+                  "hash of its first --affinity_tokens prompt tokens (their prefix caches then share prompts).")
+flags.DEFINE_integer("affinity_tokens", 16, "Prompt tokens prefix_affinity routing hashes.", lower_bound=1)
 flags.DEFINE_bool("warmup", True, "Compile every program before serving (first requests then pay no compile).")
 flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
                     "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
@@ -45,7 +51,11 @@ def engine_layout(llm, args) -> str:
 
     mesh = getattr(getattr(llm, "engine", None), "mesh", None)
     used = mesh.devices.size if mesh is not None else args.pipeline_stages
+    replicas = getattr(llm, "data_parallel", 1)
+    used *= replicas
     layout = f"tensor_parallel={args.tensor_parallel} over {used} of {jax.device_count()} devices"
+    if replicas > 1:
+        layout = f"{replicas} replicas ({FLAGS.routing}), " + layout
     if args.pipeline_stages > 1:
         layout += f", pipeline_stages={args.pipeline_stages}"
     if args.prefill_instances:
@@ -65,7 +75,13 @@ def main(argv):
     compile_cache.enable(FLAGS.compilation_cache)
     try:
         args = engine_args(seed=FLAGS.seed)
-        llm = LLM(FLAGS.model, args)
+        if FLAGS.replicas > 1:
+            from cbjax.parallel.replicas import Replicas
+
+            llm = Replicas(FLAGS.model, data_parallel=FLAGS.replicas, tensor_parallel=args.tensor_parallel,
+                           dtype=args.dtype, routing=FLAGS.routing, affinity_tokens=FLAGS.affinity_tokens, args=args)
+        else:
+            llm = LLM(FLAGS.model, args)
     except ValueError as e:
         raise app.UsageError(str(e))
     print(f"engine: {engine_layout(llm, args)}", flush=True)

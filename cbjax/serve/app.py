@@ -218,8 +218,18 @@ class Server:
     async def _parse(self, request: web.Request, parse):
         """The body parsed and its prompts tokenized on the parser threads, never on the event
         loop: a megabyte prompt takes the tokenizer seconds, which would stall every stream."""
-        return await self.off_loop(request, lambda body: parse(body, self.model_name, self.llm.tokenizer,
-                                                                self.llm.engine.max_len))
+        return await self.off_loop(request, lambda body: self._checked(parse(body, self.model_name, self.llm.tokenizer,
+                                                                              self.llm.engine.max_len)))
+
+    def _checked(self, job: protocol.Job) -> protocol.Job:
+        """A job whose grammar llguidance accepts (compiled here, on the parser threads: the
+        engine's add_request then finds it compiled)."""
+        if job.sampling.structured is not None:
+            try:
+                self.llm.grammars().compile(job.sampling.structured)
+            except ValueError as e:
+                raise protocol.bad(str(e), job.structured_field) from None
+        return job
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         received = self.llm.clock()
@@ -303,7 +313,12 @@ class Server:
                     await send(responses.chunk(job, response_id, c, choices.prompt_text(c), None, [], first=True))
             try:
                 async for c, delta, reason, new_ids, logprobs in self._outputs(outputs, choices):
-                    if delta or new_ids or reason:
+                    if choices.calls_tools:  # an answer parsed for tool calls streams whole, when it ends
+                        if reason is not None:
+                            content, calls, reason = choices.message(c)
+                            await send(responses.chunk(job, response_id, c, content, reason,
+                                                       choices.streams[c].token_ids, tool_calls=calls))
+                    elif delta or new_ids or reason:
                         await send(responses.chunk(job, response_id, c, delta, reason, new_ids, logprobs=logprobs))
             except APIError as e:  # the status line is gone: the error travels as an event
                 await send(e.body())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from cbjax.serve import responses
+from cbjax.serve import responses, tools
 from cbjax.serve.detokenizer import TextStream
 from cbjax.serve.protocol import Job
 
@@ -50,9 +50,23 @@ class Choices:
         self.logprobs[choice] += new
         return responses.logprobs_body(self.job, new, self._token_text, offset)
 
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answers are parsed for tool calls (chat with tools, tool_choice not "none")."""
+        return self.job.tools is not None and self.job.tools.choice != "none"
+
+    def message(self, c: int) -> tuple[str | None, list[dict], str | None]:
+        """A finished choice's `(content, tool_calls, finish_reason)`: a complete answer that
+        calls tools finishes with "tool_calls", as OpenAI's does."""
+        text, reason = self.prompt_text(c) + self.streams[c].text, self.reasons[c]
+        if not self.calls_tools:
+            return text, [], reason
+        content, calls = tools.parse_output(self.job.tools, text)
+        return content, calls, ("tool_calls" if calls and reason == "stop" else reason)
+
     def response_choices(self) -> list[dict]:
         asked = self.job.sampling.logprobs is not None
-        return [responses.choice(self.job, c, self.prompt_text(c) + s.text, self.reasons[c], s.token_ids,
+        return [responses.choice(self.job, c, *self.message(c), s.token_ids,
                                  responses.logprobs_body(self.job, self.logprobs[c], self._token_text,
                                                          len(self.prompt_text(c))) if asked else None)
                 for c, s in enumerate(self.streams)]

@@ -184,4 +184,4 @@ class EngineLoop:
                 command[1].future.set_exception(RuntimeError(message))
 
     def _note_load(self) -> None:
-        self.load = self.llm.core.load()
+        self.load = self.llm.load()

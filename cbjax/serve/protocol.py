@@ -2,11 +2,10 @@
 
 Every check raises `APIError`, which the front turns into OpenAI's error body, so a bad
 field is a 4xx naming the field, never a crash. Fields OpenAI defines that the engine
-cannot honour (tools, suffix, echo with logprobs ...) are refused rather than ignored:
-a benchmark that asked for them would otherwise measure something else. Accepted: `n`,
-`best_of`, `logprobs` / `top_logprobs`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `echo`, and vLLM's extensions `top_k`, `ignore_eos`, `stop_token_ids`,
-`min_tokens`, `repetition_penalty`. Responses carry `token_ids` in each choice (an
+cannot honour (suffix, echo with logprobs ...) are refused rather than ignored: a benchmark
+that asked for them would otherwise measure something else. Each route's honoured fields
+are listed below (`COMPLETION_FIELDS`, `CHAT_FIELDS`); structured output's are read by
+serve/structured.py, function calling's and the messages by serve/tools.py. Responses carry `token_ids` in each choice (an
 extension; standard clients ignore it).
 """
 
@@ -18,31 +17,12 @@ import json
 import math
 
 from cbjax.request import SamplingParams
+from cbjax.serve import tools as tool_calls
+from cbjax.serve.errors import APIError, bad, utf8 as _utf8  # noqa: F401 (APIError re-exported)
+from cbjax.serve.structured import STRUCTURED_FIELDS, structured_output
+from cbjax.serve.tools import Tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.headers = headers or {}
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-_ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-                500: "internal_server_error"}
-
-
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclasses.dataclass
@@ -58,6 +38,8 @@ class Job:
     stop: tuple[str, ...]
     echo: bool = False  # completions: the prompt's text before each choice's
     priority: int = 0  # vLLM's extra field: lower values first under --ordering=priority/score
+    tools: Tools | None = None  # chat's function calling (serve/tools.py)
+    structured_field: str | None = None  # the request field that constrains the output, for its errors
 
     @property
     def n(self) -> int:
@@ -93,16 +75,6 @@ def parse_body(raw: bytes) -> dict:
         raise bad("the request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise bad(f"the request body is not valid JSON: {e}") from None
-
-
-def _utf8(text: str, param: str) -> str:
-    """Text the tokenizer can take: JSON may carry a lone surrogate (\\ud800), which no UTF-8
-    encoder accepts."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(f"'{param}' is not valid Unicode: {e.reason} at character {e.start}", param) from None
-    return text
 
 
 @functools.cache
@@ -157,7 +129,8 @@ def _stop_fields(body: dict, tokenizer) -> tuple[tuple[str, ...], tuple[int, ...
     return tuple(s for s in stop if s), tuple(ids)
 
 
-def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logprobs: int | None,
+              structured=None) -> SamplingParams:
     numbers = (int, float)
     n = get_field(body, "n", (int,), 1)
     best_of = get_field(body, "best_of", (int,))
@@ -178,7 +151,7 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logp
             frequency_penalty=float(get_field(body, "frequency_penalty", numbers, 0.0)),
             repetition_penalty=float(get_field(body, "repetition_penalty", numbers, 1.0)),
             logit_bias=_logit_bias(body),
-            logprobs=logprobs, n=n, best_of=best_of)
+            logprobs=logprobs, n=n, best_of=best_of, structured=structured)
     except ValueError as e:
         raise bad(str(e)) from None
 
@@ -211,10 +184,10 @@ def _top_k(value: int) -> int:
 _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "min_p", "ignore_eos",
-    "stop_token_ids", "min_tokens", "repetition_penalty", "priority", "prompt_logprobs", "parallel_tool_calls"})
+    "stop_token_ids", "min_tokens", "repetition_penalty", "priority", "prompt_logprobs"}) | STRUCTURED_FIELDS
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                  "response_format"}
+                                  "parallel_tool_calls"}
 # Accepted and ignored, with the reason.
 IGNORED_FIELDS = {"user": "an end-user id for a provider's abuse monitoring; nothing here reads it"}
 
@@ -227,8 +200,20 @@ def check_fields(body: dict, allowed: frozenset) -> None:
 
 
 def _common_refusals(body: dict) -> None:
-    _refuse_unless(body, "parallel_tool_calls", lambda v: v is False)
     _refuse_unless(body, "prompt_logprobs", lambda v: v == 0)
+
+
+def _structured(body: dict, tools: Tools | None = None):
+    """The output's constraint and the field that set it: a structured-output field, or the tools'."""
+    structured = structured_output(body)
+    forced = tool_calls.constraint(tools)
+    if forced is not None and structured is not None:
+        raise bad("'tool_choice' that forces a call cannot be combined with a structured-output field",
+                  "tool_choice")
+    if forced is not None:
+        return forced, "tool_choice"
+    field = next((f for f in sorted(STRUCTURED_FIELDS) if body.get(f) is not None), None)
+    return structured, field if structured is not None else None
 
 
 def _completion_logprobs(body: dict) -> int | None:
@@ -311,8 +296,9 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stop, stop_ids = _stop_fields(body, tokenizer)
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, longest, max_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs), stream,
-               _stream_options(body, stream), stop, echo, _priority(body))
+    structured, field = _structured(body)
+    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs, structured), stream,
+               _stream_options(body, stream), stop, echo, _priority(body), structured_field=field)
 
 
 def prompt_list(prompt) -> list:
@@ -347,15 +333,14 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     model = check_model(require_object(body), served)
     check_fields(body, CHAT_FIELDS)
     _common_refusals(body)
-    _refuse_unless(body, "tools", lambda v: v == [])
-    _refuse_unless(body, "tool_choice", lambda v: v == "none")
-    _refuse_unless(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
-    messages = _messages(body.get("messages"))
+    tools = tool_calls.parse_tools(body)
+    messages = tool_calls.messages(body.get("messages"))
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad("this model has no chat template: use /v1/completions", "messages")
-    check_text_length(sum(len(m["content"]) for m in messages), tokenizer, max_len, "messages")
+    messages, template_tools = tool_calls.render(messages, tools, str(tokenizer.chat_template))
+    check_text_length(sum(len(str(m.get("content") or "")) for m in messages), tokenizer, max_len, "messages")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, tools=template_tools, add_generation_prompt=True)
     except Exception as e:  # a template may reject roles or orderings
         raise bad(f"the chat template rejected these messages: {e}", "messages") from None
     if hasattr(ids, "keys"):
@@ -364,28 +349,6 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stream = get_field(body, "stream", (bool,), False)
     stop, stop_ids = _stop_fields(body, tokenizer)
     max_tokens = _max_tokens(body, len(ids), max_len, None)
-    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body)), stream,
-               _stream_options(body, stream), stop, priority=_priority(body))
-
-
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        if m["role"] not in ("system", "developer", "user", "assistant"):
-            raise bad(f"messages[{i}]: role {m['role']!r} is not supported", "messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"],
-                    "content": _content(m.get("content"), i)})
-    return out
-
-
-def _content(content, i: int) -> str:
-    if isinstance(content, str):
-        return _utf8(content, "messages")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return _utf8("".join(p["text"] for p in content), "messages")
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    structured, field = _structured(body, tools)
+    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured), stream,
+               _stream_options(body, stream), stop, priority=_priority(body), tools=tools, structured_field=field)

@@ -44,16 +44,20 @@ def logprobs_body(job: Job, logprobs, token_text, text_offset: int = 0) -> dict 
                         for t in logprobs]}
 
 
-def choice(job: Job, index: int, text: str, reason: str | None, token_ids: list[int], logprobs=None) -> dict:
+def choice(job: Job, index: int, text: str | None, tool_calls: list[dict], reason: str | None,
+           token_ids: list[int], logprobs=None) -> dict:
     if job.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": reason, "token_ids": token_ids}
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+            "token_ids": token_ids}
 
 
 def chunk(job: Job, response_id: str, index: int, text: str | None, reason: str | None,
-          token_ids: list[int], first: bool = False, logprobs=None) -> dict:
-    """One streamed event for one choice."""
+          token_ids: list[int], first: bool = False, logprobs=None, tool_calls: list[dict] | None = None) -> dict:
+    """One streamed event for one choice (tool calls come whole, each with its `index`)."""
     if job.kind == "completion":
         body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
                 "token_ids": token_ids}
@@ -62,6 +66,8 @@ def chunk(job: Job, response_id: str, index: int, text: str | None, reason: str 
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(tool_calls)]
         body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                 "token_ids": token_ids}
         kind = "chat.completion.chunk"

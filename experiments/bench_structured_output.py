@@ -1,0 +1,139 @@
+"""What structured output costs: time per output token of JSON-schema requests beside
+unconstrained ones in the same batches, and of unconstrained requests with no grammar traffic
+at all, through the server and the official `openai` client, in one run.
+
+Each round sends two batches of `--batch` concurrent streamed chat requests, in turn: one all
+unconstrained, one where half carry a random JSON schema (`response_format` json_schema,
+`cbjax.workload.random_json_schema`). A constrained request decodes one token per device call,
+never runs ahead of the host and has its token mask filled by llguidance before each step,
+so a batch that holds one pays for it too: the table prints both ratios. Every constrained
+answer is checked against its schema.
+
+    python experiments/bench_structured_output.py
+    python experiments/bench_structured_output.py --batch=32 --num_slots=32 --rounds=3
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+
+from absl import app, flags
+
+import common
+from cbjax.serve import flags as engine_flags
+from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_integer("batch", 16, "Concurrent streams per batch (half constrained in the mixed batch).",
+                     lower_bound=2)
+flags.DEFINE_integer("rounds", 3, "Rounds; each sends an unconstrained batch and a mixed one, in turn.",
+                     lower_bound=1)
+flags.DEFINE_integer("max_tokens", 64, "Tokens per unconstrained answer (EOS ignored).", lower_bound=2)
+flags.DEFINE_integer("schema_max_tokens", 256, "Budget of a constrained answer (it ends when its JSON does).",
+                     lower_bound=2)
+flags.DEFINE_integer("schema_seed", 0, "Seed of the random JSON schemas.")
+flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the started server's /health.",
+                   lower_bound=1.0)
+flags.DEFINE_string("output_dir", "results/structured_output", "Where the JSON and the server log go.")
+define_engine_flags(num_slots=16, max_seq_len=512)
+flags.adopt_module_key_flags(engine_flags)
+
+NOUNS = ["cat", "city", "book", "planet", "song", "river", "robot", "garden", "ship", "museum", "recipe", "storm"]
+
+
+async def _one(client, model: str, i: int, schema: dict | None):
+    """A streamed chat request; returns (time per output token in ms, tokens, text)."""
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}} \
+        if schema is not None else {}
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Describe a {NOUNS[i % len(NOUNS)]} as JSON."}],
+        max_tokens=FLAGS.schema_max_tokens if schema is not None else FLAGS.max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body=dict(body, ignore_eos=schema is None))
+    first = last = None
+    text, tokens = "", 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+                first = first or now
+                last = now
+    return (1000 * (last - first) / (tokens - 1) if tokens > 1 and first else None), tokens, text
+
+
+async def _batch(url: str, model: str, schemas: list[dict | None]):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="cbjax", max_retries=0, timeout=3600)
+    try:
+        return await asyncio.gather(*(_one(client, model, i, s) for i, s in enumerate(schemas)))
+    finally:
+        await client.close()
+
+
+def main(argv):
+    del argv
+    import jsonschema
+
+    from cbjax.metrics import write_json
+    from cbjax.workload import random_json_schema
+
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    rng = random.Random(FLAGS.schema_seed)
+    half = FLAGS.batch // 2
+    log_path = os.path.join(FLAGS.output_dir, "server.log")
+    process, url, startup_s = common.start_server(FLAGS.model, ["--served_model_name=bench", *engine_argv()],
+                                                  log_path, FLAGS.startup_timeout_s)
+    tpot = {"alone": [], "beside grammar": [], "grammar": []}
+    invalid, cut = 0, 0
+    try:
+        # Warm-up: the masked programs compile, llguidance reads the tokenizer.
+        asyncio.run(_batch(url, "bench", [random_json_schema(rng)] + [None] * (FLAGS.batch - 1)))
+        for r in range(FLAGS.rounds):
+            alone = asyncio.run(_batch(url, "bench", [None] * FLAGS.batch))
+            schemas = [random_json_schema(rng) for _ in range(half)] + [None] * (FLAGS.batch - half)
+            mixed = asyncio.run(_batch(url, "bench", schemas))
+            tpot["alone"] += [t for t, _, _ in alone if t is not None]
+            tpot["beside grammar"] += [t for (t, _, _), s in zip(mixed, schemas) if s is None and t is not None]
+            for (t, tokens, text), schema in zip(mixed, schemas):
+                if schema is None:
+                    continue
+                if t is not None:
+                    tpot["grammar"].append(t)
+                try:
+                    jsonschema.validate(json.loads(text), schema)
+                except (json.JSONDecodeError, jsonschema.ValidationError):
+                    invalid += 1
+                    cut += tokens >= FLAGS.schema_max_tokens
+            print(f"round {r + 1}: median TPOT alone {statistics.median(tpot['alone']):.1f} ms, "
+                  f"grammar {statistics.median(tpot['grammar']):.1f} ms", flush=True)
+    finally:
+        process.terminate()
+        process.wait(60)
+    medians = {k: statistics.median(v) for k, v in tpot.items()}
+    ratios = {"grammar / alone": medians["grammar"] / medians["alone"],
+              "grammar / beside grammar": medians["grammar"] / medians["beside grammar"],
+              "beside grammar / alone": medians["beside grammar"] / medians["alone"]}
+    lines = [f"{'requests':<28}{'median TPOT ms':>16}{'n':>6}", "-" * 50]
+    lines += [f"{k:<28}{medians[k]:>16.2f}{len(tpot[k]):>6}" for k in tpot]
+    lines += [f"{k}: {v:.3f}x" for k, v in ratios.items()]
+    lines.append(f"constrained answers that fail their schema: {invalid} of {FLAGS.rounds * half} "
+                 f"({cut} cut by schema_max_tokens)")
+    table = "\n".join(lines)
+    print("\n" + table)
+    write_json(os.path.join(FLAGS.output_dir, "structured_output.json"),
+               {"flags": common.script_flags(), "engine": engine_options(), "tpot_ms": tpot, "medians": medians,
+                "ratios": ratios, "invalid": invalid, "startup_s": startup_s, "table": table})
+
+
+if __name__ == "__main__":
+    app.run(main)
