@@ -78,8 +78,6 @@ class Grammars:
     few seconds for a 50k vocabulary) and shared by every request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
-        if tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer (this model has none)")
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -88,6 +86,8 @@ class Grammars:
         self._compiled: dict[StructuredOutput, str] = {}  # checked grammars (the server checks, then adds)
 
     def tokenizer(self):
+        if self._hf is None:
+            raise ValueError("structured output needs the model's tokenizer (this model has none)")
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf

@@ -81,18 +81,12 @@ class LLM:
         self._ids = itertools.count()
         self._emitted: dict[str, int] = {}
         self.groups = SampleGroups()  # requests with n > 1 samples
-        self._grammars: Grammars | None = None  # structured output's compiler, made on first use
+        # Structured output's compiler (llguidance over the tokenizer, read on first use).
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, tuple(self.model.config.eos_token_ids))
 
     def load(self):
         """What the engine holds after its latest round (`cbjax.core.engine_core.Load`)."""
         return self.core.load()
-
-    def grammars(self) -> Grammars:
-        """The structured-output compiler (llguidance over this model's tokenizer)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size,
-                                      tuple(self.model.config.eos_token_ids))
-        return self._grammars
 
     # What the core holds, for tests, experiments and other fronts to read.
     engine = property(lambda self: self.core.engine)
@@ -139,7 +133,7 @@ class LLM:
         arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
-        grammar = self.grammars().compile(sampling.structured) if sampling.structured is not None else None
+        grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
         request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests or self.groups.live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -161,7 +155,7 @@ class LLM:
 
     def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None) -> Request:
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
-                          fork_of=fork_of, grammar=None if grammar is None else self.grammars().state(grammar))
+                          fork_of=fork_of, grammar=None if grammar is None else self.grammars.state(grammar))
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.core.add(request)
@@ -240,21 +234,10 @@ class LLM:
         return [r for r in self.core.run_round() if r.finished]
 
     def _output(self, r: Request, stream: bool = False) -> RequestOutput:
-        tokens = list(r.output_token_ids)
-        new = tokens[self._emitted.get(r.request_id, 0):] if stream else []
+        since = None
         if stream:
-            self._emitted[r.request_id] = len(tokens)
-        text = None
-        if self.tokenizer is not None and tokens and r.finished:  # streamed steps carry new_token_ids only
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        reason = None if r.finish_reason is None else r.finish_reason.value
-        logprobs = cumulative = None
-        if r.sampling.logprobs is not None:
-            logprobs = r.logprobs[len(tokens) - len(new):] if stream else list(r.logprobs)
-            cumulative = r.cumulative_logprob
-        return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics,
-                             prompt=r.prompt, error=r.error, new_token_ids=new, logprobs=logprobs,
-                             cumulative_logprob=cumulative)
+            since, self._emitted[r.request_id] = self._emitted.get(r.request_id, 0), len(r.output_token_ids)
+        return request_output(r, self.tokenizer, since)
 
     def error_output(self, request_id: str, prompt, message: str) -> RequestOutput:
         """The output of a request refused with `message`."""
@@ -315,6 +298,23 @@ class LLM:
         bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.scheduler_config.policy}")
         ids, errors, finished = run_arrivals(self, workload, bar, concurrency=concurrency)
         return self._collect(ids, errors, finished, workload)
+
+
+def request_output(r: Request, tokenizer, since: int | None = None) -> RequestOutput:
+    """`r`'s output; streamed (`since`: the tokens already handed out), with only the new tokens
+    in `new_token_ids` and their logprobs, and text once it has finished."""
+    tokens = list(r.output_token_ids)
+    new = tokens[since:] if since is not None else []
+    text = None
+    if tokenizer is not None and tokens and r.finished:  # streamed steps carry new_token_ids only
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+    reason = None if r.finish_reason is None else r.finish_reason.value
+    logprobs = cumulative = None
+    if r.sampling.logprobs is not None:
+        logprobs = r.logprobs[len(tokens) - len(new):] if since is not None else list(r.logprobs)
+        cumulative = r.cumulative_logprob
+    return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics, prompt=r.prompt,
+                         error=r.error, new_token_ids=new, logprobs=logprobs, cumulative_logprob=cumulative)
 
 
 def offline_workload(prompts, sampling_params) -> list[tuple[float, Prompt, SamplingParams | None]]:

@@ -613,7 +613,7 @@ def test_cli_replicas_answer_generates_tokens():
         for r, want in zip(answers, expected):
             assert r.choices[0].token_ids == want.token_ids
         metrics = urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics"), timeout=30).read().decode()
-        assert "cbjax" in metrics
+        assert 'vllm:request_queue_time_seconds_count{model_name="tiny-llama"} 4.0' in metrics
 
 
 def _hf_log_softmax(model_dir, ids):

@@ -76,6 +76,9 @@ class Replicas:
         self.affinity_slack = slots if affinity_slack is None else checks.integer("affinity_slack",
                                                                                   affinity_slack, 0)
         self.model, self.tokenizer = model, model.tokenizer
+        self.grammars = self.replicas[0].grammars  # one structured-output compiler: the tokenizer is read once
+        for r in self.replicas[1:]:
+            r.grammars = self.grammars
         many = parallel_step and self.data_parallel > 1 and not self.simulated
         self._pool = ThreadPoolExecutor(self.data_parallel) if many else None
         self._owner: dict[str, int] = {}  # live request id -> replica index
@@ -155,12 +158,6 @@ class Replicas:
         return Load(sum(x.running for x in loads), sum(x.waiting for x in loads),
                     sum(x.kv_cache_usage for x in loads) / len(loads), sum(x.num_preemptions for x in loads))
 
-    def grammars(self):
-        """One structured-output compiler for every replica (llguidance reads the tokenizer once)."""
-        shared = self.replicas[0].grammars()
-        for r in self.replicas[1:]:
-            r._grammars = shared
-        return shared
 
     def warmup(self) -> int:
         return sum(r.warmup() for r in self.replicas)

@@ -21,7 +21,6 @@ import os
 import jax
 import numpy as np
 
-from cbjax import grammar
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
@@ -152,34 +151,8 @@ class Engine:
         return min(256, self.max_len)
 
     def split(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
-        """The round's rows in calls of at most the step budget (`step_tokens`), in order; a
-        prompt chunk that does not fit the call being filled continues in the next (only its
-        last piece ends the prompt). Each call: (index of the round's row or -1, row)."""
-        top = self.step_tokens
-        calls: list[list[tuple[int, Row]]] = [[]]
-        room = top
-        for i, row in enumerate(rows):
-            if row.is_decode:
-                if room < 1:
-                    calls.append([])
-                    room = top
-                calls[-1].append((i, row))
-                room -= 1
-                continue
-            done = 0
-            while done < row.length:
-                if room < 1:
-                    calls.append([])
-                    room = top
-                n = min(room, row.length - done)
-                last = done + n == row.length
-                piece = row if n == row.length else dataclasses.replace(
-                    row, tokens=row.tokens[done:done + n], start=row.start + done, is_last=row.is_last and last,
-                    history=row.history if done == 0 else None)
-                calls[-1].append((i if last else -1, piece))
-                done += n
-                room -= n
-        return [c for c in calls if c]
+        """The round's rows in calls of at most the step budget (`step.split_rows`)."""
+        return step.split_rows(rows, self.step_tokens)
 
     def call_tokens(self, rows: list[Row]) -> int:
         """The token bucket of one call; a call with prompt rows pads to at least `prefill_floor`."""
@@ -208,13 +181,8 @@ class Engine:
         has a constraint (the masked program; without one, the program has no mask)."""
         num_rows = row_bucket(num_tokens, self.num_slots)
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
-        constrained = [(i, r.request.grammar, r.request.output_token_ids) for i, r in enumerate(rows)
-                       if r.request is not None and r.request.grammar is not None and (r.is_decode or r.is_last)]
-        if not constrained:
-            return packed
-        masks = np.full((num_rows, grammar.mask_words(self.model.config.vocab_size)), -1, np.int32)
-        grammar.fill_masks(constrained, masks)
-        return (*packed, masks)
+        masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
+        return packed if masks is None else (*packed, masks)
 
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax import grammar
 from cbjax.models import forward
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
@@ -78,6 +79,48 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
             ints[i, HEADER:], floats[i] = sampling_row(row)
         t += n
     return flat, ints, floats
+
+
+def split_rows(rows: list[Row], top: int) -> list[list[tuple[int, Row]]]:
+    """The round's rows in calls of at most `top` tokens (the step budget), in order; a
+    prompt chunk that does not fit the call being filled continues in the next (only its
+    last piece ends the prompt). Each call: (index of the round's row or -1, row)."""
+    calls: list[list[tuple[int, Row]]] = [[]]
+    room = top
+    for i, row in enumerate(rows):
+        if row.is_decode:
+            if room < 1:
+                calls.append([])
+                room = top
+            calls[-1].append((i, row))
+            room -= 1
+            continue
+        done = 0
+        while done < row.length:
+            if room < 1:
+                calls.append([])
+                room = top
+            n = min(room, row.length - done)
+            last = done + n == row.length
+            piece = row if n == row.length else dataclasses.replace(
+                row, tokens=row.tokens[done:done + n], start=row.start + done, is_last=row.is_last and last,
+                history=row.history if done == 0 else None)
+            calls[-1].append((i if last else -1, piece))
+            done += n
+            room -= n
+    return [c for c in calls if c]
+
+
+def grammar_masks(rows: list[Row], num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """`[R, words]` int32 token bitmasks of a call's rows (all bits set for a row without a
+    constraint), or None when no row that samples has one (the program without a mask)."""
+    constrained = [(i, r.request.grammar, r.request.output_token_ids) for i, r in enumerate(rows)
+                   if r.request is not None and r.request.grammar is not None and (r.is_decode or r.is_last)]
+    if not constrained:
+        return None
+    masks = np.full((num_rows, grammar.mask_words(vocab_size)), -1, np.int32)
+    grammar.fill_masks(constrained, masks)
+    return masks
 
 
 # ---------------------------------------------------------------- host side: the packed rows

@@ -90,6 +90,11 @@ def main(argv):
         print(f"compiling {FLAGS.model}'s programs ({FLAGS.num_slots} slots, {FLAGS.max_seq_len} tokens)...",
               flush=True)
         print(f"compiled {llm.warmup()} programs in {time.perf_counter() - t0:.1f}s", flush=True)
+        if llm.tokenizer is not None:  # llguidance's view of it (0.3 s for SmolLM2, holding the GIL): now, not mid-stream
+            try:
+                llm.grammars.tokenizer()
+            except ValueError as e:
+                print(f"structured output unavailable: {e}", flush=True)
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                     max_pending=FLAGS.max_pending, access_log=FLAGS.access_log,
                     api_key=FLAGS.api_key or os.environ.get("CBJAX_API_KEY") or None,

@@ -77,6 +77,17 @@ def _http_type(status: int) -> str:
         status, "invalid_request_error")
 
 
+def _grammar_checked(llm, job: protocol.Job) -> protocol.Job:
+    """A job whose grammar llguidance accepts (compiled on the parser threads: the engine's
+    add_request then finds it compiled); else a 400 naming the field that asked for it."""
+    if job.sampling.structured is not None:
+        try:
+            llm.grammars.compile(job.sampling.structured)
+        except ValueError as e:
+            raise protocol.bad(str(e), job.structured_field) from None
+    return job
+
+
 class Server:
     """`Server(llm, model_name).start()` serves on a background thread (tests, benchmarks);
     `await server.serve()` / `server.run()` serve on the caller's loop (the CLI)."""
@@ -218,18 +229,8 @@ class Server:
     async def _parse(self, request: web.Request, parse):
         """The body parsed and its prompts tokenized on the parser threads, never on the event
         loop: a megabyte prompt takes the tokenizer seconds, which would stall every stream."""
-        return await self.off_loop(request, lambda body: self._checked(parse(body, self.model_name, self.llm.tokenizer,
-                                                                              self.llm.engine.max_len)))
-
-    def _checked(self, job: protocol.Job) -> protocol.Job:
-        """A job whose grammar llguidance accepts (compiled here, on the parser threads: the
-        engine's add_request then finds it compiled)."""
-        if job.sampling.structured is not None:
-            try:
-                self.llm.grammars().compile(job.sampling.structured)
-            except ValueError as e:
-                raise protocol.bad(str(e), job.structured_field) from None
-        return job
+        return await self.off_loop(request, lambda body: _grammar_checked(
+            self.llm, parse(body, self.model_name, self.llm.tokenizer, self.llm.engine.max_len)))
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         received = self.llm.clock()
