@@ -156,6 +156,9 @@ class LLM:
     def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None) -> Request:
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
                           fork_of=fork_of, grammar=None if grammar is None else self.grammars.state(grammar))
+        if sampling.prompt_logprobs is not None:  # the samples of one prompt share its distribution
+            request.prompt_logprobs = fork_of.prompt_logprobs if fork_of is not None else \
+                self.engine.prompt_logprobs(ids, sampling.prompt_logprobs)
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.core.add(request)
@@ -314,7 +317,8 @@ def request_output(r: Request, tokenizer, since: int | None = None) -> RequestOu
         logprobs = r.logprobs[len(tokens) - len(new):] if since is not None else list(r.logprobs)
         cumulative = r.cumulative_logprob
     return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics, prompt=r.prompt,
-                         error=r.error, new_token_ids=new, logprobs=logprobs, cumulative_logprob=cumulative)
+                         error=r.error, new_token_ids=new, logprobs=logprobs, cumulative_logprob=cumulative,
+                         prompt_logprobs=r.prompt_logprobs if not since else None)
 
 
 def offline_workload(prompts, sampling_params) -> list[tuple[float, Prompt, SamplingParams | None]]:

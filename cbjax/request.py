@@ -66,6 +66,8 @@ class SamplingParams:
     any processor or temperature, as vLLM's default). `n` samples come back per prompt;
     with `best_of`, that many are drawn and the `n` of highest cumulative log-probability
     kept. Sample i draws with seed `seed + i`, so it equals a single run with that seed.
+    `prompt_logprobs=k`: each prompt token's log-probability (and the k likeliest tokens at its
+    position), computed by one more forward over the prompt (runtime/prompt_logprobs.py).
     `structured`: a `StructuredOutput` the output must match (the engine masks tokens that
     cannot continue it; the request decodes one token per step and never runs ahead)."""
 
@@ -86,6 +88,7 @@ class SamplingParams:
     best_of: int | None = None
     min_p: float = 0.0
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Normalised to plain Python values that fit the device's int32/float32 arrays.
@@ -122,6 +125,8 @@ class SamplingParams:
         put("logit_bias", tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in dict(pairs).items())))
         if self.logprobs is not None:
             put("logprobs", checks.integer("logprobs", self.logprobs, 0, 1024))
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", checks.integer("prompt_logprobs", self.prompt_logprobs, 0, 1024))
         put("n", checks.integer("n", self.n, 1, 1024))
         if self.best_of is not None:
             put("best_of", checks.integer("best_of", self.best_of, self.n, 1024))
@@ -151,6 +156,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 = the likeliest token (prompt logprobs carry it)
 
 
 class FinishReason(str, enum.Enum):
@@ -214,6 +220,7 @@ class Request:
     predicted_len: int | None = None
     # The structured output's matcher (cbjax/grammar.py `GrammarState`) when `sampling.structured`.
     grammar: object | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when sampling.prompt_logprobs is set
 
     def __post_init__(self):
         if self.metrics is None:
@@ -277,6 +284,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     index: int = 0  # which of the request's n samples
     samples: list["RequestOutput"] | None = None  # generate() with n > 1: every sample, by index
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first), when asked
 
     @property
     def finished(self) -> bool:

@@ -1,13 +1,16 @@
-"""What structured output costs: time per output token of JSON-schema requests beside
-unconstrained ones in the same batches, and of unconstrained requests with no grammar traffic
-at all, through the server and the official `openai` client, in one run.
+"""What structured output costs: time per output token of JSON-schema requests against
+unconstrained ones at the same batch size and the same token positions, through the server and
+the official `openai` client, in one run.
 
 Each round sends two batches of `--batch` concurrent streamed chat requests, in turn: one all
-unconstrained, one where half carry a random JSON schema (`response_format` json_schema,
-`cbjax.workload.random_json_schema`). A constrained request decodes one token per device call,
-never runs ahead of the host and has its token mask filled by llguidance before each step,
-so a batch that holds one pays for it too: the table prints both ratios. Every constrained
-answer is checked against its schema.
+unconstrained (EOS ignored, `--max_tokens` each), one where half carry a random JSON schema
+(`response_format` json_schema, `cbjax.workload.random_json_schema`) and half are unconstrained
+as before. A constrained answer ends with its JSON, so it is compared with its partner in the
+unconstrained batch (same index) over the same number of tokens: both ran in a full batch at the
+same positions, and the difference is what the grammar costs (llguidance filling the masks
+before each step, the masked program, one token per call and no run-ahead for the batch).
+The unconstrained requests beside them are compared the same way. Every constrained answer is
+checked against its schema.
 
     python experiments/bench_structured_output.py
     python experiments/bench_structured_output.py --batch=32 --num_slots=32 --rounds=3
@@ -44,30 +47,31 @@ flags.DEFINE_string("output_dir", "results/structured_output", "Where the JSON a
 define_engine_flags(num_slots=16, max_seq_len=512)
 flags.adopt_module_key_flags(engine_flags)
 
+PARTNER = "grammar's partner alone"
 NOUNS = ["cat", "city", "book", "planet", "song", "river", "robot", "garden", "ship", "museum", "recipe", "storm"]
 
 
 async def _one(client, model: str, i: int, schema: dict | None):
-    """A streamed chat request; returns (time per output token in ms, tokens, text)."""
+    """A streamed chat request; returns (each output token's arrival time, text)."""
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}} \
         if schema is not None else {}
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"Describe a {NOUNS[i % len(NOUNS)]} as JSON."}],
         max_tokens=FLAGS.schema_max_tokens if schema is not None else FLAGS.max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-        extra_body=dict(body, ignore_eos=schema is None))
-    first = last = None
-    text, tokens = "", 0
+        stream=True, extra_body=dict(body, ignore_eos=schema is None))
+    times, text = [], ""
     async for chunk in stream:
         now = time.perf_counter()
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
         for c in chunk.choices:
-            if c.delta.content:
-                text += c.delta.content
-                first = first or now
-                last = now
-    return (1000 * (last - first) / (tokens - 1) if tokens > 1 and first else None), tokens, text
+            text += c.delta.content or ""
+            times += [now] * len(getattr(c, "token_ids", None) or [])  # our extension: the chunk's tokens
+    return times, text
+
+
+def tpot_ms(times: list[float], tokens: int) -> float | None:
+    """Mean gap between the first `tokens` output tokens, in ms."""
+    tokens = min(tokens, len(times))
+    return 1000 * (times[tokens - 1] - times[0]) / (tokens - 1) if tokens > 1 else None
 
 
 async def _batch(url: str, model: str, schemas: list[dict | None]):
@@ -93,8 +97,8 @@ def main(argv):
     log_path = os.path.join(FLAGS.output_dir, "server.log")
     process, url, startup_s = common.start_server(FLAGS.model, ["--served_model_name=bench", *engine_argv()],
                                                   log_path, FLAGS.startup_timeout_s)
-    tpot = {"alone": [], "beside grammar": [], "grammar": []}
-    invalid, cut = 0, 0
+    tpot = {"grammar": [], "grammar's partner alone": [], "beside grammar": [], "beside's partner alone": []}
+    invalid, cut, lengths = 0, 0, []
     try:
         # Warm-up: the masked programs compile, llguidance reads the tokenizer.
         asyncio.run(_batch(url, "bench", [random_json_schema(rng)] + [None] * (FLAGS.batch - 1)))
@@ -102,29 +106,33 @@ def main(argv):
             alone = asyncio.run(_batch(url, "bench", [None] * FLAGS.batch))
             schemas = [random_json_schema(rng) for _ in range(half)] + [None] * (FLAGS.batch - half)
             mixed = asyncio.run(_batch(url, "bench", schemas))
-            tpot["alone"] += [t for t, _, _ in alone if t is not None]
-            tpot["beside grammar"] += [t for (t, _, _), s in zip(mixed, schemas) if s is None and t is not None]
-            for (t, tokens, text), schema in zip(mixed, schemas):
+            lengths += [len(t) for (t, _), s in zip(mixed, schemas) if s is not None]
+            for (times, text), (partner, _), schema in zip(mixed, alone, schemas):
+                # A constrained answer over its length; one beside them up to the shortest of them (where
+                # every request of both batches still ran: the same batch size and positions).
+                n = len(times) if schema is not None else min(len(t) for (t, _), s in zip(mixed, schemas) if s)
+                pair = (tpot_ms(times, n), tpot_ms(partner, n))
+                if None not in pair:
+                    tpot["grammar" if schema is not None else "beside grammar"].append(pair[0])
+                    tpot["grammar's partner alone" if schema is not None else "beside's partner alone"].append(pair[1])
                 if schema is None:
                     continue
-                if t is not None:
-                    tpot["grammar"].append(t)
                 try:
                     jsonschema.validate(json.loads(text), schema)
                 except (json.JSONDecodeError, jsonschema.ValidationError):
                     invalid += 1
-                    cut += tokens >= FLAGS.schema_max_tokens
-            print(f"round {r + 1}: median TPOT alone {statistics.median(tpot['alone']):.1f} ms, "
-                  f"grammar {statistics.median(tpot['grammar']):.1f} ms", flush=True)
+                    cut += len(times) >= FLAGS.schema_max_tokens
+            print(f"round {r + 1}: median TPOT grammar {statistics.median(tpot['grammar']):.1f} ms, its partners "
+                  f"alone {statistics.median(tpot[PARTNER]):.1f} ms", flush=True)
     finally:
         process.terminate()
         process.wait(60)
     medians = {k: statistics.median(v) for k, v in tpot.items()}
-    ratios = {"grammar / alone": medians["grammar"] / medians["alone"],
-              "grammar / beside grammar": medians["grammar"] / medians["beside grammar"],
-              "beside grammar / alone": medians["beside grammar"] / medians["alone"]}
+    ratios = {"grammar / partner alone": medians["grammar"] / medians["grammar's partner alone"],
+              "beside grammar / partner alone": medians["beside grammar"] / medians["beside's partner alone"]}
     lines = [f"{'requests':<28}{'median TPOT ms':>16}{'n':>6}", "-" * 50]
     lines += [f"{k:<28}{medians[k]:>16.2f}{len(tpot[k]):>6}" for k in tpot]
+    lines.append(f"(over the constrained answers' lengths: median {statistics.median(lengths)} tokens)")
     lines += [f"{k}: {v:.3f}x" for k, v in ratios.items()]
     lines.append(f"constrained answers that fail their schema: {invalid} of {FLAGS.rounds * half} "
                  f"({cut} cut by schema_max_tokens)")

@@ -259,7 +259,9 @@ MALFORMED = {
     "streamed best_of": dict(body={"model": MODEL, "prompt": "hi", "n": 1, "best_of": 2, "stream": True}),
     "logprobs past max_logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 50}),
     "negative logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": -1}),
-    "echo with logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}),
+    "streamed echo with logprobs": dict(body={"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True,
+                                              "stream": True}),
+    "prompt_logprobs past max_logprobs": dict(body={"model": MODEL, "prompt": "hi", "prompt_logprobs": 50}),
     "top_logprobs without logprobs": dict(path="/v1/chat/completions",
                                           body={"model": MODEL, "messages": CHAT, "top_logprobs": 2}),
     "logit_bias not ids": dict(body={"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}),
@@ -660,6 +662,48 @@ def test_logprobs_through_the_openai_client(served, model_dir):
     streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     np.testing.assert_allclose(streamed, [e.logprob for e in content], atol=1e-5)
     _wait_idle(server)
+
+
+def _hf_prompt_log_softmax(model_dir, ids):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), -1).numpy()
+    return logp[np.arange(len(ids) - 1), ids[1:]], logp
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(served, model_dir):
+    """Each prompt token's log-probability equals transformers' log-softmax at the position
+    before it: as vLLM's prompt_logprobs (with ranks) and as the completions API's echo +
+    logprobs (the prompt's tokens first, the first one null)."""
+    server, ref = served
+    client = _client(server)
+    ids = ref["text"][1].prompt_token_ids
+    chosen, logp = _hf_prompt_log_softmax(model_dir, ids)
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(TEXT_PROMPTS[1]) and lp.token_logprobs[0] is None
+    assert len(lp.token_logprobs) == len(ids) + 4 and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], chosen, atol=1e-4)
+    assert r.choices[0].token_ids == ref["text"][1].token_ids[:4]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 3})
+    chat_ids = ref["chat"].prompt_token_ids
+    chat_chosen, chat_logp = _hf_prompt_log_softmax(model_dir, chat_ids)
+    positions = r.choices[0].model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(chat_ids)
+    for i, (token, entry) in enumerate(zip(chat_ids[1:], positions[1:])):
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - chat_chosen[i]) < 1e-4
+        assert mine["rank"] == 1 + int((chat_logp[i] > chat_chosen[i] + 1e-6).sum())
+        best = sorted(((v["rank"], int(t)) for t, v in entry.items() if v["rank"] <= 3))
+        assert best[0][0] == 1 and int(np.argmax(chat_logp[i])) in [t for _, t in best]
+    with pytest.raises(openai.BadRequestError, match="streaming"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
 
 
 def test_n_best_of_penalties_and_echo_through_the_client(served):

@@ -175,10 +175,13 @@ class EngineCore:
             calls = [(engine.run(rows), rows)]
         else:  # prefill_first: a step of prompt rows, then one of decode rows
             calls = [(engine.run(plan.prefills), plan.prefills)] if plan.prefills else []
-            # A prefill whose first token is its last joins no decode (alone, one that computes nothing),
-            # nor does a constrained one: its mask needs the first token on the host.
-            finishing = {c.request.request_id for c in plan.prefills
-                         if c.is_last and _decodes_after_prefill(c.request) and c.request.grammar is None}
+            # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
+            ending = [c.request for c in plan.prefills if c.is_last and _decodes_after_prefill(c.request)]
+            finishing = {r.request_id for r in ending}
+            if any(r.grammar is not None for r in ending):
+                # A constrained one's mask needs its first token on the host: record the prompt rows
+                # before dispatching the decode (one sync, rather than a step later for its second token).
+                t1, calls = self._record(calls, t1, touched), []
             live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
             if plan.decode and live:
                 rows = [Row.decode(r) for r in live]

@@ -27,6 +27,7 @@ from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
+from cbjax.runtime.prompt_logprobs import prompt_logprobs
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
 from pallas_kernels.ragged_paged_attention import check_supported
@@ -121,6 +122,10 @@ class Engine:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
         self.stop_ids_for(sampling)  # refuses too many stop ids
         step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
+
+    def prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """Each prompt token's `TokenLogprob` (None for the first), by one more forward over it."""
+        return prompt_logprobs(self.params, self.model.config, ids, k)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""

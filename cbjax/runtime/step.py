@@ -169,6 +169,9 @@ def check_sampling(sampling: SamplingParams, max_logprobs: int, max_logit_bias: 
     if sampling.logprobs is not None and sampling.logprobs > (max_logprobs or -1):
         raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={max_logprobs}"
                          if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
+    if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > (max_logprobs or -1):
+        raise ValueError(f"prompt_logprobs={sampling.prompt_logprobs} exceeds this engine's max_logprobs="
+                         f"{max_logprobs}" if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
     if len(sampling.logit_bias) > max_logit_bias:
         raise ValueError(f"at most {max_logit_bias} logit_bias entries per request, got {len(sampling.logit_bias)}")
     bad = [t for t, _ in sampling.logit_bias if t >= vocab]

@@ -283,6 +283,7 @@ class Server:
             if out.finish_reason == "error":
                 choices.live.discard(c)
                 raise APIError(503 if self.engine.error is None else 500, out.error or "request failed")
+            choices.note_prompt_logprobs(c, out.prompt_logprobs)
             stream = choices.streams[c]
             delta = stream.push(out.new_token_ids, final=out.finished)
             reason = out.finish_reason

@@ -19,6 +19,7 @@ class Choices:
         self.reasons: list[str | None] = [None] * count
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.live = set(range(count))
+        self.prompt_logprobs: list[list | None] = [None] * len(request_ids)  # per prompt, when asked
         self.prompts = [self._echo(tokenizer, p) if job.echo else "" for p in job.prompts]
         self._token_text = functools.lru_cache(maxsize=4096)(
             (lambda i: tokenizer.decode([i])) if tokenizer is not None else str)
@@ -64,12 +65,38 @@ class Choices:
         content, calls = tools.parse_output(self.job.tools, text)
         return content, calls, ("tool_calls" if calls and reason == "stop" else reason)
 
+    def note_prompt_logprobs(self, choice: int, logprobs) -> None:
+        if logprobs is not None:
+            self.prompt_logprobs[choice // self.job.n] = logprobs
+
+    def _logprobs(self, c: int) -> dict | None:
+        """A whole choice's logprobs; with echo, the prompt's tokens first (OpenAI's legacy format:
+        the first prompt token's are null)."""
+        job = self.job
+        if job.sampling.logprobs is None:
+            return None
+        body = responses.logprobs_body(job, self.logprobs[c], self._token_text, len(self.prompt_text(c)))
+        prompt = self.prompt_logprobs[c // job.n]
+        if not job.echo or prompt is None:
+            return body
+        k = job.sampling.logprobs
+        tokens = [self._token_text(t) for t in job.prompts[c // job.n]]
+        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens + body["tokens"],
+                "token_logprobs": [None if t is None else t.logprob for t in prompt] + body["token_logprobs"],
+                "top_logprobs": [None if t is None else {self._token_text(i): v for i, v in t.top[:k]}
+                                 for t in prompt] + body["top_logprobs"],
+                "text_offset": offsets + body["text_offset"]}
+
     def response_choices(self) -> list[dict]:
-        asked = self.job.sampling.logprobs is not None
-        return [responses.choice(self.job, c, *self.message(c), s.token_ids,
-                                 responses.logprobs_body(self.job, self.logprobs[c], self._token_text,
-                                                         len(self.prompt_text(c))) if asked else None)
-                for c, s in enumerate(self.streams)]
+        out = [responses.choice(self.job, c, *self.message(c), s.token_ids, self._logprobs(c))
+               for c, s in enumerate(self.streams)]
+        if self.job.prompt_logprobs is not None:
+            for c, body in enumerate(out):
+                body["prompt_logprobs"] = responses.prompt_logprobs_body(
+                    self.job.prompts[c // self.job.n], self.prompt_logprobs[c // self.job.n],
+                    self.job.prompt_logprobs, self._token_text)
+        return out
 
     @property
     def completion_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 Every check raises `APIError`, which the front turns into OpenAI's error body, so a bad
 field is a 4xx naming the field, never a crash. Fields OpenAI defines that the engine
-cannot honour (suffix, echo with logprobs ...) are refused rather than ignored: a benchmark
+cannot honour (suffix, streamed prompt logprobs ...) are refused rather than ignored: a benchmark
 that asked for them would otherwise measure something else. Each route's honoured fields
 are listed below (`COMPLETION_FIELDS`, `CHAT_FIELDS`); structured output's are read by
 serve/structured.py, function calling's and the messages by serve/tools.py. Responses carry `token_ids` in each choice (an
@@ -40,6 +40,7 @@ class Job:
     priority: int = 0  # vLLM's extra field: lower values first under --ordering=priority/score
     tools: Tools | None = None  # chat's function calling (serve/tools.py)
     structured_field: str | None = None  # the request field that constrains the output, for its errors
+    prompt_logprobs: int | None = None  # vLLM's field: each choice carries its prompt's top-k per position
 
     @property
     def n(self) -> int:
@@ -130,7 +131,7 @@ def _stop_fields(body: dict, tokenizer) -> tuple[tuple[str, ...], tuple[int, ...
 
 
 def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logprobs: int | None,
-              structured=None) -> SamplingParams:
+              structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     numbers = (int, float)
     n = get_field(body, "n", (int,), 1)
     best_of = get_field(body, "best_of", (int,))
@@ -151,7 +152,7 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logp
             frequency_penalty=float(get_field(body, "frequency_penalty", numbers, 0.0)),
             repetition_penalty=float(get_field(body, "repetition_penalty", numbers, 1.0)),
             logit_bias=_logit_bias(body),
-            logprobs=logprobs, n=n, best_of=best_of, structured=structured)
+            logprobs=logprobs, n=n, best_of=best_of, structured=structured, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise bad(str(e)) from None
 
@@ -199,8 +200,14 @@ def check_fields(body: dict, allowed: frozenset) -> None:
             raise bad(f"'{name}' is not a field this server honours (docs/server.md lists them)", name)
 
 
-def _common_refusals(body: dict) -> None:
-    _refuse_unless(body, "prompt_logprobs", lambda v: v == 0)
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: the top k at each prompt position (0: the prompt token's alone)."""
+    value = get_field(body, "prompt_logprobs", (int,))
+    if value is not None and value < 0:
+        raise bad(f"'prompt_logprobs' must be at least 0, got {value}", "prompt_logprobs")
+    if value is not None and stream:
+        raise bad("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
+    return value
 
 
 def _structured(body: dict, tools: Tools | None = None):
@@ -282,23 +289,26 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     list of lists of token ids; each prompt is a choice."""
     model = check_model(require_object(body), served)
     check_fields(body, COMPLETION_FIELDS)
-    _common_refusals(body)
     _refuse_unless(body, "suffix", lambda v: v == "")
     echo = get_field(body, "echo", (bool,), False)
     logprobs = _completion_logprobs(body)
-    if echo and logprobs is not None:
-        raise bad("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", "echo")
+    stream = get_field(body, "stream", (bool,), False)
+    if echo and logprobs is not None and stream:
+        raise bad("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported when streaming", "echo")
+    asked = _prompt_logprobs(body, stream)
+    # echo with logprobs: the prompt's tokens scored as the output's are (OpenAI's legacy format).
+    prompt_k = max(asked or 0, logprobs) if echo and logprobs is not None else asked
     prompts = prompt_list(body.get("prompt"))
     if len(prompts) > 64:
         raise bad("at most 64 prompts per request", "prompt")
     prompts = [prompt_ids(p, tokenizer, max_len) for p in prompts]
-    stream = get_field(body, "stream", (bool,), False)
     stop, stop_ids = _stop_fields(body, tokenizer)
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, longest, max_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
     structured, field = _structured(body)
-    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs, structured), stream,
-               _stream_options(body, stream), stop, echo, _priority(body), structured_field=field)
+    return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs, structured, prompt_k),
+               stream, _stream_options(body, stream), stop, echo, _priority(body), structured_field=field,
+               prompt_logprobs=asked)
 
 
 def prompt_list(prompt) -> list:
@@ -332,7 +342,6 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     """`/v1/chat/completions`: the messages through the tokenizer's chat template."""
     model = check_model(require_object(body), served)
     check_fields(body, CHAT_FIELDS)
-    _common_refusals(body)
     tools = tool_calls.parse_tools(body)
     messages = tool_calls.messages(body.get("messages"))
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -350,5 +359,7 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     stop, stop_ids = _stop_fields(body, tokenizer)
     max_tokens = _max_tokens(body, len(ids), max_len, None)
     structured, field = _structured(body, tools)
-    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured), stream,
-               _stream_options(body, stream), stop, priority=_priority(body), tools=tools, structured_field=field)
+    asked = _prompt_logprobs(body, stream)
+    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured, asked),
+               stream, _stream_options(body, stream), stop, priority=_priority(body), tools=tools,
+               structured_field=field, prompt_logprobs=asked)

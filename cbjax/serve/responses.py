@@ -44,6 +44,20 @@ def logprobs_body(job: Job, logprobs, token_text, text_offset: int = 0) -> dict 
                         for t in logprobs]}
 
 
+def prompt_logprobs_body(prompt: list[int], logprobs, k: int, token_text) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position (null for the first), the prompt
+    token and the k likeliest, each `{token id: {logprob, rank, decoded_token}}`."""
+    if logprobs is None:
+        return None
+    out: list[dict | None] = [None]
+    for token, t in zip(prompt[1:], logprobs[1:]):
+        entry = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": token_text(i)} for r, (i, v) in
+                 enumerate(t.top[:k])}
+        entry[str(token)] = {"logprob": t.logprob, "rank": t.rank, "decoded_token": token_text(token)}
+        out.append(entry)
+    return out
+
+
 def choice(job: Job, index: int, text: str | None, tool_calls: list[dict], reason: str | None,
            token_ids: list[int], logprobs=None) -> dict:
     if job.kind == "completion":
