@@ -84,8 +84,7 @@ class LLM:
         # Structured output's compiler (llguidance over the tokenizer, read on first use).
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, tuple(self.model.config.eos_token_ids))
 
-    def load(self):
-        """What the engine holds after its latest round (`cbjax.core.engine_core.Load`)."""
+    def load(self):  # what the engine holds after its latest round (`cbjax.core.engine_core.Load`)
         return self.core.load()
 
     # What the core holds, for tests, experiments and other fronts to read.
@@ -117,9 +116,8 @@ class LLM:
         return request_id
 
     def _request_seed(self, request_id: str, sampling: SamplingParams) -> int:
-        if sampling.seed is not None:
-            return sampling.seed
-        return zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFFFFFF
+        derived = zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFFFFFF
+        return sampling.seed if sampling.seed is not None else derived
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
@@ -134,12 +132,14 @@ class LLM:
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
+        k = sampling.prompt_logprobs
+        prompt_lp = None if k is None else self.engine.prompt_logprobs(ids, k)  # the n samples share them
         request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests or self.groups.live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         if sampling.num_samples == 1:
             self._add(request_id, ids, sampling, arrival, priority, text, self._request_seed(request_id, sampling),
-                      grammar=grammar)
+                      grammar=grammar, prompt_lp=prompt_lp)
             return request_id
         samples = SampleGroups.sample_params(sampling, self._request_seed(request_id, sampling))
         children = [f"{request_id}/{i}" for i in range(len(samples))]
@@ -148,17 +148,16 @@ class LLM:
         first = None
         for child, child_sampling in zip(children, samples):
             r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first,
-                          grammar=grammar)
+                          grammar=grammar, prompt_lp=prompt_lp)
             first = first or r
         self.groups.add(request_id, children, sampling)
         return request_id
 
-    def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None) -> Request:
+    def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None,
+             prompt_lp=None) -> Request:
+        grammar = None if grammar is None else self.grammars.state(grammar)
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
-                          fork_of=fork_of, grammar=None if grammar is None else self.grammars.state(grammar))
-        if sampling.prompt_logprobs is not None:  # the samples of one prompt share its distribution
-            request.prompt_logprobs = fork_of.prompt_logprobs if fork_of is not None else \
-                self.engine.prompt_logprobs(ids, sampling.prompt_logprobs)
+                          fork_of=fork_of, grammar=grammar, prompt_logprobs=prompt_lp)
         self.requests[request_id] = request
         self._emitted[request_id] = 0
         self.core.add(request)
