@@ -557,7 +557,7 @@ def test_an_engine_failure_fails_requests_cleanly_and_health_says_so(model_dir):
 
 
 @contextlib.contextmanager
-def _cli_server(*args: str):
+def _cli_server(*args: str, ready: str = "cbjax serving"):
     """`python -m cbjax.serve` on tiny-llama with `args`: (an openai client, its startup lines)."""
     server = subprocess.Popen([sys.executable, "-m", "cbjax.serve", "--model=tiny-llama", "--port=0",
                                "--max_seq_len=64", "--num_slots=2", "--nowarmup", *args],
@@ -567,7 +567,7 @@ def _cli_server(*args: str):
         url, lines = None, []
         for line in server.stdout:
             lines.append(line)
-            if line.startswith("cbjax serving"):
+            if line.startswith(ready):
                 url = line.split(" on ")[-1].strip()
                 break
         assert url is not None, "the server never said where it listens: " + "".join(lines[-20:])
@@ -616,6 +616,36 @@ def test_cli_replicas_answer_generates_tokens():
             assert r.choices[0].token_ids == want.token_ids
         metrics = urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics"), timeout=30).read().decode()
         assert 'vllm:request_queue_time_seconds_count{model_name="tiny-llama"} 4.0' in metrics
+
+
+def test_a_router_over_several_servers_answers_generates_tokens():
+    """Serving across hosts, as several processes on this machine: two servers and a router in
+    front (--backends); greedy tokens equal LLM.generate's, both backends take requests, bad
+    requests keep their 400, and a backend that is gone is passed over."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [4, 4], [8, 1, 2, 3], [7, 7, 7], [3, 1]]
+    expected = LLM("tiny-llama", max_seq_len=64, num_slots=2).generate(prompts, _greedy(8, ignore_eos=True),
+                                                                       use_tqdm=False)
+    with _cli_server() as (a, _), _cli_server() as (b, _):
+        backends = ",".join(str(c.base_url).removesuffix("/v1/") for c in (a, b))
+        with _cli_server(f"--backends={backends},http://127.0.0.1:9", ready="cbjax routing") as (client, _):
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(lambda p: client.completions.create(
+                    model="tiny-llama", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}),
+                    prompts))
+            assert [r.choices[0].token_ids for r in answers] == [e.token_ids for e in expected]
+            streamed = [c.choices[0].token_ids for c in client.completions.create(
+                model="tiny-llama", prompt=prompts[0], max_tokens=8, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})]
+            assert sum(streamed, []) == expected[0].token_ids
+            with pytest.raises(openai.BadRequestError, match="temprature"):
+                client.completions.create(model="tiny-llama", prompt=[1], extra_body={"temprature": 1})
+            root = str(client.base_url).removesuffix("/v1/")
+            metrics = urllib.request.urlopen(root + "/metrics", timeout=30).read().decode()
+            counts = [float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("cbjax_router_requests_total")]
+            assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0, metrics
+            health = json.loads(urllib.request.urlopen(root + "/health", timeout=30).read())
+            assert health["healthy_backends"] == 2 and health["backends"] == 3
 
 
 def _hf_log_softmax(model_dir, ids):

@@ -29,6 +29,8 @@ flags.DEFINE_integer("seed", 0, "Sampling seed for requests that bring none.", l
 flags.DEFINE_integer("host_devices", None, "On a CPU: expose this many host devices (XLA's "
                      "--xla_force_host_platform_device_count), for --tensor_parallel, --pipeline_stages or "
                      "disaggregated instances on one machine. Set before JAX starts.", lower_bound=1)
+flags.DEFINE_list("backends", [], "Serve as a router in front of these cbjax servers (URLs, one per host): each "
+                  "request goes to the one with the fewest in flight; no model is loaded here (serve/router.py).")
 flags.DEFINE_integer("replicas", 1, "Data-parallel replicas: this many whole engines, each on its own "
                      "--tensor_parallel devices, behind one router (cbjax/parallel/replicas.py).", lower_bound=1)
 flags.DEFINE_enum("routing", "least_loaded", ["round_robin", "least_loaded", "prefix_affinity"],
@@ -72,6 +74,11 @@ def main(argv):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={FLAGS.host_devices}").strip()
     logging.basicConfig(level=logging.INFO if FLAGS.access_log else logging.WARNING)
+    if FLAGS.backends:
+        from cbjax.serve.router import Router
+
+        Router(FLAGS.backends, host=FLAGS.host, port=FLAGS.port).run()
+        return
     compile_cache.enable(FLAGS.compilation_cache)
     try:
         args = engine_args(seed=FLAGS.seed)
