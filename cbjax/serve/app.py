@@ -262,6 +262,8 @@ class Server:
                 return await self._stream(request, response_id, outputs, choices)
             return await self._collect(response_id, outputs, choices)
         finally:
+            for _ in choices.live:
+                self.metrics.finished("abort")
             for rid in choices.live_requests():  # a client that went away, or a refused sibling: free it
                 self.engine.abort(rid)
             self.pending -= n
@@ -282,6 +284,7 @@ class Server:
                 continue
             if out.finish_reason == "error":
                 choices.live.discard(c)
+                self.metrics.finished("error")
                 raise APIError(503 if self.engine.error is None else 500, out.error or "request failed")
             choices.note_prompt_logprobs(c, out.prompt_logprobs)
             stream = choices.streams[c]
@@ -293,6 +296,7 @@ class Server:
             if reason is not None:
                 choices.live.discard(c)
                 choices.reasons[c] = reason
+                self.metrics.finished(reason)
             yield c, delta, reason, out.new_token_ids, choices.logprobs_body(c, out.logprobs)
 
     async def _collect(self, response_id, outputs, choices: Choices) -> web.Response:

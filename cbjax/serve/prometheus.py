@@ -62,7 +62,6 @@ class ServerMetrics:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
         if not output.finished or m is None:
             return
-        self.success.labels(self.model_name, output.finish_reason).inc()
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
         if m.scheduled_time is not None:
@@ -74,6 +73,11 @@ class ServerMetrics:
             self.itl.observe(b - a)
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+
+    def finished(self, reason: str) -> None:
+        """A choice ended, with the reason its client sees (a stop string is "stop" even when
+        the engine reached max_tokens in the same round; a client gone away is "abort")."""
+        self.success.labels(self.model_name, reason).inc()
 
     def set_load(self, load: Load) -> None:
         self.running.set(load.running)
