@@ -88,6 +88,13 @@ def _grammar_checked(llm, job: protocol.Job) -> protocol.Job:
     return job
 
 
+def _sink(loop, outputs: asyncio.Queue, index: int):
+    """Where the engine loop hands prompt `index`'s outputs to the request's coroutine."""
+    def put(output):
+        loop.call_soon_threadsafe(outputs.put_nowait, (index, output))
+    return put
+
+
 class Server:
     """`Server(llm, model_name).start()` serves on a background thread (tests, benchmarks);
     `await server.serve()` / `server.run()` serve on the caller's loop (the CLI)."""
@@ -248,7 +255,7 @@ class Server:
         choices = Choices(job, self.llm.tokenizer, [f"{response_id}-{i}" for i in range(n)])
         self.pending += n
         try:
-            futures = [self.engine.submit(prompt, job.sampling, self._sink(loop, outputs, i), arrival_time=received,
+            futures = [self.engine.submit(prompt, job.sampling, _sink(loop, outputs, i), arrival_time=received,
                                           request_id=rid, priority=job.priority)
                        for i, (prompt, rid) in enumerate(zip(job.prompts, choices.request_ids))]
             for future in futures:
@@ -262,17 +269,10 @@ class Server:
                 return await self._stream(request, response_id, outputs, choices)
             return await self._collect(response_id, outputs, choices)
         finally:
-            for _ in choices.live:
-                self.metrics.finished("abort")
+            self.metrics.finished("abort", len(choices.live))
             for rid in choices.live_requests():  # a client that went away, or a refused sibling: free it
                 self.engine.abort(rid)
             self.pending -= n
-
-    @staticmethod
-    def _sink(loop, outputs: asyncio.Queue, index: int):
-        def put(output):
-            loop.call_soon_threadsafe(outputs.put_nowait, (index, output))
-        return put
 
     async def _outputs(self, outputs: asyncio.Queue, choices: Choices):
         """Yield `(choice, text delta, finish reason, new token ids, logprobs)` until every

@@ -74,10 +74,11 @@ class ServerMetrics:
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, count: int = 1) -> None:
         """A choice ended, with the reason its client sees (a stop string is "stop" even when
         the engine reached max_tokens in the same round; a client gone away is "abort")."""
-        self.success.labels(self.model_name, reason).inc()
+        if count:
+            self.success.labels(self.model_name, reason).inc(count)
 
     def set_load(self, load: Load) -> None:
         self.running.set(load.running)
