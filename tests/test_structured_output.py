@@ -219,3 +219,27 @@ def test_auto_tool_calls_are_parsed_from_hermes_blocks():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
     assert content.startswith("Let me check.") and "get_weather" not in content
     assert parse_output(tools, "just text") == ("just text", [])
+
+
+def test_a_template_that_handles_tools_gets_them_as_transformers_passes_them(model_dir):
+    """A chat template that names tools renders the tools and the calls itself: the arguments of
+    a call sent back reach it as an object (not JSON text to be encoded twice)."""
+    import transformers
+
+    from cbjax.serve import protocol
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = (
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "<tool_call>{{ c.function.arguments.city }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "c"})}}
+    body = {"model": MODEL, "max_tokens": 4, "tools": WEATHER, "messages": [
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"}]}
+    job = protocol.parse_chat(body, MODEL, tokenizer, 1024)
+    text = tokenizer.decode(job.prompts[0])
+    assert "get_weather;get_time;" in text and "<tool_call>Oslo</tool_call>" in text and "tool\n21" in text
+    assert job.tools.choice == "auto" and job.sampling.structured is None
