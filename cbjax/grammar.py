@@ -67,11 +67,6 @@ class GrammarState:
             self.matcher.consume_token(token)
         self.consumed = len(output_token_ids)
 
-    def copy(self) -> "GrammarState":
-        state = GrammarState(self.matcher.deep_copy())
-        state.consumed = self.consumed
-        return state
-
 
 class Grammars:
     """An engine's grammar compiler: llguidance's view of the tokenizer, built on first use (a

@@ -116,8 +116,8 @@ class LLM:
         return request_id
 
     def _request_seed(self, request_id: str, sampling: SamplingParams) -> int:
-        derived = zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFFFFFF
-        return sampling.seed if sampling.seed is not None else derived
+        return sampling.seed if sampling.seed is not None else \
+            zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFFFFFF
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:

@@ -158,6 +158,14 @@ def test_a_bad_constraint_is_a_400_naming_its_field(served, field, value):
     assert e.value.body["param"] == field, e.value.body
 
 
+def test_a_refused_grammar_names_the_field_that_set_it_beside_a_text_response_format(served):
+    server, _, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={
+            "response_format": {"type": "text"}, "structured_outputs": {"regex": "(unclosed"}})
+    assert e.value.body["param"] == "structured_outputs", e.value.body
+
+
 def test_two_constraints_at_once_are_refused(served):
     server, _, _ = served
     with pytest.raises(openai.BadRequestError, match="at most one"):

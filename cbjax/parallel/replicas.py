@@ -158,7 +158,6 @@ class Replicas:
         return Load(sum(x.running for x in loads), sum(x.waiting for x in loads),
                     sum(x.kv_cache_usage for x in loads) / len(loads), sum(x.num_preemptions for x in loads))
 
-
     def warmup(self) -> int:
         return sum(r.warmup() for r in self.replicas)
 

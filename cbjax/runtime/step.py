@@ -166,12 +166,11 @@ def stop_ids(sampling: SamplingParams, eos_ids, max_stop_tokens: int) -> np.ndar
 
 def check_sampling(sampling: SamplingParams, max_logprobs: int, max_logit_bias: int, vocab: int) -> None:
     """Refuse (ValueError) logprobs and logit_bias an engine with these limits cannot apply."""
-    if sampling.logprobs is not None and sampling.logprobs > (max_logprobs or -1):
-        raise ValueError(f"logprobs={sampling.logprobs} exceeds this engine's max_logprobs={max_logprobs}"
-                         if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
-    if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > (max_logprobs or -1):
-        raise ValueError(f"prompt_logprobs={sampling.prompt_logprobs} exceeds this engine's max_logprobs="
-                         f"{max_logprobs}" if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sampling, name)
+        if k is not None and k > (max_logprobs or -1):
+            raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs}"
+                             if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
     if len(sampling.logit_bias) > max_logit_bias:
         raise ValueError(f"at most {max_logit_bias} logit_bias entries per request, got {len(sampling.logit_bias)}")
     bad = [t for t, _ in sampling.logit_bias if t >= vocab]

@@ -212,15 +212,12 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
 
 def _structured(body: dict, tools: Tools | None = None):
     """The output's constraint and the field that set it: a structured-output field, or the tools'."""
-    structured = structured_output(body)
+    structured, field = structured_output(body)
     forced = tool_calls.constraint(tools)
     if forced is not None and structured is not None:
         raise bad("'tool_choice' that forces a call cannot be combined with a structured-output field",
                   "tool_choice")
-    if forced is not None:
-        return forced, "tool_choice"
-    field = next((f for f in sorted(STRUCTURED_FIELDS) if body.get(f) is not None), None)
-    return structured, field if structured is not None else None
+    return (forced, "tool_choice") if forced is not None else (structured, field)
 
 
 def _completion_logprobs(body: dict) -> int | None:

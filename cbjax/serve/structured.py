@@ -86,11 +86,12 @@ def _one(name: str, value) -> StructuredOutput | None:
         raise bad(f"'{name}': {e}", name) from None
 
 
-def structured_output(body: dict) -> StructuredOutput | None:
-    """The request's constraint, or None; a 400 when two fields both constrain it."""
-    found = [(name, out) for name in sorted(STRUCTURED_FIELDS)
+def structured_output(body: dict) -> tuple[StructuredOutput | None, str | None]:
+    """The request's constraint and the field that set it, or (None, None); a 400 when two
+    fields both constrain it."""
+    found = [(out, name) for name in sorted(STRUCTURED_FIELDS)
              if body.get(name) is not None and (out := _one(name, body[name])) is not None]
     if len(found) > 1:
-        raise bad(f"at most one structured-output field per request, got {', '.join(n for n, _ in found)}",
-                  found[1][0])
-    return found[0][1] if found else None
+        raise bad(f"at most one structured-output field per request, got {', '.join(n for _, n in found)}",
+                  found[1][1])
+    return found[0] if found else (None, None)
