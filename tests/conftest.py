@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from cbjax.parallel.distributed import expose_host_devices
+from cbjax.runtime import executables
 
 # JAX's persistent compilation cache, shared by the test processes (pytest-xdist workers)
 # and the experiment scripts they start: the suite compiles the same tiny-model programs
@@ -58,4 +59,5 @@ def _bounded_jit_mappings():
     yield
     if _num_mappings() > MAX_MAPPINGS:
         jax.clear_caches()
+        executables.forget()
         gc.collect()

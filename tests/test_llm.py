@@ -269,6 +269,32 @@ def test_overlap_runs_decode_ahead_without_changing_outputs(layout):
     assert results[True] == results[False]
 
 
+def test_a_server_front_with_arrivals_pending_keeps_no_decode_call_queued_ahead():
+    """A front whose requests arrive at any time (`arrivals_pending`, the server's queue):
+    the next decode call is dispatched only once the one in flight is done and nothing has
+    arrived, so an arrival waits for one call, not two. Tokens equal those without overlap."""
+    tokens = {}
+    for overlap in (False, True):
+        llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, overlap=overlap)
+        pending = [False]
+        llm.core.arrivals_pending = lambda: pending[0]
+        first = llm.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+        outputs = [o for _ in range(3) for o in llm.step()]
+        assert llm.core.in_flight == overlap  # nothing arrived: a call runs ahead of the host
+        pending[0] = True  # a request is on its way in
+        outputs += llm.step()
+        assert not llm.core.in_flight  # the call in flight was recorded and none queued behind it
+        pending[0] = False
+        late = llm.add_request([8, 9, 10, 11], SamplingParams(max_tokens=5, ignore_eos=True))
+        step = llm.step()
+        assert late in {o.request_id for o in step}
+        outputs += step + llm.run_until_done()
+        tokens[overlap] = {i: [o for o in outputs if o.request_id == i and o.finished][0].token_ids
+                           for i in (first, late)}
+        assert (llm.stats.ahead_calls > 0) == overlap
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_admitted_in_a_round_gets_its_first_token_in_that_round(overlap):
     """vLLM's scenario: admit, step once, the first token is out, also while a decode call

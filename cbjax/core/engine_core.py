@@ -64,6 +64,9 @@ class EngineCore:
         # Prompt token ids -> expected output tokens, for the length-aware orderings (a
         # `LengthPredictor`, or a trace's known lengths); None: requests carry max_tokens only.
         self.predict_len: Callable[[list[int]], int] | None = None
+        # Whether requests have arrived that the front has not handed in yet (a server's queue);
+        # None: the front hands requests in only between rounds (offline generate, replay).
+        self.arrivals_pending: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -189,7 +192,7 @@ class EngineCore:
                 steps = 1 if any(r.grammar is not None for r in live) else engine.config.decode_steps
                 calls.append((engine.run(rows, steps), rows))
                 if not plan.prefills:
-                    self._run_ahead()
+                    t1 += self._run_ahead(calls[-1][0])
         self._count_round(plan, self._record(calls, t1, touched))
         return list(touched.values())
 
@@ -256,34 +259,50 @@ class EngineCore:
             stats.active_slot_steps += sum(t >= 0 for t in tokens)
         stats.decode_steps += steps
 
-    def _run_ahead(self) -> None:
+    def _run_ahead(self, in_flight: list) -> float:
         """Host/device overlap: with a decode call in flight and nothing to admit, dispatch the
         next decode call now (decode rows read each slot's last token and length on the
         device), so the device runs it while the host records the one in flight. A sequence
         that finishes in the call in flight is inactive on the device by then, so the extra
-        call computes nothing for it; its row comes back -1 and outputs are unchanged."""
+        call computes nothing for it; its row comes back -1 and outputs are unchanged.
+
+        With a front whose requests arrive at any time (`arrivals_pending`), the next call is
+        dispatched when the one in flight has finished, and only if nothing arrived meanwhile:
+        queued behind it at once, it would make a request that arrives during the call in
+        flight wait for two decode calls before its prefill instead of the rest of one. The
+        host's recording still overlaps the next call; the device idles only while it is
+        dispatched. Returns the seconds it waited for the device."""
         sched, steps = self.scheduler, self.engine.config.decode_steps
         if not (self.overlap and getattr(self.engine, "can_run_ahead", False)) or sched.waiting:
-            return
+            return 0.0
         holders = [r for r in sched.slots if r is not None]
         # A constrained request's next mask needs this call's token on the host first.
         if not holders or any(r.state != RequestState.RUNNING or r.grammar is not None for r in holders):
-            return
+            return 0.0
         # Tokens each holder will have when the call in flight is recorded.
         after = [r.num_tokens + steps for r in holders]
         if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
-            return  # the next call would grow a table: let the scheduler reserve (or preempt) first
+            return 0.0  # the next call would grow a table: let the scheduler reserve (or preempt) first
         # Rows by slot alone: the call may outlive its requests (nothing else holds them then).
         rows = [Row(r.slot, [], 0) for r in holders]
+        waited = 0.0
+        if self.arrivals_pending is not None:
+            t0 = time.perf_counter()
+            jax.block_until_ready([out for out, _ in in_flight])
+            waited = time.perf_counter() - t0
+            self.stats.device_wait_s += waited
+            if self.arrivals_pending():
+                return waited
         self._ahead = (self.engine.run(rows, steps), rows)
         self.stats.ahead_calls += 1
+        return waited
 
     def _ahead_round(self, touched: dict[str, Request]) -> None:
         """Record the decode call the previous round dispatched ahead, after dispatching the
         next one if it may run ahead too."""
         ahead, self._ahead = self._ahead, None
         t1 = time.perf_counter()
-        self._run_ahead()
+        t1 += self._run_ahead(ahead[0])
         self._count_round(self.last_plan, self._record([ahead], t1, touched))
 
     def _count_round(self, plan: Plan, t_recorded: float) -> None:

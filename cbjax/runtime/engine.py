@@ -24,7 +24,7 @@ import numpy as np
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
-from cbjax.runtime import cpu_kernels, programs, sharding, step
+from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
 from cbjax.runtime.prompt_logprobs import prompt_logprobs
@@ -92,6 +92,7 @@ class Engine:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
         self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
+        self._programs = {}  # (argument shapes, steps) -> jax.stages.Compiled
         self.reset()
 
     def _configure(self, model, config: EngineConfig) -> None:
@@ -201,14 +202,21 @@ class Engine:
 
     def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
         args, static = self._step_arguments(packed, steps)
-        out, self.cache, self.state = ragged_step(*args, **static)
+        out, self.cache, self.state = self._program(args, static)(*args)
         return out
 
+    def _program(self, args: tuple, static: dict):
+        """The compiled step for these arguments' shapes: compiled (or read from disk,
+        runtime/executables.py) at its first use, by `warmup` for the programs it lists."""
+        shapes = (tuple(a.shape for a in args[3:]), static["steps"])
+        program = self._programs.get(shapes)
+        if program is None:
+            program = self._programs[shapes] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
+        return program
+
     def _compile(self, num_tokens: int, steps: int) -> None:
-        """Compile one program ahead of time (it lands in the jit's cache: the first call with
-        these shapes then compiles nothing)."""
-        args, static = self._step_arguments(self._pack([], num_tokens), steps)
-        ragged_step.lower(*args, **static).compile()
+        """Compile one program ahead of time."""
+        self._program(*self._step_arguments(self._pack([], num_tokens), steps))
 
     def lowered(self, platforms: tuple[str, ...]) -> dict[tuple, dict]:
         """`{program: {platform: jax Lowered}}`: every program `warmup` compiles, traced here and

@@ -294,9 +294,10 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
 
 
 _STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "history_block", "ops")
+JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
                 paged_kernel=False, history_block=None, ops=XLA):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):

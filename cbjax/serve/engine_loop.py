@@ -18,6 +18,7 @@ import traceback
 from typing import Callable
 
 from cbjax.core import Load
+from cbjax.core.engine_core import EngineCore
 from cbjax.llm import LLM, Prompt
 from cbjax.request import RequestOutput, SamplingParams
 
@@ -48,6 +49,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="cbjax-engine-loop", daemon=True)
+        core = getattr(llm, "core", None)
+        if isinstance(core, EngineCore):  # requests arrive at any time: see EngineCore._run_ahead
+            core.arrivals_pending = lambda: not self._commands.empty()
         if llm.scheduler_config.policy == "static":
             # A server never knows that no more requests are coming: a static batch forms
             # from whatever waits when the previous one ends, instead of waiting to be full.

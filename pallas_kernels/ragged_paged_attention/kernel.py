@@ -35,6 +35,11 @@ def set_cpu_interpreter(kernel: str) -> str:
     return previous
 
 
+def cpu_interpreter() -> str:
+    """The kernel whose body a CPU interprets (`set_cpu_interpreter`)."""
+    return _cpu_interpreter
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

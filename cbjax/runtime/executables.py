@@ -1,0 +1,164 @@
+"""Compiled step programs kept on disk, so that a warm start neither traces nor compiles.
+
+JAX's persistent compilation cache (cbjax/compile_cache.py) skips XLA's compile, but its
+key is the lowered program: every start still traces and lowers each step first, about 1 s
+apiece for SmolLM2's 30 unrolled layers on a 2-core CPU, 10 of a warm server's 13 s of
+warm-up. Here the serialized executable is keyed by what the trace depends on instead:
+cbjax's own source, the JAX version and flags, the backend, the static arguments and the
+arguments' pytree structure, shapes, dtypes and shardings. Same key, same program: the
+source digest changes with any edit of cbjax or pallas_kernels, and an entry that fails to
+load is compiled again. The files sit beside JAX's cache (`cbjax-executables/`) and are on
+and off with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import importlib
+import os
+import pickle
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import jax
+import jax.monitoring
+import jaxlib
+from jax.experimental import serialize_executable
+
+from pallas_kernels.ragged_paged_attention.kernel import cpu_interpreter
+
+SUBDIR = "cbjax-executables"
+# Programs kept loaded in this process, most recently used last: engines of the same shapes
+# (replicas, a rebuilt LLM) share them, as they share a jit's cache.
+MAX_LOADED = 64
+_LOADED: collections.OrderedDict = collections.OrderedDict()
+# "read", "compiled", "stored": what `compiled` did, counted over this process.
+COUNTS: collections.Counter = collections.Counter()
+# Files hashed for the source digest: every module a step's trace can run.
+_PACKAGES = ("cbjax", "pallas_kernels")
+
+
+_READ_FROM_JAX_CACHE = threading.local()  # hits: JAX cache reads by this thread's compile
+
+
+def _count_jax_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded in the compiling thread
+        _READ_FROM_JAX_CACHE.hits = getattr(_READ_FROM_JAX_CACHE, "hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A hash of every Python file of cbjax and pallas_kernels (about 10 ms)."""
+    digest = hashlib.sha256()
+    for package in _PACKAGES:
+        root = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def directory() -> Path | None:
+    """Where the executables live: beside JAX's persistent cache, when that is on."""
+    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+        return None
+    return Path(jax.config.jax_compilation_cache_dir) / SUBDIR
+
+
+def _leaf_signature(leaf) -> tuple:
+    aval = getattr(leaf, "aval", None)
+    sharding = getattr(leaf, "sharding", None)
+    return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(aval, "weak_type", False)),
+            repr(sharding) if sharding is not None else None)
+
+
+def key(name: str, args: tuple, static: dict) -> str:
+    """The cache key of `name` called on `args` (arrays in pytrees) with `static` arguments."""
+    leaves, tree = jax.tree.flatten(args)
+    device = jax.devices()[0]
+    parts = (source_digest(), name, jax.__version__, jaxlib.__version__,
+             device.platform, device.client.platform_version, getattr(device, "device_kind", ""),
+             os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
+             cpu_interpreter(),  # a global the Pallas kernels read when traced on a CPU
+             repr(tree), sorted((k, repr(v)) for k, v in static.items()), [_leaf_signature(x) for x in leaves])
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def load(path: Path):
+    """The `jax.stages.Compiled` stored at `path`, or None (missing, or unreadable: then removed)."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        (payload, in_tree, out_tree), device_ids = pickle.loads(blob)
+        devices = {d.id: d for d in jax.devices()}
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=[devices[i] for i in device_ids])
+    except Exception:  # a truncated or stale file: compile again
+        path.unlink(missing_ok=True)
+        return None
+
+
+def store(path: Path, compiled) -> None:
+    """Write `compiled` atomically (concurrent writers of one key write the same bytes); a
+    program that cannot be serialized is simply not stored."""
+    try:
+        # The devices it runs on, in the program's order (a mesh's, or the one device).
+        device_ids = [d.id for d in compiled._executable.xla_executable.local_devices()]
+        blob = pickle.dumps((serialize_executable.serialize(compiled), device_ids))
+    except Exception:  # a program that cannot be serialized (JAX internals may move): not stored
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)
+    COUNTS["stored"] += 1
+
+
+def compiled(jitted, jit_options: dict, args: tuple, static: dict):
+    """`jitted` (a `jax.jit` of a function with `jit_options`) compiled for `args` and
+    `static`: this process's copy when it has one, else read from disk when the store holds
+    it, else traced, compiled and stored. Call it with `args` alone."""
+    name = jitted.__wrapped__.__name__
+    program_key = key(name, args, static)
+    program = _LOADED.get(program_key)
+    if program is not None:
+        _LOADED.move_to_end(program_key)
+        return program
+    folder = directory()
+    path = folder / program_key if folder is not None else None
+    program = load(path) if path is not None else None
+    COUNTS["read" if program is not None else "compiled"] += 1
+    if program is None and path is None:
+        program = jitted.lower(*args, **static).compile()
+    elif program is None:
+        # An XLA:CPU executable that JAX read from its own cache serializes into one whose
+        # first call fails ("Function ... not found"): compile under a module name of this key's
+        # own, which JAX's cache does not hold (unless this store lost the file: then once more
+        # under a random name), and store only what XLA compiled here.
+        for suffix in (program_key[:16], uuid.uuid4().hex):
+            renamed = functools.wraps(jitted.__wrapped__)(lambda *a, **k: jitted.__wrapped__(*a, **k))
+            renamed.__name__ = f"{name}_{suffix}"
+            _READ_FROM_JAX_CACHE.hits = 0
+            program = jax.jit(renamed, **jit_options).lower(*args, **static).compile()
+            if not _READ_FROM_JAX_CACHE.hits:
+                store(path, program)
+                break
+    _LOADED[program_key] = program
+    while len(_LOADED) > MAX_LOADED:
+        _LOADED.popitem(last=False)
+    return program
+
+
+def forget() -> None:
+    """Drop this process's copies (as `jax.clear_caches` drops the jit caches)."""
+    _LOADED.clear()
