@@ -76,7 +76,14 @@ def _leaf_signature(leaf) -> tuple:
     aval = getattr(leaf, "aval", None)
     sharding = getattr(leaf, "sharding", None)
     return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(aval, "weak_type", False)),
-            repr(sharding) if sharding is not None else None)
+            _sharding_signature(sharding) if sharding is not None else None)
+
+
+def _sharding_signature(sharding) -> tuple:
+    """A sharding's repr and its devices in order: a mesh's repr does not name its devices,
+    and replicas run the same shapes on meshes of different devices."""
+    devices = getattr(sharding, "_device_assignment", None) or sorted(sharding.device_set, key=lambda d: d.id)
+    return repr(sharding), tuple(d.id for d in devices)
 
 
 def key(name: str, args: tuple, static: dict) -> str:
