@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from cbjax import LLM, SamplingParams
+from cbjax import LLM, SamplingParams, compile_cache
 from cbjax.runtime import executables
 from cbjax.runtime.engine import TRACE_COUNTS
 
@@ -21,8 +21,9 @@ def _generate(**options):
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, monkeypatch):
     """A store of its own in an empty directory, nothing loaded in this process."""
+    monkeypatch.delenv(compile_cache.ENV, raising=False)  # "off" in the caller's shell would turn it off
     previous = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     executables.forget()

@@ -50,6 +50,34 @@ def add_logprobs(r: Request, columns) -> None:
         r.logprobs.append(TokenLogprob(token, float(row[0]), top))
 
 
+def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
+    """Refuse (ValueError) a request this engine could never run."""
+    vocab = engine.model.config.vocab_size
+    max_len = engine.max_len
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
+    if bad:
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+    if len(ids) >= max_len:
+        raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                         f"max_seq_len={max_len}")
+    bad = [t for t in sampling.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+    engine.check_sampling(sampling)
+    if sampling.structured is not None and not getattr(engine, "supports_structured_output", False):
+        raise ValueError(f"structured output is not supported by this engine ({type(engine).__name__})")
+    if pages is not None:
+        # Positions it can write: its last token is returned, never written back (the
+        # scheduler's decode reservations use the same cap).
+        written = min(len(ids) + sampling.max_tokens - 1, max_len)
+        if pages.pages_needed(written) > pages.num_pages:
+            raise ValueError(f"a request of up to {written + 1} tokens writes {written} to the cache, "
+                             f"{pages.pages_needed(written)} pages; the paged cache has "
+                             f"{pages.num_pages}: it could never fit")
+
+
 class EngineCore:
     def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float],
                  overlap: bool = False):
@@ -71,30 +99,7 @@ class EngineCore:
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
         """Refuse (ValueError) a request this engine could never run."""
-        vocab = self.engine.model.config.vocab_size
-        max_len = self.engine.max_len
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
-                             f"max_seq_len={max_len}")
-        bad = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        self.engine.check_sampling(sampling)
-        if sampling.structured is not None and not getattr(self.engine, "supports_structured_output", False):
-            raise ValueError(f"structured output is not supported by this engine ({type(self.engine).__name__})")
-        if self.pages is not None:
-            # Positions it can write: its last token is returned, never written back (the
-            # scheduler's decode reservations use the same cap).
-            written = min(len(ids) + sampling.max_tokens - 1, max_len)
-            if self.pages.pages_needed(written) > self.pages.num_pages:
-                raise ValueError(f"a request of up to {written + 1} tokens writes {written} to the cache, "
-                                 f"{self.pages.pages_needed(written)} pages; the paged cache has "
-                                 f"{self.pages.num_pages}: it could never fit")
+        check_request(self.engine, self.pages, ids, sampling)
 
     def add(self, request: Request) -> None:
         if self.predict_len is not None and request.predicted_len is None:
