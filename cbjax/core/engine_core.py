@@ -178,10 +178,11 @@ class EngineCore:
         if self.pages is not None and engine.reads_block_tables:
             engine.set_block_tables(self._block_tables())
         running = RequestState.RUNNING
-        if plan.mixed:  # one step: the plan's chunks, then a decode row per running request
+        if plan.mixed and plan.prefills:  # one step: the plan's chunks, then a decode row per running request
             rows = plan.prefills + [Row.decode(r) for r in sched.running if r.state == running]
             calls = [(engine.run(rows), rows)]
-        else:  # prefill_first: a step of prompt rows, then one of decode rows
+        else:  # prefill_first: a step of prompt rows, then one of decode rows (a mixed plan's
+            # round without prompt rows too, so that it may run ahead)
             calls = [(engine.run(plan.prefills), plan.prefills)] if plan.prefills else []
             # A prefill whose first token is its last joins no decode (alone, one that computes nothing).
             ending = [c.request for c in plan.prefills if c.is_last and _decodes_after_prefill(c.request)]
