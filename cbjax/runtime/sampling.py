@@ -68,24 +68,26 @@ def sample(
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
 
 
-def process_logits(logits, rows, index) -> jax.Array:
+def process_logits(logits, rows, index, history=None) -> jax.Array:
     """vLLM's order: logit bias, min_tokens (stop ids masked while `index < min_tokens`), then
     the repetition penalty over prompt and output tokens and the frequency and presence
-    penalties over the output's counts. `rows`: the rows' `SlotState` (history included);
-    `index`: each row's output index. Skipped, as one branch, when no row has any of them."""
+    penalties over the output's counts. `rows`: the rows' `SlotState`; `index`: each row's
+    output index; `history()`: the rows' `(seen, counts)` (default: `rows`' own), called
+    inside the branch. Skipped, as one branch, when no row has any of them."""
     num_rows, vocab = logits.shape
     row = jnp.arange(num_rows)[:, None]
 
     def apply(logits):
+        seen, counts = history() if history is not None else (rows.seen, rows.counts)
         logits = logits.at[row, jnp.where(rows.bias_ids >= 0, rows.bias_ids, vocab)].add(rows.bias_values,
                                                                                           mode="drop")
         masked = (index < rows.min_tokens)[:, None] & (rows.stop_ids >= 0)
         logits = logits.at[row, jnp.where(masked, rows.stop_ids, vocab)].set(-jnp.inf, mode="drop")
         penalty = rows.repetition[:, None]
-        repeated = rows.seen | (rows.counts > 0)
+        repeated = seen | (counts > 0)
         logits = jnp.where(repeated, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
-        return (logits - rows.frequency[:, None] * rows.counts.astype(logits.dtype)
-                - rows.presence[:, None] * (rows.counts > 0))
+        return (logits - rows.frequency[:, None] * counts.astype(logits.dtype)
+                - rows.presence[:, None] * (counts > 0))
 
     on = ((rows.repetition != 1) | (rows.presence != 0) | (rows.frequency != 0) | (index < rows.min_tokens)
           | jnp.any(rows.bias_ids >= 0, axis=-1))
@@ -112,18 +114,21 @@ def allowed_tokens(mask, vocab: int) -> jax.Array:
     return bits.reshape(mask.shape[0], -1)[:, :vocab] > 0
 
 
-def sample_next(logits, rows, index, max_logprobs: int, mask=None):
+def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None):
     """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
     `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`.
     `mask`: the structured-output bitmask (`allowed_tokens`), applied after the logits
-    processors; None in the programs of steps without a constrained row."""
-    processed = process_logits(logits, rows, index)
+    processors; None in the programs of steps without a constrained row. `history`: as
+    `process_logits`'."""
+    processed = process_logits(logits, rows, index, history)
     if mask is not None:
         processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
     token = sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index)
     return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
 
 
-def count_sampled(counts, token, sampled) -> jax.Array:
-    """`counts [R, V]` with each row's sampled token counted once where `sampled`."""
-    return counts.at[jnp.arange(token.shape[0]), token].add(sampled.astype(counts.dtype))
+def count_sampled(counts, slots, token) -> jax.Array:
+    """`counts [S, V]` with each row's sampled token counted once in its slot (`slots [R]`;
+    `S`: a row that sampled nothing). One element a row, where gathering and scattering
+    back the rows' `[V]` counts moved the whole vocabulary each step."""
+    return counts.at[slots, token].add(1, mode="drop")

@@ -274,7 +274,8 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
                           jnp.where(batch.valid & prompt_row[row], batch.token_slot, num_slots), flat[0],
                           batch.token_pos < ints[:, PROMPT_LEN][row])
     # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.
-    rows = state.rows(jnp.minimum(batch.slot, num_slots - 1))
+    slots = jnp.minimum(batch.slot, num_slots - 1)
+    rows = state.sampling_rows(slots)
     own = sampling_fields(ints[:, HEADER:], floats, state.stop_ids.shape[1])
     is_last = batch.is_last
     rows = dataclasses.replace(rows, **{name: jnp.where(is_last.reshape((-1,) + (1,) * (value.ndim - 1)), value,
@@ -282,13 +283,15 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     # A request resumed after preemption has `generated` tokens already: its next token is
     # sampled as output index `generated`, so seeded sampling continues where it was.
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
-    token, logprobs = sample_next(logits, rows, before, max_logprobs, mask)
+    token, logprobs = sample_next(logits, rows, before, max_logprobs, mask,
+                                  history=lambda: (state.seen[slots], state.counts[slots]))
     samples = (batch.decode & (batch.q_len > 0)) | is_last
     done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
                    max_len) & samples
-    state = state.set_rows(jnp.where(samples, batch.slot, num_slots), tokens=token, active=~done,
-                           num_generated=before + 1, counts=count_sampled(rows.counts, token, samples),
+    target = jnp.where(samples, batch.slot, num_slots)
+    state = state.set_rows(target, tokens=token, active=~done, num_generated=before + 1,
                            **{name: getattr(rows, name) for name in own})
+    state = dataclasses.replace(state, counts=count_sampled(state.counts, target, token))
     out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
     return out, logprobs, state
 
