@@ -34,7 +34,11 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # element-wise code without the MLIR pipeline. The experiment scripts the tests start
 # inherit the flags. Exact results are unchanged: XLA keeps floating-point order either way
 # (no fast math).
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# XLA aborts on a flag it does not know: the emitters' flag only with the JAX it was checked on.
+_FLAGS = ["--xla_backend_optimization_level=0"]
+if jax.__version__.startswith("0.10."):
+    _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
