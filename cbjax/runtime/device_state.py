@@ -62,18 +62,16 @@ class SlotState:
         """Slot `target[b]` takes row b of each given field; rows whose target is out of range
         (`num_slots`) change nothing (at most one row targets a slot).
 
-        A per-slot field is selected from the row that targets its slot rather than scattered:
-        XLA:CPU expands each scatter into a loop of its own kernels, and a step sets about
-        eighteen fields (12% of a tiny model's step compile). Vocabulary-wide rows (the
-        penalties' counts) keep the scatter, which writes R rows where the select would
-        rewrite all S."""
+        Each slot selects its field from the row that targets it rather than being scattered
+        into: XLA:CPU expands each scatter into a loop of its own kernels, and a step sets about
+        eighteen fields (12% of a tiny model's step compile). The select rewrites all S rows,
+        so it is for the per-slot parameters, not the vocabulary-wide history (the step counts
+        sampled tokens with `sampling.count_sampled`)."""
         num_slots = self.active.shape[0]
         hits = target[None, :] == jnp.arange(num_slots, dtype=target.dtype)[:, None]  # [S, R]
         writes, writer = hits.any(axis=1), jnp.argmax(hits, axis=1)
 
         def put(old, value):
-            if old[0].size > 64:
-                return old.at[target].set(value, mode="drop")
             return jnp.where(writes.reshape((-1,) + (1,) * (old.ndim - 1)), value[writer], old)
 
         return dataclasses.replace(self, **{name: put(getattr(self, name), value) for name, value in fields.items()})

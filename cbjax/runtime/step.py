@@ -284,7 +284,7 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     # sampled as output index `generated`, so seeded sampling continues where it was.
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
     token, logprobs = sample_next(logits, rows, before, max_logprobs, mask,
-                                  history=lambda: (state.seen[slots], state.counts[slots]))
+                                  history=lambda seen=state.seen, counts=state.counts: (seen[slots], counts[slots]))
     samples = (batch.decode & (batch.q_len > 0)) | is_last
     done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
                    max_len) & samples
