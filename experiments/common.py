@@ -215,9 +215,11 @@ def predicted_lengths(predictor_dir: str):
     return lambda ids: table[tuple(ids)]
 
 
-def make_workload(model, arrival: str, qps: float = 1.0):
+def make_workload(model, arrival: str, qps: float = 1.0, seed: int | None = None):
+    """The workload the flags describe; `seed` (default --seed) draws its prompts and arrivals."""
     from cbjax.workload import LengthDist, chat, recorded_lengths, synthetic
 
+    seed = FLAGS.seed if seed is None else seed
     kind = arrival
     if arrival != "all_at_once":
         kind = "poisson" if FLAGS.burstiness == 1.0 else "gamma"
@@ -226,19 +228,19 @@ def make_workload(model, arrival: str, qps: float = 1.0):
         if "max_seq_len" in FLAGS:  # the requests that fit the engine's sequence length
             pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
         return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
-                                seed=FLAGS.seed)
+                                seed=seed)
     if _trace_ok(FLAGS.workload):
         return recorded_workload(model, FLAGS.num_requests, max_len=FLAGS.max_seq_len if "max_seq_len" in FLAGS else None,
                                  max_output_len=FLAGS.output_cap, arrival=kind, qps=qps)
     if FLAGS.workload == "chat":
         if model.tokenizer is None:
             raise ValueError("the chat workload needs a model with a tokenizer")
-        return chat(FLAGS.num_requests, model.tokenizer, max_tokens=FLAGS.output_cap, seed=FLAGS.seed,
+        return chat(FLAGS.num_requests, model.tokenizer, max_tokens=FLAGS.output_cap, seed=seed,
                     arrival=kind, qps=qps, burstiness=FLAGS.burstiness)
     vocab_size = model.config.vocab_size
     return synthetic(FLAGS.num_requests, prompt_len=LengthDist("uniform", low=FLAGS.prompt_low, high=FLAGS.prompt_high),
                      output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=FLAGS.output_cap),
-                     vocab_size=vocab_size, seed=FLAGS.seed, arrival=kind, qps=qps, burstiness=FLAGS.burstiness)
+                     vocab_size=vocab_size, seed=seed, arrival=kind, qps=qps, burstiness=FLAGS.burstiness)
 
 
 def mean_sequence_len(workload) -> float:

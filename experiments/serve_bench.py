@@ -1,5 +1,7 @@
 """Poisson load against the OpenAI-compatible server through the official `openai` client,
-next to the same workload replayed in process (`LLM.replay`) at the same QPS.
+next to the same workload replayed in process (`LLM.replay`) at the same QPS, and, with
+`--peer_url`, next to another OpenAI-compatible server (llama.cpp's `llama-server`, vLLM)
+on the same workload.
 
 The server runs as its own process (`python -m cbjax.serve`, started here with the same
 engine flags), so client and engine do not share an interpreter; it is stopped before the
@@ -10,6 +12,16 @@ included), the engine's for the replay. Same metric definitions (cbjax.metrics).
     python experiments/serve_bench.py
     python experiments/serve_bench.py --qps=1,4 --num_slots=16 --kv_cache=paged
     python experiments/serve_bench.py --url=http://localhost:8000 --served_model_name=smollm2-135m --noin_process
+    python experiments/serve_bench.py --flagfile=configs/serve_bench_cpu.cfg --peer_url=http://localhost:8091 \
+        --peer_model_name=smollm2 --repeats=3
+
+With a peer, each rate runs `--repeats` times, cbjax's server and the peer alternating
+(ABBA order), and every metric is the median over the repeats: on a shared VM whose memory
+bandwidth drifts by 10-20% from one minute to the next, only runs interleaved in the same
+window compare. Every (rate, repeat) draws prompts of its own (`--seed` + its index), so no
+server is sent a prompt it has seen before: llama-server's prompt cache (on by default)
+would otherwise skip the prefill of a prompt one of its slots still holds, and a second
+rate run on the same prompts would measure cache hits.
 """
 
 from __future__ import annotations
@@ -30,6 +42,11 @@ flags.DEFINE_string("url", None, "Benchmark a server already running here (e.g. 
                                  "of starting one; its engine flags are then its own.")
 flags.DEFINE_string("served_model_name", None, "The 'model' field to send (default: --model).")
 flags.DEFINE_list("qps", ["2", "6"], "Request rates (requests per second), Poisson arrivals.")
+flags.DEFINE_string("peer_url", None, "Another OpenAI-compatible server to run the same workload against, "
+                    "interleaved with cbjax's (e.g. llama-server at http://localhost:8091).")
+flags.DEFINE_string("peer_model_name", None, "The 'model' field to send to --peer_url (default: the same as ours).")
+flags.DEFINE_integer("repeats", 1, "Runs per rate and server side (interleaved ABBA with --peer_url); "
+                     "metrics are the medians over the runs.", lower_bound=1)
 flags.DEFINE_bool("in_process", True, "Also replay each workload in process for the side-by-side rows.")
 flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the started server's /health.",
                    lower_bound=1.0)
@@ -87,28 +104,53 @@ async def run_load(url: str, model_name: str, workload, desc: str):
         await client.close()
 
 
+def median_runs(runs: list[dict]) -> dict:
+    """Each numeric metric's median over repeated runs; the E2E CDF of the median-E2E run."""
+    import numpy as np
+
+    out = {k: float(np.median([r[k] for r in runs])) for k, v in runs[0].items() if isinstance(v, (int, float))}
+    middle = sorted(runs, key=lambda r: r["median_e2el_ms"])[len(runs) // 2]
+    return {**out, "e2el_s": middle["e2el_s"], "runs": len(runs)}
+
+
+def load_runs(sides: list[tuple[str, str, str]], workloads: list, qps: float) -> dict[str, dict]:
+    """Repeat r runs `workloads[r]` on each `(side, url, model name)`, in ABBA order."""
+    from cbjax.metrics import summarize
+
+    runs: dict[str, list[dict]] = {side: [] for side, _, _ in sides}
+    for r, workload in enumerate(workloads):
+        for side, url, name in (sides if r % 2 == 0 else sides[::-1]):
+            times = asyncio.run(run_load(url, name, workload, f"{side}@{qps:g}"))
+            metrics = summarize(times)
+            metrics["e2el_s"] = sorted(t.e2el for t in times)
+            runs[side].append(metrics)
+    return {side: {"side": side, "qps": qps, **median_runs(rs)} for side, rs in runs.items()}
+
+
 def main(argv):
     del argv
     from cbjax import LLM
     from cbjax.loading import load_model
-    from cbjax.metrics import summarize, write_json
+    from cbjax.metrics import write_json
 
     start = time.perf_counter()
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     model_name = FLAGS.served_model_name or FLAGS.model
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=common.wants_tokenizer())
     qps_list = [float(q) for q in FLAGS.qps]
-    workloads = {qps: common.make_workload(model, "poisson", qps) for qps in qps_list}
+    workloads = {qps: [common.make_workload(model, "poisson", qps, seed=FLAGS.seed + i * FLAGS.repeats + r)
+                       for r in range(FLAGS.repeats)] for i, qps in enumerate(qps_list)}
 
     results = {}
     process, url = (None, FLAGS.url) if FLAGS.url else start_server(
         model_name, os.path.join(FLAGS.output_dir, "server.log"))
     try:
+        sides = [("server", url, model_name)]
+        if FLAGS.peer_url:
+            sides.append(("peer", FLAGS.peer_url.rstrip("/"), FLAGS.peer_model_name or model_name))
         for qps in qps_list:
-            times = asyncio.run(run_load(url, model_name, workloads[qps], f"server@{qps:g}"))
-            metrics = summarize(times)
-            metrics["e2el_s"] = sorted(t.e2el for t in times)
-            results[f"server@{qps:g}"] = {"side": "server", "qps": qps, **metrics}
+            for side, metrics in load_runs(sides, workloads[qps], qps).items():
+                results[f"{side}@{qps:g}"] = metrics
     finally:
         if process is not None:
             process.terminate()
@@ -117,27 +159,29 @@ def main(argv):
         llm = LLM(model, engine_args())
         for qps in qps_list:
             results[f"in-process@{qps:g}"] = {"side": "in-process", "qps": qps,
-                                              **common.run_replay(llm, workloads[qps], desc=f"in-process@{qps:g}")}
+                                              **common.run_replay(llm, workloads[qps][0], desc=f"in-process@{qps:g}")}
 
     header = f"{'side @ qps':<18}" + "".join(f"{k:>20}" for k in KEYS)
     lines = [header, "-" * len(header)]
     for name, m in results.items():
         lines.append(f"{name:<18}" + "".join(f"{m[k]:>20.1f}" for k in KEYS))
-    ratios = {}
-    for qps in qps_list:
-        served, local = results.get(f"server@{qps:g}"), results.get(f"in-process@{qps:g}")
-        if served and local:
-            ratios[f"{qps:g}"] = {k: served[k] / local[k] for k in RATIO_KEYS if local[k] > 0}
-            lines.append(f"server / in-process @ {qps:g} req/s: " + ", ".join(
-                f"{k} {v:.2f}x" for k, v in ratios[f"{qps:g}"].items()))
+    ratios = {"in-process": {}, "peer": {}}  # server / other, per rate
+    for other, by_rate in ratios.items():
+        for qps in qps_list:
+            served, base = results.get(f"server@{qps:g}"), results.get(f"{other}@{qps:g}")
+            if served and base:
+                by_rate[f"{qps:g}"] = {k: served[k] / base[k] for k in RATIO_KEYS if base[k] > 0}
+                lines.append(f"server / {other} @ {qps:g} req/s: " + ", ".join(
+                    f"{k} {v:.2f}x" for k, v in by_rate[f"{qps:g}"].items()))
     table = "\n".join(lines)
     print("\n" + table)
 
-    common.plot_e2e_cdfs(results, qps_list, ("server", "in-process"), model_name,
+    common.plot_e2e_cdfs(results, qps_list, ("server", "in-process", "peer"), model_name,
                          os.path.join(FLAGS.output_dir, "serve_vs_replay_cdf.png"))
     write_json(os.path.join(FLAGS.output_dir, "serve_bench.json"),
                {"flags": common.script_flags(), "engine": engine_options(), "url": FLAGS.url,
-                "results": results, "ratios": ratios, "table": table, "wall_s": time.perf_counter() - start})
+                "results": results, "ratios": ratios["in-process"],
+                "peer_url": FLAGS.peer_url, "peer_ratios": ratios["peer"], "table": table, "wall_s": time.perf_counter() - start})
     print(f"\nwrote {FLAGS.output_dir}/serve_bench.json and serve_vs_replay_cdf.png "
           f"in {time.perf_counter() - start:.0f}s")
 

@@ -255,6 +255,67 @@ def test_serve_bench_against_a_started_server(tmp_path):
     assert "cbjax serving" in (tmp_path / "server.log").read_text()
 
 
+class _FakePeer:
+    """A stand-in OpenAI-compatible peer (as llama-server streams): one SSE chunk per token,
+    `max_tokens` of them; counts the requests it served."""
+
+    def __init__(self):
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        self.served = 0
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    async def completions(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        n = body["max_tokens"]
+        for i in range(n):
+            chunk = {"id": "cmpl-peer", "object": "text_completion", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        self.served += 1
+        return response
+
+    def stop(self):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_serve_bench_against_a_peer_interleaves_repeats(tmp_path):
+    peer = _FakePeer()
+    try:
+        run_script("serve_bench.py", "--model=tiny-llama", "--qps=40", "--num_requests=4", "--prompt_high=20",
+                   "--output_cap=5", "--max_seq_len=64", "--num_slots=4", "--noin_process", "--repeats=2",
+                   f"--peer_url={peer.url}", "--peer_model_name=peer", f"--output_dir={tmp_path}")
+    finally:
+        peer.stop()
+    assert peer.served == 2 * 4  # every request of both repeats
+    result = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert set(result["results"]) == {"server@40", "peer@40"}
+    served, other = result["results"]["server@40"], result["results"]["peer@40"]
+    assert served["runs"] == other["runs"] == 2 and served["completed"] == other["completed"] == 4
+    assert served["total_output_tokens"] == other["total_output_tokens"]  # EOS ignored on both sides
+    assert set(result["peer_ratios"]["40"]) >= {"median_ttft_ms", "median_tpot_ms", "median_e2el_ms"}
+    assert result["ratios"] == {}  # no in-process side
+
+
 def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     run_script("pipeline_bubbles.py", "--micro_batches=1,2", "--decode_steps=2", "--policies=continuous",
                "--num_requests=6", "--num_slots=4", "--max_seq_len=128", "--output_cap=16", f"--output_dir={tmp_path}")
