@@ -46,7 +46,8 @@ flags.DEFINE_string("peer_url", None, "Another OpenAI-compatible server to run t
                     "interleaved with cbjax's (e.g. llama-server at http://localhost:8091).")
 flags.DEFINE_string("peer_model_name", None, "The 'model' field to send to --peer_url (default: the same as ours).")
 flags.DEFINE_integer("repeats", 1, "Runs per rate and server side (interleaved ABBA with --peer_url); "
-                     "metrics are the medians over the runs.", lower_bound=1)
+                     "metrics are the medians over the runs (the in-process replay runs the first repeat's "
+                     "workload once).", lower_bound=1)
 flags.DEFINE_bool("in_process", True, "Also replay each workload in process for the side-by-side rows.")
 flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the started server's /health.",
                    lower_bound=1.0)
