@@ -56,7 +56,7 @@ class SlotState:
     def sampling_rows(self, slots) -> "SlotState":
         """`rows` without the penalties' history (`seen` and `counts` None): those are `[R, V]`
         each, read only where a penalty is on (`sampling.process_logits`)."""
-        return jax.tree.map(lambda a: a[slots], dataclasses.replace(self, seen=None, counts=None))
+        return dataclasses.replace(self, seen=None, counts=None).rows(slots)
 
     def set_rows(self, target, **fields) -> "SlotState":
         """Slot `target[b]` takes row b of each given field; rows whose target is out of range
