@@ -166,3 +166,70 @@ def test_thread_pool_survives_back_to_back_calls_of_different_chunk_counts():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", STRESS, "10"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _layer_config(family: str):
+    import dataclasses
+
+    from cbjax.loading.presets import RANDOM_PRESETS
+
+    config = RANDOM_PRESETS["tiny-qwen3" if family == "qwen3" else "tiny-llama"]
+    if family == "window":  # Mistral's sliding window on the first layer, full attention on the second
+        config = dataclasses.replace(config, model_type="mistral", sliding_windows=(5, 0))
+    if family == "llama3":
+        config = dataclasses.replace(config, num_kv_heads=1, rope_scaling=(
+            ("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 16), ("rope_type", "llama3")))
+    return config
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "window", "llama3"])
+def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
+    """The whole-layer kernel against the transformer's layer op by op (XLA) on a flat batch of
+    one-token rows as the mixed step makes it: decode rows, three tokens of one sequence (they
+    see each other's new keys), a padding row and a row past its slot's room (dropped)."""
+    from cbjax.models.params import init_params
+    from cbjax.models.transformer import forward
+
+    config = _layer_config(family)
+    params = init_params(config, seed=3, std=0.2)
+    slots, max_len, page_size = 3, 32, 4
+    if layout == "slots":
+        cache = SlotCache.init(config, slots, max_len)
+    else:  # each slot's pages scattered over the pool
+        num_pages = slots * max_len // page_size + 2
+        tables = np.random.default_rng(0).permutation(num_pages)[:slots * max_len // page_size]
+        cache = PagedCache.init(config, slots, max_len, num_pages, page_size)
+        cache = PagedCache(k=cache.k, v=cache.v, block_tables=jnp.asarray(tables.reshape(slots, -1), jnp.int32),
+                           lengths=cache.lengths)
+    rng = np.random.default_rng(1)
+    history = [9, 14, 31]  # tokens each slot holds before the step
+    for slot, n in enumerate(history):  # prompts through the reference (T > 1: never the kernel)
+        tokens = jnp.asarray(rng.integers(3, config.vocab_size, (1, n)), jnp.int32)
+        _, cache = forward(params, config, cache, tokens, jnp.zeros((1,), jnp.int32),
+                           slot_ids=jnp.asarray([slot], jnp.int32), kv_len=max_len)
+    # Rows: slot 0 decodes; slot 1 takes three tokens; padding; slot 2 at 31 decodes (its
+    # last position) and a token at 32 that has no room (dropped, as the reference drops it).
+    slot_ids = jnp.asarray([0, 1, 1, 1, 0, 2, 2], jnp.int32)
+    starts = jnp.asarray([9, 14, 15, 16, 0, 31, 32], jnp.int32)
+    num_valid = jnp.asarray([1, 1, 1, 1, 0, 1, 1], jnp.int32)
+    flat_rows = jnp.asarray([0, 1, 1, 1, 7, 2, 3], jnp.int32)
+    history_end = jnp.asarray([9, 14, 14, 14, 0, 31, 32], jnp.int32)
+    tokens = jnp.asarray(rng.integers(3, config.vocab_size, (7, 1)), jnp.int32)
+
+    def step(ops, cache):
+        return forward(params, config, cache, tokens, starts, num_valid=num_valid, slot_ids=slot_ids,
+                       kv_len=max_len, flat_rows=flat_rows, history_end=history_end,
+                       logits_rows=jnp.arange(7), ops=ops)
+
+    lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, cache).as_text()
+    assert lowered.count("cbjax_decoder_layer") == config.num_layers
+    got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, cache)
+    want_logits, want = jax.jit(step, static_argnums=0)(XLA, cache)
+    real = np.asarray(num_valid) > 0
+    real[-1] = False  # the dropped token attends to nothing written; only its cache write is checked
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real], rtol=2e-4, atol=2e-4)
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)

@@ -186,13 +186,15 @@ class PagedCache:
 
     def write(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) into one layer's pool, at the
-        pages holding positions `starts[b] + t` of slot `slot_ids[b]`; padding goes nowhere."""
+        pages holding positions `starts[b] + t` of slot `slot_ids[b]`; padding (and anything past
+        `max_len`) goes nowhere."""
         t = new.shape[1]
         ps = self.page_size
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
         table = self.block_tables[slot_ids]  # [B, pages_per_seq]
         page = jnp.take_along_axis(table, jnp.clip(positions // ps, 0, table.shape[1] - 1), axis=1)
-        valid = jnp.arange(t)[None, :] < num_valid[:, None]
+        # Past the table's last page is no room at all (as the slot layout's max_len), not its last page again.
+        valid = (jnp.arange(t)[None, :] < num_valid[:, None]) & (positions < self.max_len)
         page = jnp.where(valid, page, self.num_pages)
         page, positions, new = _scatter_rows(page, positions, new, self.num_pages)
         # cache[:, page, offset] with adjacent [B, T] index arrays indexes [kv_heads, B, T, hd]

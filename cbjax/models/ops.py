@@ -23,6 +23,13 @@ class Ops:
         del q, cache, layer_k, layer_v, slot_ids, lo, hi
         return None
 
+    def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
+        """A whole decoder layer over rows of one token each (`x [B, 1, hidden]`, the chunk's
+        keys written into `layer_k`/`layer_v`): `(x, layer_k, layer_v)` after it, or None to
+        leave it to the layer's operations one by one (cbjax/models/transformer.py)."""
+        del x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window
+        return None
+
     # One instance per backend (module singletons), so identity is equality: a jit hashes
     # this static argument on every call, and object's own hash costs no Python frame.
 

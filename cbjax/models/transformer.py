@@ -189,6 +189,11 @@ def forward(
     # around its reads; on an accelerator the scan's compile time is the open question.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
+        whole = None if paged_kernel else ops.decoder_layer(x, p, config, cache, ks[layer], vs[layer], slot_ids,
+                                                             positions, num_valid, cos, sin, window)
+        if whole is not None:
+            x, ks[layer], vs[layer] = whole
+            continue
         q, k, v = _qkv(x, p, config, cos, sin, ops)
         # Written before it is read: the read then depends on the write, so XLA updates the
         # layer's buffer in place instead of keeping a copy of the old one for the read

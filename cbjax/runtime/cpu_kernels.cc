@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 #include <chrono>
+#include <initializer_list>
+#include <tuple>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -141,7 +143,28 @@ void rows_for_inputs(const float* x, const float* w, float* y, int64_t N, int64_
   tile<1, MB>(x, w, y, N, K, m0, n4, n1, false);
 }
 
+// One input row: each weight row is read start to end, so a thread's part of the matrix is one
+// sequential stream (with the pool's contiguous regions, 211 SmolLM2 matvecs: 7.9 ms against 10.1
+// for the 4-row tile, whose four interleaved row streams the prefetchers follow worse).
+void single_input_rows(const float* x, const float* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t K2 = K / (2 * kLanes) * (2 * kLanes);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* r = w + n * K;
+    vw a0 = {}, a1 = {};
+    for (int64_t k = 0; k < K2; k += 2 * kLanes) {
+      a0 += loadw(r + k) * loadw(x + k);
+      a1 += loadw(r + k + kLanes) * loadw(x + k + kLanes);
+    }
+    int64_t k = K2;
+    for (; k + kLanes <= K; k += kLanes) a0 += loadw(r + k) * loadw(x + k);
+    float s = sumw(a0 + a1);
+    for (; k < K; ++k) s += r[k] * x[k];
+    y[n] = s;
+  }
+}
+
 void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (M == 1) return single_input_rows(x, w, y, K, n0, n1);
   // 64 weight rows at a time (at most 64 x K floats) stay in L2 while every input row passes.
   const int64_t block = 64;
   for (int64_t b = n0; b < n1; b += block) {
@@ -164,16 +187,21 @@ int usable_cpus() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-// The caller and the pool's workers claim chunks of a job from one counter until none is left.
-// A worker that the OS has not scheduled yet simply finds nothing to do: the caller never waits
-// for a thread to wake (on 2 cores, XLA's own spinning threads can keep ours off the CPU for a
-// whole time slice), only for chunks already claimed. Workers spin for 100 us after each job
-// before they sleep: a decode step calls its kernels back to back.
+// A job's chunks are split into one contiguous region per thread, each with its own claim
+// counter. A thread claims the chunks of its own region in order, then helps with the others':
+// while both threads run, each streams one contiguous part of the weights (one sequential stream
+// per core is what the prefetchers like: SmolLM2's 211 matvecs took 7.5 ms in two halves against
+// 11.1 ms with 64 KB chunks dealt out alternately, 2-core AMD EPYC), and a worker that the OS has
+// not scheduled yet costs nothing but its region's chunks going to the caller: the caller never
+// waits for a thread to wake (on 2 cores, XLA's own spinning threads can keep ours off the CPU
+// for a whole time slice), only for chunks already claimed. Workers spin for 100 us after each
+// job before they sleep: a decode step calls its kernels back to back.
 class Pool {
  public:
   using ChunkFn = void (*)(const void* context, int64_t chunk);
+  static constexpr int kMaxThreads = 64;
 
-  explicit Pool(int size) : size_(size) {
+  explicit Pool(int size) : size_(size < kMaxThreads ? size : kMaxThreads) {
     for (int i = 1; i < size_; ++i) std::thread([this] { work(); }).detach();
   }
 
@@ -185,23 +213,27 @@ class Pool {
       for (int64_t c = 0; c < chunks; ++c) fn(context, c);
       return;
     }
-    job_ = Job{fn, context, chunks};
+    const int regions = chunks < size_ ? static_cast<int>(chunks) : size_;
+    job_ = Job{fn, context, chunks, regions};
     done_.store(0, std::memory_order_relaxed);
+    joined_.store(1, std::memory_order_relaxed);  // the caller is participant 0
     const uint64_t id = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    for (int r = 0; r < regions; ++r)
+      region_[r].store((id << 32) | static_cast<uint64_t>(region_start(r)), std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ticket_.store(id << 32, std::memory_order_release);  // publishes job_ and done_
+      ticket_.store(id << 32, std::memory_order_release);  // publishes job_, done_ and the regions
     }
     cv_.notify_all();
-    run_chunks(id);
+    run_regions(id, 0);
     while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();
-    // Close job `id` before the next call rewrites job_: a worker that loaded this job's
-    // ticket (every chunk claimed) and then read the next job's larger chunk count would
-    // otherwise win its compare-exchange, run a chunk of the next job under this id and
-    // bump done_ past that job's count, so its caller spun forever (seen once: a hang in
-    // MatmulNT after 600 decode calls). No compare-exchange on a ticket of `id` can succeed
-    // after this store, since ids only grow.
-    ticket_.store((id << 32) | 0xffffffffu, std::memory_order_release);
+    // Close job `id` before the next call rewrites job_: a worker that loaded a region counter
+    // of this job (every chunk claimed) and then read the next job's larger bounds would
+    // otherwise win its compare-exchange, run a chunk of the next job under this id and bump
+    // done_ past that job's count, so its caller spun forever (seen once: a hang after 600
+    // decode calls). No compare-exchange on a counter of `id` can succeed after these stores,
+    // since ids only grow.
+    for (int r = 0; r < regions; ++r) region_[r].store((id << 32) | 0xffffffffu, std::memory_order_release);
     busy_.store(false, std::memory_order_release);
   }
 
@@ -210,19 +242,29 @@ class Pool {
     ChunkFn fn;
     const void* context;
     int64_t chunks;
+    int regions;
   };
 
-  // Claims and runs chunks of job `id` until none is left; a stale id claims nothing.
-  void run_chunks(uint64_t id) {
-    for (;;) {
-      uint64_t t = ticket_.load(std::memory_order_acquire);
-      if ((t >> 32) != id) return;
-      const int64_t c = static_cast<int64_t>(t & 0xffffffffu);
-      if (c >= job_.chunks) return;
-      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
-      // Job `id` cannot end (nor job_ change) before this claimed chunk is done.
-      job_.fn(job_.context, c);
-      done_.fetch_add(1, std::memory_order_acq_rel);
+  int64_t region_start(int r) const { return job_.chunks * r / job_.regions; }
+
+  // Claims and runs chunks of job `id`, its own region first, then the others' in turn; a stale
+  // id claims nothing.
+  void run_regions(uint64_t id, int first) {
+    if ((ticket_.load(std::memory_order_acquire) >> 32) != id) return;
+    const int regions = job_.regions;
+    for (int i = 0; i < regions; ++i) {
+      const int r = (first + i) % regions;
+      const int64_t end = region_start(r + 1);
+      for (;;) {
+        uint64_t t = region_[r].load(std::memory_order_acquire);
+        if ((t >> 32) != id) return;
+        const int64_t c = static_cast<int64_t>(t & 0xffffffffu);
+        if (c >= end) break;
+        if (!region_[r].compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+        // Job `id` cannot end (nor job_ change) before this claimed chunk is done.
+        job_.fn(job_.context, c);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+      }
     }
   }
 
@@ -239,13 +281,16 @@ class Pool {
         cpu_relax();
       }
       seen = ticket_.load(std::memory_order_acquire) >> 32;
-      run_chunks(seen);
+      const int me = joined_.fetch_add(1, std::memory_order_acq_rel);
+      run_regions(seen, me % size_);
     }
   }
 
   const int size_;
-  std::atomic<uint64_t> ticket_{0};  // (job id << 32) | next unclaimed chunk
+  std::atomic<uint64_t> ticket_{0};  // (job id << 32): the job now published
+  std::atomic<uint64_t> region_[kMaxThreads];  // (job id << 32) | next unclaimed chunk of region r
   std::atomic<int64_t> done_{0};
+  std::atomic<int> joined_{0};
   std::atomic<bool> busy_{false};
   Job job_{};
   std::mutex mu_;
@@ -387,6 +432,219 @@ ffi::Error HistoryAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------- one decoder layer
+
+// A whole pre-norm decoder layer (RMSNorm, RoPE, gated SiLU MLP: the Llama / Mistral / Qwen3
+// shape) for rows of one token each, in one call. The per-op version ran 7 matmul calls, one
+// attention call and ~26 small XLA fusions per layer, each a thunk of XLA's executor on its
+// own threads beside ours; here the layer is five jobs of this file's pool and a few loops on
+// the caller.
+
+// Several matmuls sharing one input, chunked over all their weight rows as one job.
+struct Segments {
+  const float* x;
+  int64_t M, K;
+  const float* w[3];
+  float* y[3];
+  int64_t N[3];
+  int64_t first_chunk[4];  // chunk index where each segment starts; [count] = total
+  int64_t rows_per_chunk;
+  int count;
+};
+
+int64_t rows_per_chunk_for(int64_t K) {
+  // About 64 KB of weights a chunk, whole 4-row tiles (as MatmulNT).
+  const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
+  return rows < 4 ? 4 : rows;
+}
+
+Segments segments(const float* x, int64_t M, int64_t K, std::initializer_list<std::tuple<const float*, float*, int64_t>> parts) {
+  Segments s{};
+  s.x = x, s.M = M, s.K = K, s.rows_per_chunk = rows_per_chunk_for(K);
+  for (const auto& [w, y, n] : parts) {
+    s.w[s.count] = w, s.y[s.count] = y, s.N[s.count] = n;
+    s.first_chunk[s.count + 1] = s.first_chunk[s.count] + (n + s.rows_per_chunk - 1) / s.rows_per_chunk;
+    ++s.count;
+  }
+  return s;
+}
+
+void segments_chunk(const void* context, int64_t c) {
+  const Segments& s = *static_cast<const Segments*>(context);
+  int i = 0;
+  while (c >= s.first_chunk[i + 1]) ++i;
+  const int64_t n0 = (c - s.first_chunk[i]) * s.rows_per_chunk;
+  const int64_t n1 = n0 + s.rows_per_chunk < s.N[i] ? n0 + s.rows_per_chunk : s.N[i];
+  weight_rows(s.x, s.w[i], s.y[i], s.M, s.N[i], s.K, n0, n1);
+}
+
+// out = residual + x @ w.T (out may be residual: each element is read, then written, by one chunk).
+struct ResidualMatmul {
+  Matmul m;  // y: scratch [M, N]
+  const float* residual;
+  float* out;
+};
+
+void residual_chunk(const void* context, int64_t c) {
+  const ResidualMatmul& r = *static_cast<const ResidualMatmul*>(context);
+  matmul_chunk(&r.m, c);
+  const int64_t n0 = c * r.m.rows_per_chunk;
+  const int64_t n1 = n0 + r.m.rows_per_chunk < r.m.N ? n0 + r.m.rows_per_chunk : r.m.N;
+  for (int64_t i = 0; i < r.m.M; ++i)
+    for (int64_t n = n0; n < n1; ++n) r.out[i * r.m.N + n] = r.residual[i * r.m.N + n] + r.m.y[i * r.m.N + n];
+}
+
+// act = silu(x @ gate.T) * (x @ up.T): a chunk takes the same rows of both weights.
+struct GatedMatmul {
+  Matmul gate, up;  // y: scratch [M, N] each
+  float* act;
+};
+
+void gated_chunk(const void* context, int64_t c) {
+  const GatedMatmul& g = *static_cast<const GatedMatmul*>(context);
+  matmul_chunk(&g.gate, c);
+  matmul_chunk(&g.up, c);
+  const int64_t N = g.gate.N;
+  const int64_t n0 = c * g.gate.rows_per_chunk;
+  const int64_t n1 = n0 + g.gate.rows_per_chunk < N ? n0 + g.gate.rows_per_chunk : N;
+  for (int64_t i = 0; i < g.gate.M; ++i)
+    for (int64_t n = n0; n < n1; ++n) {
+      const float a = g.gate.y[i * N + n];
+      g.act[i * N + n] = a / (1.f + std::exp(-a)) * g.up.y[i * N + n];
+    }
+}
+
+void rms_norm_rows(const float* x, const float* scale, float* out, int64_t M, int64_t D, float eps) {
+  for (int64_t i = 0; i < M; ++i) {
+    const float* r = x + i * D;
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = scale[d] * (r[d] * inv);
+  }
+}
+
+// Rotate-half RoPE (the Hugging Face layout) of `heads` heads of one row, in place.
+void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * D;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = v[j], b = v[j + half];
+      v[j] = a * cos[j] - b * sin[j];
+      v[j + half] = b * cos[j] + a * sin[j];
+    }
+  }
+}
+
+ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm, ffi::Buffer<ffi::F32> wq,
+                        ffi::Buffer<ffi::F32> wk, ffi::Buffer<ffi::F32> wv, ffi::Buffer<ffi::F32> wo,
+                        ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> mlp_norm,
+                        ffi::Buffer<ffi::F32> w_gate, ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
+                        ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> cache_k,
+                        ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                        ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> x_out,
+                        ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t window, bool qk_norm, int64_t page_size,
+                        int64_t head_stride, int64_t page_stride, int64_t num_pages) {
+  const auto xd = x.dimensions();     // [M, H]
+  const auto td = tables.dimensions();  // [M, pages_per_row]
+  const auto gd = w_gate.dimensions();  // [F, H]
+  if (xd.size() != 2 || td.size() != 2 || td[0] != xd[0] || gd.size() != 2 || num_kv_heads < 1 ||
+      num_heads % num_kv_heads || page_size < 1 || num_pages < 1) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer: inconsistent shapes");
+  }
+  const int64_t M = xd[0], H = xd[1], F = gd[0];
+  const int64_t D = static_cast<int64_t>(wq.element_count()) / H / num_heads;
+  const int64_t QD = num_heads * D, KD = num_kv_heads * D, G = num_heads / num_kv_heads;
+  const int64_t pages_per_row = td[1];
+  if (static_cast<int64_t>(wk.element_count()) != KD * H || static_cast<int64_t>(wo.element_count()) != H * QD ||
+      static_cast<int64_t>(w_down.element_count()) != H * F || static_cast<int64_t>(cos.element_count()) != M * (D / 2) ||
+      (num_kv_heads - 1) * head_stride + (num_pages - 1) * page_stride + page_size * D >
+          static_cast<int64_t>(cache_k.element_count())) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer: inconsistent shapes");
+  }
+  // The caches are aliased to k_out / v_out (updated in place); should XLA hand over copies, fill them.
+  float* ck = k_out->typed_data();
+  float* cv = v_out->typed_data();
+  if (ck != cache_k.typed_data()) std::memcpy(ck, cache_k.typed_data(), cache_k.element_count() * sizeof(float));
+  if (cv != cache_v.typed_data()) std::memcpy(cv, cache_v.typed_data(), cache_v.element_count() * sizeof(float));
+
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(M * (H + QD + 2 * KD + QD + 3 * F + H)));
+  float* h = scratch.data();   // [M, H] normed input
+  float* q = h + M * H;        // [M, QD]
+  float* k = q + M * QD;       // [M, KD]
+  float* v = k + M * KD;       // [M, KD]
+  float* attn = v + M * KD;    // [M, QD]
+  float* gate = attn + M * QD;  // [M, F]
+  float* up = gate + M * F;     // [M, F]
+  float* act = up + M * F;      // [M, F]
+  float* tmp = act + M * F;     // [M, H]
+  float* out = x_out->typed_data();
+  const int32_t* pos = positions.typed_data();
+  const int32_t* ok = valid.typed_data();
+  const int32_t* table = tables.typed_data();
+
+  rms_norm_rows(x.typed_data(), attn_norm.typed_data(), h, M, H, eps);
+  Segments qkv = segments(h, M, H, {{wq.typed_data(), q, QD}, {wk.typed_data(), k, KD}, {wv.typed_data(), v, KD}});
+  pool().run(segments_chunk, &qkv, qkv.first_chunk[qkv.count]);
+
+  // Every row's key and value go into the cache before any row reads it: a row then attends to
+  // cached positions [lo, position] alone, which holds its history and the new keys of its own
+  // sequence's earlier tokens in this batch (the reference's two parts).
+  thread_local std::vector<int32_t> bounds;
+  bounds.assign(static_cast<size_t>(2 * M), 0);
+  for (int64_t i = 0; i < M; ++i) {
+    if (!ok[i]) continue;
+    if (qk_norm) {
+      rms_norm_rows(q + i * QD, q_norm.typed_data(), q + i * QD, num_heads, D, eps);
+      rms_norm_rows(k + i * KD, k_norm.typed_data(), k + i * KD, num_kv_heads, D, eps);
+    }
+    rope_heads(q + i * QD, num_heads, D, cos.typed_data() + i * (D / 2), sin.typed_data() + i * (D / 2));
+    rope_heads(k + i * KD, num_kv_heads, D, cos.typed_data() + i * (D / 2), sin.typed_data() + i * (D / 2));
+    const int64_t p = pos[i];
+    bounds[2 * i] = static_cast<int32_t>(window > 0 && p - window + 1 > 0 ? p - window + 1 : 0);
+    bounds[2 * i + 1] = static_cast<int32_t>(p + 1);
+    const int64_t slot_page = p / page_size;
+    if (p < 0 || slot_page >= pages_per_row) continue;  // past the sequence's room: dropped, as the reference
+    const int64_t page = table[i * pages_per_row + slot_page];
+    if (page < 0 || page >= num_pages) continue;
+    for (int64_t hh = 0; hh < num_kv_heads; ++hh) {
+      const int64_t at = hh * head_stride + page * page_stride + (p % page_size) * D;
+      std::memcpy(ck + at, k + i * KD + hh * D, D * sizeof(float));
+      std::memcpy(cv + at, v + i * KD + hh * D, D * sizeof(float));
+    }
+  }
+  thread_local std::vector<int32_t> lo, hi;
+  thread_local std::vector<float> top, total;
+  lo.resize(M), hi.resize(M), top.resize(M * num_heads), total.resize(M * num_heads);
+  for (int64_t i = 0; i < M; ++i) lo[i] = bounds[2 * i], hi[i] = bounds[2 * i + 1];
+  const Attention a{q, ck, cv, table, lo.data(), hi.data(), attn, top.data(), total.data(),
+                    num_kv_heads, G, D, pages_per_row, page_size, head_stride, page_stride, num_pages, scale};
+  pool().run(attention_chunk, &a, M * num_kv_heads);
+  for (int64_t i = 0; i < M * num_heads; ++i) {
+    const float inv = 1.f / (total[i] > 1e-30f ? total[i] : 1e-30f);
+    for (int64_t d = 0; d < D; ++d) attn[i * D + d] *= inv;
+  }
+
+  const int64_t rows_h = rows_per_chunk_for(QD);
+  const ResidualMatmul o{{attn, wo.typed_data(), tmp, M, H, QD, rows_h}, x.typed_data(), out};
+  pool().run(residual_chunk, &o, (H + rows_h - 1) / rows_h);
+
+  rms_norm_rows(out, mlp_norm.typed_data(), h, M, H, eps);
+  const int64_t rows_f = rows_per_chunk_for(H);
+  const GatedMatmul mlp{{h, w_gate.typed_data(), gate, M, F, H, rows_f}, {h, w_up.typed_data(), up, M, F, H, rows_f},
+                        act};
+  pool().run(gated_chunk, &mlp, (F + rows_f - 1) / rows_f);
+
+  const int64_t rows_d = rows_per_chunk_for(F);
+  const ResidualMatmul down{{act, w_down.typed_data(), tmp, M, H, F, rows_d}, out, out};
+  pool().run(residual_chunk, &down, (H + rows_d - 1) / rows_d);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, MatmulNT,
@@ -407,6 +665,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("head_stride")
+                                  .Attr<int64_t>("page_stride")
+                                  .Attr<int64_t>("num_pages"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, DecoderLayer,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wq
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wo
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // x_out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_k (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_v (aliased)
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("num_heads")
+                                  .Attr<int64_t>("num_kv_heads")
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("qk_norm")
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("head_stride")
                                   .Attr<int64_t>("page_stride")
