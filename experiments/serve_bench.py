@@ -111,7 +111,8 @@ def median_runs(runs: list[dict]) -> dict:
 
     out = {k: float(np.median([r[k] for r in runs])) for k, v in runs[0].items() if isinstance(v, (int, float))}
     middle = sorted(runs, key=lambda r: r["median_e2el_ms"])[len(runs) // 2]
-    return {**out, "e2el_s": middle["e2el_s"], "runs": len(runs)}
+    return {**out, "e2el_s": middle["e2el_s"], "runs": len(runs),
+            "requests": [r["requests"] for r in runs if "requests" in r]}
 
 
 def load_runs(sides: list[tuple[str, str, str]], workloads: list, qps: float) -> dict[str, dict]:
@@ -124,6 +125,12 @@ def load_runs(sides: list[tuple[str, str, str]], workloads: list, qps: float) ->
             times = asyncio.run(run_load(url, name, workload, f"{side}@{qps:g}"))
             metrics = summarize(times)
             metrics["e2el_s"] = sorted(t.e2el for t in times)
+            # Each request, in workload order, to see which ones a difference comes from: arrival
+            # (s after the run's start), prompt and output tokens, TTFT and TPOT (ms).
+            start = min(t.arrival for t in times)
+            metrics["requests"] = [[round(t.arrival - start, 4), t.num_prompt_tokens, t.num_output_tokens,
+                                    round(1000 * t.ttft, 2), None if t.tpot is None else round(1000 * t.tpot, 2)]
+                                   for t in times]
             runs[side].append(metrics)
     return {side: {"side": side, "qps": qps, **median_runs(rs)} for side, rs in runs.items()}
 

@@ -312,6 +312,11 @@ def test_serve_bench_against_a_peer_interleaves_repeats(tmp_path):
     served, other = result["results"]["server@40"], result["results"]["peer@40"]
     assert served["runs"] == other["runs"] == 2 and served["completed"] == other["completed"] == 4
     assert served["total_output_tokens"] == other["total_output_tokens"]  # EOS ignored on both sides
+    # Each request of each repeat, both sides alike: [arrival, prompt, output tokens, TTFT, TPOT].
+    for side in (served, other):
+        assert [len(run) for run in side["requests"]] == [4, 4]
+        assert [r[2] for r in side["requests"][0]] == [r[2] for r in other["requests"][0]]
+        assert all(r[3] > 0 for run in side["requests"] for r in run)
     assert set(result["peer_ratios"]["40"]) >= {"median_ttft_ms", "median_tpot_ms", "median_e2el_ms"}
     assert result["ratios"] == {}  # no in-process side
 
