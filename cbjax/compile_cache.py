@@ -2,7 +2,8 @@
 
 An engine's programs are the same from one run to the next (same model shapes, same token
 buckets), so a second start reads them from disk instead of compiling them again. The
-cache lives in a per-user directory: `$CBJAX_COMPILATION_CACHE` (a path, or `off`), else
+cache lives in a per-user directory: `$CBJAX_COMPILATION_CACHE` (a path, or `off`: also
+`0`, `false`, `no`, `none`, in any case), else
 JAX's own `JAX_COMPILATION_CACHE_DIR` when it is set, else `~/.cache/cbjax/jax` (under
 `$CBJAX_CACHE_DIR` when that is set). Entries are keyed by the program, the JAX version and
 the device, so a hit is the same executable. Every front (`LLM`, `python -m cbjax.serve`,
@@ -18,6 +19,8 @@ from pathlib import Path
 import jax
 
 ENV = "CBJAX_COMPILATION_CACHE"
+# What turns the cache off, in the variable or the flag (`0` was once a directory named "0").
+OFF = ("off", "0", "false", "no", "none")
 # Programs that compile faster than this are not worth a file (tiny host-side ops).
 MIN_COMPILE_SECONDS = 0.2
 
@@ -39,7 +42,7 @@ def enable(path: str | None = None) -> str | None:
     from jax.experimental.compilation_cache import compilation_cache
 
     path = path or os.environ.get(ENV)
-    if path == "off":
+    if path is not None and str(path).strip().lower() in OFF:
         if jax.config.jax_enable_compilation_cache:
             jax.config.update("jax_enable_compilation_cache", False)
             compilation_cache.reset_cache()

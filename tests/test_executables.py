@@ -67,3 +67,16 @@ def test_a_damaged_file_is_compiled_again(store):
     _, again = _generate()
     assert executables.COUNTS["compiled"] > before
     assert again == first
+
+
+@pytest.mark.parametrize("word", ["off", "0", "False", "NO", "none"])
+def test_the_cache_variable_turns_the_cache_off_with_any_off_word(monkeypatch, word):
+    previous = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    monkeypatch.setenv(compile_cache.ENV, word)
+    try:
+        assert compile_cache.enable() is None  # not a directory named "0"
+        assert not jax.config.jax_enable_compilation_cache
+        assert executables.directory() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_enable_compilation_cache", previous[1])
