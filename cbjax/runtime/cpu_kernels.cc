@@ -304,6 +304,19 @@ Pool& pool() {
 
 // ---------------------------------------------------------------- matmul
 
+// About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly.
+int64_t rows_per_chunk_for(int64_t K) {
+  const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
+  return rows < 4 ? 4 : rows;
+}
+
+int64_t chunk_count(int64_t N, int64_t rows_per_chunk) { return (N + rows_per_chunk - 1) / rows_per_chunk; }
+
+// Weight rows [c * rows_per_chunk, chunk_end) are chunk c's.
+int64_t chunk_end(int64_t c, int64_t rows_per_chunk, int64_t N) {
+  return (c + 1) * rows_per_chunk < N ? (c + 1) * rows_per_chunk : N;
+}
+
 struct Matmul {
   const float* x;
   const float* w;
@@ -313,9 +326,7 @@ struct Matmul {
 
 void matmul_chunk(const void* context, int64_t c) {
   const Matmul& m = *static_cast<const Matmul*>(context);
-  const int64_t n0 = c * m.rows_per_chunk;
-  const int64_t n1 = n0 + m.rows_per_chunk < m.N ? n0 + m.rows_per_chunk : m.N;
-  weight_rows(m.x, m.w, m.y, m.M, m.N, m.K, n0, n1);
+  weight_rows(m.x, m.w, m.y, m.M, m.N, m.K, c * m.rows_per_chunk, chunk_end(c, m.rows_per_chunk, m.N));
 }
 
 ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -327,11 +338,9 @@ ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resul
   const int64_t N = wd[0], K = wd[1];
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (M == 0 || N == 0) return ffi::Error::Success();
-  // About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly.
-  int64_t rows = (16384 / K) / 4 * 4;
-  rows = rows < 4 ? 4 : rows;
+  const int64_t rows = rows_per_chunk_for(K);
   const Matmul m{x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, rows};
-  pool().run(matmul_chunk, &m, (N + rows - 1) / rows);
+  pool().run(matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
 
@@ -453,18 +462,13 @@ struct Segments {
   int count;
 };
 
-int64_t rows_per_chunk_for(int64_t K) {
-  // About 64 KB of weights a chunk, whole 4-row tiles (as MatmulNT).
-  const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
-  return rows < 4 ? 4 : rows;
-}
-
-Segments segments(const float* x, int64_t M, int64_t K, std::initializer_list<std::tuple<const float*, float*, int64_t>> parts) {
+Segments segments(const float* x, int64_t M, int64_t K,
+                  std::initializer_list<std::tuple<const float*, float*, int64_t>> parts) {
   Segments s{};
   s.x = x, s.M = M, s.K = K, s.rows_per_chunk = rows_per_chunk_for(K);
   for (const auto& [w, y, n] : parts) {
     s.w[s.count] = w, s.y[s.count] = y, s.N[s.count] = n;
-    s.first_chunk[s.count + 1] = s.first_chunk[s.count] + (n + s.rows_per_chunk - 1) / s.rows_per_chunk;
+    s.first_chunk[s.count + 1] = s.first_chunk[s.count] + chunk_count(n, s.rows_per_chunk);
     ++s.count;
   }
   return s;
@@ -474,9 +478,9 @@ void segments_chunk(const void* context, int64_t c) {
   const Segments& s = *static_cast<const Segments*>(context);
   int i = 0;
   while (c >= s.first_chunk[i + 1]) ++i;
-  const int64_t n0 = (c - s.first_chunk[i]) * s.rows_per_chunk;
-  const int64_t n1 = n0 + s.rows_per_chunk < s.N[i] ? n0 + s.rows_per_chunk : s.N[i];
-  weight_rows(s.x, s.w[i], s.y[i], s.M, s.N[i], s.K, n0, n1);
+  const int64_t local = c - s.first_chunk[i];
+  weight_rows(s.x, s.w[i], s.y[i], s.M, s.N[i], s.K, local * s.rows_per_chunk,
+              chunk_end(local, s.rows_per_chunk, s.N[i]));
 }
 
 // out = residual + x @ w.T (out may be residual: each element is read, then written, by one chunk).
@@ -489,8 +493,7 @@ struct ResidualMatmul {
 void residual_chunk(const void* context, int64_t c) {
   const ResidualMatmul& r = *static_cast<const ResidualMatmul*>(context);
   matmul_chunk(&r.m, c);
-  const int64_t n0 = c * r.m.rows_per_chunk;
-  const int64_t n1 = n0 + r.m.rows_per_chunk < r.m.N ? n0 + r.m.rows_per_chunk : r.m.N;
+  const int64_t n0 = c * r.m.rows_per_chunk, n1 = chunk_end(c, r.m.rows_per_chunk, r.m.N);
   for (int64_t i = 0; i < r.m.M; ++i)
     for (int64_t n = n0; n < n1; ++n) r.out[i * r.m.N + n] = r.residual[i * r.m.N + n] + r.m.y[i * r.m.N + n];
 }
@@ -506,8 +509,7 @@ void gated_chunk(const void* context, int64_t c) {
   matmul_chunk(&g.gate, c);
   matmul_chunk(&g.up, c);
   const int64_t N = g.gate.N;
-  const int64_t n0 = c * g.gate.rows_per_chunk;
-  const int64_t n1 = n0 + g.gate.rows_per_chunk < N ? n0 + g.gate.rows_per_chunk : N;
+  const int64_t n0 = c * g.gate.rows_per_chunk, n1 = chunk_end(c, g.gate.rows_per_chunk, N);
   for (int64_t i = 0; i < g.gate.M; ++i)
     for (int64_t n = n0; n < n1; ++n) {
       const float a = g.gate.y[i * N + n];
@@ -560,7 +562,8 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
   const int64_t QD = num_heads * D, KD = num_kv_heads * D, G = num_heads / num_kv_heads;
   const int64_t pages_per_row = td[1];
   if (static_cast<int64_t>(wk.element_count()) != KD * H || static_cast<int64_t>(wo.element_count()) != H * QD ||
-      static_cast<int64_t>(w_down.element_count()) != H * F || static_cast<int64_t>(cos.element_count()) != M * (D / 2) ||
+      static_cast<int64_t>(w_down.element_count()) != H * F ||
+      static_cast<int64_t>(cos.element_count()) != M * (D / 2) ||
       (num_kv_heads - 1) * head_stride + (num_pages - 1) * page_stride + page_size * D >
           static_cast<int64_t>(cache_k.element_count())) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer: inconsistent shapes");
@@ -594,8 +597,8 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
   // Every row's key and value go into the cache before any row reads it: a row then attends to
   // cached positions [lo, position] alone, which holds its history and the new keys of its own
   // sequence's earlier tokens in this batch (the reference's two parts).
-  thread_local std::vector<int32_t> bounds;
-  bounds.assign(static_cast<size_t>(2 * M), 0);
+  thread_local std::vector<int32_t> lo, hi;  // the positions row i attends to; empty for padding
+  lo.assign(static_cast<size_t>(M), 0), hi.assign(static_cast<size_t>(M), 0);
   for (int64_t i = 0; i < M; ++i) {
     if (!ok[i]) continue;
     if (qk_norm) {
@@ -605,8 +608,8 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
     rope_heads(q + i * QD, num_heads, D, cos.typed_data() + i * (D / 2), sin.typed_data() + i * (D / 2));
     rope_heads(k + i * KD, num_kv_heads, D, cos.typed_data() + i * (D / 2), sin.typed_data() + i * (D / 2));
     const int64_t p = pos[i];
-    bounds[2 * i] = static_cast<int32_t>(window > 0 && p - window + 1 > 0 ? p - window + 1 : 0);
-    bounds[2 * i + 1] = static_cast<int32_t>(p + 1);
+    lo[i] = static_cast<int32_t>(window > 0 && p - window + 1 > 0 ? p - window + 1 : 0);
+    hi[i] = static_cast<int32_t>(p + 1);
     const int64_t slot_page = p / page_size;
     if (p < 0 || slot_page >= pages_per_row) continue;  // past the sequence's room: dropped, as the reference
     const int64_t page = table[i * pages_per_row + slot_page];
@@ -617,10 +620,8 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
       std::memcpy(cv + at, v + i * KD + hh * D, D * sizeof(float));
     }
   }
-  thread_local std::vector<int32_t> lo, hi;
   thread_local std::vector<float> top, total;
-  lo.resize(M), hi.resize(M), top.resize(M * num_heads), total.resize(M * num_heads);
-  for (int64_t i = 0; i < M; ++i) lo[i] = bounds[2 * i], hi[i] = bounds[2 * i + 1];
+  top.resize(M * num_heads), total.resize(M * num_heads);
   const Attention a{q, ck, cv, table, lo.data(), hi.data(), attn, top.data(), total.data(),
                     num_kv_heads, G, D, pages_per_row, page_size, head_stride, page_stride, num_pages, scale};
   pool().run(attention_chunk, &a, M * num_kv_heads);
@@ -631,17 +632,17 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
 
   const int64_t rows_h = rows_per_chunk_for(QD);
   const ResidualMatmul o{{attn, wo.typed_data(), tmp, M, H, QD, rows_h}, x.typed_data(), out};
-  pool().run(residual_chunk, &o, (H + rows_h - 1) / rows_h);
+  pool().run(residual_chunk, &o, chunk_count(H, rows_h));
 
   rms_norm_rows(out, mlp_norm.typed_data(), h, M, H, eps);
   const int64_t rows_f = rows_per_chunk_for(H);
   const GatedMatmul mlp{{h, w_gate.typed_data(), gate, M, F, H, rows_f}, {h, w_up.typed_data(), up, M, F, H, rows_f},
                         act};
-  pool().run(gated_chunk, &mlp, (F + rows_f - 1) / rows_f);
+  pool().run(gated_chunk, &mlp, chunk_count(F, rows_f));
 
   const int64_t rows_d = rows_per_chunk_for(F);
   const ResidualMatmul down{{act, w_down.typed_data(), tmp, M, H, F, rows_d}, out, out};
-  pool().run(residual_chunk, &down, (H + rows_d - 1) / rows_d);
+  pool().run(residual_chunk, &down, chunk_count(H, rows_d));
   return ffi::Error::Success();
 }
 
