@@ -219,17 +219,64 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
     history_end = jnp.asarray([9, 14, 14, 14, 0, 31, 32], jnp.int32)
     tokens = jnp.asarray(rng.integers(3, config.vocab_size, (7, 1)), jnp.int32)
 
-    def step(ops, cache):
+    def step(ops, params, cache):
         return forward(params, config, cache, tokens, starts, num_valid=num_valid, slot_ids=slot_ids,
                        kv_len=max_len, flat_rows=flat_rows, history_end=history_end,
                        logits_rows=jnp.arange(7), ops=ops)
 
-    lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, cache).as_text()
+    lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, params, cache).as_text()
     assert lowered.count("cbjax_decoder_layer") == config.num_layers
-    got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, cache)
-    want_logits, want = jax.jit(step, static_argnums=0)(XLA, cache)
+    got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, params, cache)
+    want_logits, want = jax.jit(step, static_argnums=0)(XLA, params, cache)
+    # The same layers with their weights named by address: one table argument, the same results.
+    by_address = {**params, "layers": cpu_kernels.layer_addresses(params, config)}
+    assert len(jax.tree.leaves(by_address)) == len(params) and len(by_address["layers"]) == config.num_layers
+    lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, by_address, cache).as_text()
+    assert lowered.count("cbjax_decoder_layer_at") == config.num_layers
+    at_logits, at = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, by_address, cache)
+    np.testing.assert_array_equal(np.asarray(at_logits), np.asarray(got_logits))
+    for a, g in zip(at.k + at.v, got.k + got.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
     real = np.asarray(num_valid) > 0
     real[-1] = False  # the dropped token attends to nothing written; only its cache write is checked
     np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real], rtol=2e-4, atol=2e-4)
     for g, w in zip(got.k + got.v, want.k + want.v):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+
+
+@needs_kernels
+def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
+    """`layer_addresses` builds a table only for layers the kernel runs (no biases, f32, on
+    the CPU); a program given one refuses rows the kernel does not take instead of reading
+    weights it does not have; the engine hands it to its programs of at most MAX_ROWS tokens."""
+    from cbjax.models.params import init_params
+
+    config = _layer_config("llama")
+    params = init_params(config, seed=3, std=0.2)
+    table = cpu_kernels.layer_addresses(params, config)
+    rows = np.asarray(table.table)
+    assert rows.shape == (config.num_layers, 2 * len(cpu_kernels.LAYER_WEIGHTS))
+    wq = params["layers"][1]["wq"].unsafe_buffer_pointer()
+    at = 2 * cpu_kernels.LAYER_WEIGHTS.index("wq")
+    assert int(rows[1, at]) | int(rows[1, at + 1]) << 32 == wq
+    assert not rows[:, 2 * cpu_kernels.LAYER_WEIGHTS.index("q_norm")].any()  # llama has none
+
+    biased = {**params, "layers": [{**p, "bq": jnp.zeros(p["wq"].shape[0])} for p in params["layers"]]}
+    assert cpu_kernels.layer_addresses(biased, config) is None
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    assert cpu_kernels.layer_addresses(half, config) is None
+
+    from types import SimpleNamespace
+
+    from cbjax.runtime.engine import Engine
+
+    engine = Engine(SimpleNamespace(config=config, params=params), EngineConfig(num_slots=2, max_seq_len=64))
+    for tokens in engine.token_buckets():
+        given = engine._step_arguments(engine._pack([], tokens), 1)[0][0]["layers"]
+        assert isinstance(given, cpu_kernels.LayerAddresses) == (tokens <= cpu_kernels.MAX_ROWS), tokens
+
+    cache = SlotCache.init(config, 2, 16)
+    x = jnp.zeros((cpu_kernels.MAX_ROWS + 1, 1, config.hidden_size), jnp.float32)
+    with pytest.raises(ValueError, match="by address"):
+        cpu_kernels.CPU_KERNELS.decoder_layer(x, next(iter(table)), config, cache, cache.k[0], cache.v[0],
+                                              None, None, None, None, None, 0)

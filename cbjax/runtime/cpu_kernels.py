@@ -26,6 +26,7 @@ through XLA as before. They use one thread per CPU this process may run on, or
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -43,7 +44,7 @@ import numpy as np
 from cbjax.compile_cache import cache_root
 from cbjax.models.ops import Ops
 
-TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention", "cbjax_decoder_layer")
+TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention", "cbjax_decoder_layer", "cbjax_decoder_layer_at")
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
 # layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
 # 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
@@ -163,39 +164,117 @@ def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Arra
 _BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down")
 
 
-def layer_fits(x: jax.Array, p: dict, config, layer_k: jax.Array) -> bool:
+def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     """Whether `decoder_layer` runs this layer: rows of one token (at most MAX_ROWS), f32
-    weights and cache, and the RMSNorm / RoPE / gated-SiLU layer without biases."""
+    weights and cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
+    `LayerAt` layer is one by construction)."""
     b, t = x.shape[:2]
-    return (t == 1 and 0 < b <= MAX_ROWS and x.dtype == jnp.float32 and layer_k.dtype == jnp.float32
-            and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
-            and "bias" not in p["attn_norm"] and "bias" not in p["mlp_norm"] and not any(n in p for n in _BIASES)
-            and all(p[n].dtype == jnp.float32 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    rows = (t == 1 and 0 < b <= MAX_ROWS and x.dtype == jnp.float32 and layer_k.dtype == jnp.float32
             and available())
+    if isinstance(p, LayerAt):
+        return rows
+    return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
+            and "bias" not in p["attn_norm"] and "bias" not in p["mlp_norm"] and not any(n in p for n in _BIASES)
+            and all(p[n].dtype == jnp.float32 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
+
+
+def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin,
+                window, **attributes):
+    """One `target` layer call: `x [B, 1, hidden]` -> `(x, layer_k, layer_v)`, the caches
+    (the arguments right after `weights`, cos and sin) updated in place."""
+    _require()
+    b = x.shape[0]
+    tables, num_pages, page_size, head_stride, page_stride = cache.kernel_layout(layer_k, slot_ids)
+    shapes = (jax.ShapeDtypeStruct((b, config.hidden_size), jnp.float32),
+              jax.ShapeDtypeStruct(layer_k.shape, layer_k.dtype), jax.ShapeDtypeStruct(layer_v.shape, layer_v.dtype))
+    first_cache = 1 + len(weights) + 2
+    # The caches are the call's results 1 and 2: XLA updates them in place.
+    out, layer_k, layer_v = jax.ffi.ffi_call(target, shapes, vmap_method="sequential",
+                                             input_output_aliases={first_cache: 1, first_cache + 1: 2})(
+        x.reshape(b, -1), *weights, cos.reshape(b, -1), sin.reshape(b, -1), layer_k, layer_v,
+        tables.astype(jnp.int32), positions.reshape(b).astype(jnp.int32), (num_valid > 0).astype(jnp.int32),
+        eps=np.float32(config.norm_eps), scale=np.float32(config.head_dim ** -0.5),
+        num_heads=np.int64(config.num_heads), num_kv_heads=np.int64(config.num_kv_heads), window=np.int64(window),
+        page_size=np.int64(page_size), head_stride=np.int64(head_stride), page_stride=np.int64(page_stride),
+        num_pages=np.int64(num_pages), **attributes)
+    return out.reshape(x.shape), layer_k, layer_v
 
 
 def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
     """One decoder layer by the kernel for `x [B, 1, hidden]`: `(x, layer_k, layer_v)`, the
     rows' keys and values written into the layer's cache in place. Equals the transformer's
-    layer (its reference) on rows whose tokens are valid."""
-    _require()
-    b = x.shape[0]
-    tables, num_pages, page_size, head_stride, page_stride = cache.kernel_layout(layer_k, slot_ids)
+    layer (its reference) on rows whose tokens are valid. `p`: the layer's weights, or its
+    row of a `LayerAddresses` table."""
+    rows = (x, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
+    if isinstance(p, LayerAt):
+        return _layer_call("cbjax_decoder_layer_at", x, [p.table], *rows[1:], layer=np.int64(p.index),
+                           intermediate=np.int64(config.intermediate_size), head_dim=np.int64(config.head_dim))
     one = jnp.ones((config.head_dim,), jnp.float32)
-    shapes = (jax.ShapeDtypeStruct((b, config.hidden_size), jnp.float32),
-              jax.ShapeDtypeStruct(layer_k.shape, layer_k.dtype), jax.ShapeDtypeStruct(layer_v.shape, layer_v.dtype))
-    # The caches (arguments 14 and 15) are the call's results 1 and 2: XLA updates them in place.
-    out, layer_k, layer_v = jax.ffi.ffi_call("cbjax_decoder_layer", shapes, vmap_method="sequential",
-                                             input_output_aliases={14: 1, 15: 2})(
-        x.reshape(b, -1), p["attn_norm"]["scale"], p["wq"], p["wk"], p["wv"], p["wo"], p.get("q_norm", one),
-        p.get("k_norm", one), p["mlp_norm"]["scale"], p["w_gate"], p["w_up"], p["w_down"],
-        cos.reshape(b, -1), sin.reshape(b, -1), layer_k, layer_v, tables.astype(jnp.int32),
-        positions.reshape(b).astype(jnp.int32), (num_valid > 0).astype(jnp.int32),
-        eps=np.float32(config.norm_eps), scale=np.float32(config.head_dim ** -0.5),
-        num_heads=np.int64(config.num_heads), num_kv_heads=np.int64(config.num_kv_heads), window=np.int64(window),
-        qk_norm=bool(config.qk_norm), page_size=np.int64(page_size), head_stride=np.int64(head_stride),
-        page_stride=np.int64(page_stride), num_pages=np.int64(num_pages))
-    return out.reshape(x.shape), layer_k, layer_v
+    weights = [p["attn_norm"]["scale"], p["wq"], p["wk"], p["wv"], p["wo"], p.get("q_norm", one),
+               p.get("k_norm", one), p["mlp_norm"]["scale"], p["w_gate"], p["w_up"], p["w_down"]]
+    return _layer_call("cbjax_decoder_layer", x, weights, *rows[1:], qk_norm=bool(config.qk_norm))
+
+
+# ---------------------------------------------------------------- weights by address
+
+# A layer's weights in the order of the kernel's LayerWeights (cpu_kernels.cc).
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAt:
+    """Layer `index` of a `LayerAddresses` table, as `forward` hands it to `decoder_layer`."""
+
+    table: jax.Array
+    index: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerAddresses:
+    """The decoder layers' weights as one table of addresses (`[layers, 22]` uint32: each
+    weight's address as low and high halves, 0 for an absent q/k norm), which stands for
+    `params["layers"]` in the programs whose every layer `decoder_layer` runs.
+
+    Why: JAX's dispatch costs ~2.5 us per argument on this path (flattening, signature, layout
+    and usage events per array), and SmolLM2's decode step took 272 weight arrays: ~0.7 ms of
+    serial host time before each ~12 ms step. The table is one argument. The kernel reads the
+    weights where JAX keeps them: whoever holds a table holds the arrays it names (the
+    engine keeps its params), and weights are never donated or written."""
+
+    table: jax.Array
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __iter__(self):
+        return (LayerAt(self.table, i) for i in range(len(self)))
+
+
+def layer_addresses(params: dict, config) -> LayerAddresses | None:
+    """`params["layers"]` as a `LayerAddresses` table when the layer kernel takes every layer
+    (f32 Llama / Mistral / Qwen3 layers without biases, on the CPU), else None."""
+    layers = params["layers"]
+    if not layers or not available() or config.position_embedding != "rope" or config.is_gpt2:
+        return None
+    hd, d = config.head_dim, config.hidden_size
+    expected = {"attn_norm": (d,), "wq": (config.num_heads * hd, d), "wk": (config.num_kv_heads * hd, d),
+                "wv": (config.num_kv_heads * hd, d), "wo": (d, config.num_heads * hd), "mlp_norm": (d,),
+                "w_gate": (config.intermediate_size, d), "w_up": (config.intermediate_size, d),
+                "w_down": (d, config.intermediate_size)}
+    if config.qk_norm:
+        expected.update(q_norm=(hd,), k_norm=(hd,))
+    rows = []
+    for p in layers:
+        if set(p) != set(expected) or any("bias" in p[n] or set(p[n]) != {"scale"} for n in ("attn_norm", "mlp_norm")):
+            return None  # biases, or a layer of another shape
+        arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in p}
+        if any(not isinstance(a, jax.Array) or a.dtype != jnp.float32 or a.shape != expected[n]
+               or a.devices() != {jax.devices("cpu")[0]} for n, a in arrays.items()):
+            return None
+        addresses = [arrays[n].unsafe_buffer_pointer() if n in arrays else 0 for n in LAYER_WEIGHTS]
+        rows.append([half for a in addresses for half in (a & 0xFFFFFFFF, a >> 32)])
+    return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)))
 
 
 class CpuKernelOps(Ops):
@@ -211,6 +290,8 @@ class CpuKernelOps(Ops):
 
     def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
         if not layer_fits(x, p, config, layer_k):
+            if isinstance(p, LayerAt):  # the weights exist only as addresses: nothing else can run them
+                raise ValueError(f"weights by address need the layer kernel, which does not take rows {x.shape}")
             return None
         return decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
 

@@ -92,6 +92,11 @@ class Engine:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
         self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
+        # The programs whose every layer the CPU layer kernel runs take the layers' weights as one
+        # table of addresses (cpu_kernels.LayerAddresses); self.params keeps the arrays alive.
+        addresses = cpu_kernels.layer_addresses(self.params, mc) \
+            if self.ops is cpu_kernels.CPU_KERNELS and config.attention != "pallas" else None
+        self._params_by_address = None if addresses is None else {**self.params, "layers": addresses}
         self._programs = {}  # (argument shapes, steps) -> jax.stages.Compiled
         self.reset()
 
@@ -195,7 +200,9 @@ class Engine:
         return self._step(packed, steps)
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
-        return ((self.params, self.cache, self.state, *packed),
+        num_tokens = packed[0].shape[1]
+        by_address = self._params_by_address is not None and num_tokens <= cpu_kernels.MAX_ROWS
+        return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      paged_kernel=self.config.attention == "pallas", history_block=self.history_block(),
                      ops=self.ops))

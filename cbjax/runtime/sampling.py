@@ -33,7 +33,16 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, index):
     # counter-based hash of (seed, index, token id): threefry's rounds made sampling a
     # fifth of every step program's compile time (0.15 s of ~0.8 s on the tiny model).
     gumbel = -jnp.log(-jnp.log(_hash_uniform(seed, index, vocab)))
-    return jnp.argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel).astype(jnp.int32)
+    return argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, -1)` as int32 (the first maximum; the first NaN where there is one), by
+    two plain reductions: XLA:CPU runs argmax's (value, index) reduce one element at a time,
+    243 us over SmolLM2's 49,152 logits against 74 (967 against 253 for 8 rows)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def _hash_uniform(seed, index, n: int) -> jax.Array:
@@ -58,7 +67,7 @@ def sample(
     indices: jax.Array,  # [S] int32: index of the token being sampled in its output
 ) -> jax.Array:
     """Next token per row, `[S]` int32."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def stochastic(_):
         drawn = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, min_p, seeds, indices)
