@@ -51,6 +51,18 @@ inline void cpu_relax() {
 #endif
 }
 
+// A spin-wait that, once it has spun a while (256 pauses, some microseconds: longer than a chunk
+// takes), offers the core to another runnable thread every 16 pauses. On 2 cores the Python
+// thread that dispatches the next step and records the last one is a third runnable thread:
+// when it preempts a pool thread that holds a claimed chunk, the other spins until the OS gives
+// the CPU back; yielding hands it over at once. First inter-token latency after a prefill in the
+// in-process serving loop, SmolLM2, 2-core EPYC, medians of 8 runs each: 15.9 ms against 17.4
+// (mean ITL within the VM's noise either way).
+inline void wait_a_little(int& spins) {
+  cpu_relax();
+  if (++spins > 256 && spins % 16 == 0) sched_yield();
+}
+
 inline float sum16(v16 v) {
 #ifdef __AVX512F__
   __m512 m;
@@ -226,7 +238,7 @@ class Pool {
     }
     cv_.notify_all();
     run_regions(id, 0);
-    while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();
+    for (int spins = 0; done_.load(std::memory_order_acquire) < chunks;) wait_a_little(spins);
     // Close job `id` before the next call rewrites job_: a worker that loaded a region counter
     // of this job (every chunk claimed) and then read the next job's larger bounds would
     // otherwise win its compare-exchange, run a chunk of the next job under this id and bump
@@ -272,13 +284,14 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
+      int idle_spins = 0;
       for (int spins = 1; (ticket_.load(std::memory_order_acquire) >> 32) == seen; ++spins) {
         if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(100)) {
           std::unique_lock<std::mutex> lock(mu_);
           cv_.wait(lock, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
           break;
         }
-        cpu_relax();
+        wait_a_little(idle_spins);
       }
       seen = ticket_.load(std::memory_order_acquire) >> 32;
       const int me = joined_.fetch_add(1, std::memory_order_acq_rel);
