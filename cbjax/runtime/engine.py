@@ -92,13 +92,12 @@ class Engine:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
         self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
-        # The programs whose every layer the CPU layer kernel runs take the layers' weights as one
-        # table of addresses (cpu_kernels.LayerAddresses); self.params keeps the arrays alive.
-        addresses = cpu_kernels.layer_addresses(self.params, mc) \
-            if self.ops is cpu_kernels.CPU_KERNELS and config.attention != "pallas" else None
-        self._params_by_address = None if addresses is None else {**self.params, "layers": addresses}
-        self._programs = {}  # (argument shapes, steps) -> jax.stages.Compiled
-        self._slot_decodes = {}  # (tokens, slots) -> packed arrays of decode rows named by slot alone
+        # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
+        addresses = (self.ops is cpu_kernels.CPU_KERNELS and config.attention != "pallas"
+                     and cpu_kernels.layer_addresses(self.params, mc))
+        self._params_by_address = {**self.params, "layers": addresses} if addresses else None
+        # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
+        self._programs, self._slot_decodes = {}, {}
         self.reset()
 
     def _configure(self, model, config: EngineConfig) -> None:
@@ -189,22 +188,12 @@ class Engine:
         return calls
 
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
-        """The step's host arrays, with the structured-output masks when a row that samples
-        has a constraint (the masked program; without one, the program has no mask)."""
-        # The overlap's decode calls (EngineCore._run_ahead) name only slots, the same ones step
-        # after step: their arrays are packed once (~0.1 ms of Python a step otherwise).
-        key = (num_tokens, tuple(r.slot for r in rows)) if all(
-            r.is_decode and r.request is None and r.start == 0 and r.generated == 0 and r.prompt_len == 0
-            and not r.is_last and r.history is None for r in rows) else None
-        if key in self._slot_decodes:
-            return self._slot_decodes[key]
-        num_rows = row_bucket(num_tokens, self.num_slots)
+        """The step's host arrays, and the structured-output masks if a sampling row has a constraint."""
+        key, num_rows = step.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
+        if key is not None:  # the overlap's decode calls, the same step after step: packed once
+            return step.packed_once(self._slot_decodes, key,
+                                    lambda: pack(rows, num_tokens, num_rows, self.sampling_row))
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
-        if key is not None and len(self._slot_decodes) < 256:
-            for array in packed:
-                array.flags.writeable = False
-            self._slot_decodes[key] = packed
-            return packed
         masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)
 
@@ -213,8 +202,7 @@ class Engine:
         return self._step(packed, steps)
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
-        num_tokens = packed[0].shape[1]
-        by_address = self._params_by_address is not None and num_tokens <= cpu_kernels.MAX_ROWS
+        by_address = self._params_by_address is not None and packed[0].shape[1] <= cpu_kernels.MAX_ROWS
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      paged_kernel=self.config.attention == "pallas", history_block=self.history_block(),

@@ -58,6 +58,27 @@ def row_bucket(num_tokens: int, num_slots: int) -> int:
     return min(num_tokens, 1 << (num_slots - 1).bit_length())
 
 
+def slot_decodes_key(rows: list[Row], num_tokens: int) -> tuple | None:
+    """The key of a call whose rows are decodes named by slot alone (the overlap's calls,
+    EngineCore._run_ahead: the same rows step after step, so their arrays can be packed
+    once), else None."""
+    if all(r.is_decode and r.request is None and r.start == 0 and r.generated == 0 and r.prompt_len == 0
+           and not r.is_last and r.history is None for r in rows):
+        return num_tokens, tuple(r.slot for r in rows)
+    return None
+
+
+def packed_once(kept: dict, key, make) -> tuple[np.ndarray, ...]:
+    """`kept[key]`, made read-only by `make()` the first time (at most 1024 kept: beyond, start over)."""
+    if key not in kept:
+        if len(kept) >= 1024:
+            kept.clear()
+        kept[key] = make()
+        for array in kept[key]:
+            array.flags.writeable = False
+    return kept[key]
+
+
 def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host arrays of a step: `flat [2, N]` (token ids, each token's row; padding points at
     row R), row `ints [R, ...]` and `floats [R, ...]`. `sampling_row(row)` packs a row's
