@@ -24,6 +24,7 @@
 #include <chrono>
 #include <initializer_list>
 #include <tuple>
+#include <utility>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -668,8 +669,8 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
                         ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                         ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> x_out,
                         ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t window, bool qk_norm, int64_t page_size,
-                        int64_t head_stride, int64_t page_stride, int64_t num_pages) {
+                        int64_t num_heads, int64_t num_kv_heads, int64_t window, int64_t page_size,
+                        int64_t head_stride, int64_t page_stride, int64_t num_pages, bool qk_norm) {
   const auto xd = x.dimensions();
   const auto gd = w_gate.dimensions();  // [F, H]
   if (xd.size() != 2 || gd.size() != 2 || num_heads < 1 || xd[1] < 1) {
@@ -703,9 +704,10 @@ ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> address
                           ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> valid,
                           ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> k_out,
-                          ffi::ResultBuffer<ffi::F32> v_out, int64_t layer, int64_t intermediate, int64_t head_dim,
-                          float eps, float scale, int64_t num_heads, int64_t num_kv_heads, int64_t window,
-                          int64_t page_size, int64_t head_stride, int64_t page_stride, int64_t num_pages) {
+                          ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t window, int64_t page_size, int64_t head_stride,
+                          int64_t page_stride, int64_t num_pages, int64_t layer, int64_t intermediate,
+                          int64_t head_dim) {
   constexpr int64_t kWeights = sizeof(LayerWeights) / sizeof(const float*);
   const auto ad = addresses.dimensions();
   if (ad.size() != 2 || ad[1] != 2 * kWeights || layer < 0 || layer >= ad[0]) {
@@ -750,64 +752,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
                                   .Attr<int64_t>("page_stride")
                                   .Attr<int64_t>("num_pages"));
 
+// What both layer kernels take after their weights, in their handlers' order.
+template <typename Binding>
+auto with_rows_and_cache(Binding&& binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::F32>>()  // cos
+      .template Arg<ffi::Buffer<ffi::F32>>()             // sin
+      .template Arg<ffi::Buffer<ffi::F32>>()             // cache_k
+      .template Arg<ffi::Buffer<ffi::F32>>()             // cache_v
+      .template Arg<ffi::Buffer<ffi::S32>>()             // tables
+      .template Arg<ffi::Buffer<ffi::S32>>()             // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()             // valid
+      .template Ret<ffi::Buffer<ffi::F32>>()             // x_out
+      .template Ret<ffi::Buffer<ffi::F32>>()             // cache_k (aliased)
+      .template Ret<ffi::Buffer<ffi::F32>>()             // cache_v (aliased)
+      .template Attr<float>("eps")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("num_heads")
+      .template Attr<int64_t>("num_kv_heads")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("page_size")
+      .template Attr<int64_t>("head_stride")
+      .template Attr<int64_t>("page_stride")
+      .template Attr<int64_t>("num_pages");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, DecoderLayer,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wq
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wk
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wv
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wo
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_down
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // x_out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_k (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_v (aliased)
-                                  .Attr<float>("eps")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("num_heads")
-                                  .Attr<int64_t>("num_kv_heads")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("qk_norm")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("head_stride")
-                                  .Attr<int64_t>("page_stride")
-                                  .Attr<int64_t>("num_pages"));
+                              with_rows_and_cache(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wq
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wk
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wv
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wo
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // q_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_gate
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_up
+                                                      .Arg<ffi::Buffer<ffi::F32>>())  // w_down
+                                  .Attr<bool>("qk_norm"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at, DecoderLayerAt,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // addresses
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cache_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // x_out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_k (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // cache_v (aliased)
+                              with_rows_and_cache(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                                      .Arg<ffi::Buffer<ffi::U32>>())  // addresses
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("head_dim")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("num_heads")
-                                  .Attr<int64_t>("num_kv_heads")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("head_stride")
-                                  .Attr<int64_t>("page_stride")
-                                  .Attr<int64_t>("num_pages"));
+                                  .Attr<int64_t>("head_dim"));
