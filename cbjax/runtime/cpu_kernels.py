@@ -43,6 +43,7 @@ import numpy as np
 
 from cbjax.compile_cache import cache_root
 from cbjax.models.ops import Ops
+from cbjax.models.params import flatten_shapes, param_shapes
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention", "cbjax_decoder_layer", "cbjax_decoder_layer_at")
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
@@ -205,14 +206,14 @@ def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, nu
     rows' keys and values written into the layer's cache in place. Equals the transformer's
     layer (its reference) on rows whose tokens are valid. `p`: the layer's weights, or its
     row of a `LayerAddresses` table."""
-    rows = (x, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
+    rest = (config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
     if isinstance(p, LayerAt):
-        return _layer_call("cbjax_decoder_layer_at", x, [p.table], *rows[1:], layer=np.int64(p.index),
+        return _layer_call("cbjax_decoder_layer_at", x, [p.table], *rest, layer=np.int64(p.index),
                            intermediate=np.int64(config.intermediate_size), head_dim=np.int64(config.head_dim))
     one = jnp.ones((config.head_dim,), jnp.float32)
     weights = [p["attn_norm"]["scale"], p["wq"], p["wk"], p["wv"], p["wo"], p.get("q_norm", one),
                p.get("k_norm", one), p["mlp_norm"]["scale"], p["w_gate"], p["w_up"], p["w_down"]]
-    return _layer_call("cbjax_decoder_layer", x, weights, *rows[1:], qk_norm=bool(config.qk_norm))
+    return _layer_call("cbjax_decoder_layer", x, weights, *rest, qk_norm=bool(config.qk_norm))
 
 
 # ---------------------------------------------------------------- weights by address
@@ -255,20 +256,18 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
     """`params["layers"]` as a `LayerAddresses` table when the layer kernel takes every layer
     (f32 Llama / Mistral / Qwen3 layers without biases, on the CPU), else None."""
     layers = params["layers"]
-    if not layers or not available() or config.position_embedding != "rope" or config.is_gpt2:
-        return None
-    hd, d = config.head_dim, config.hidden_size
-    expected = {"attn_norm": (d,), "wq": (config.num_heads * hd, d), "wk": (config.num_kv_heads * hd, d),
-                "wv": (config.num_kv_heads * hd, d), "wo": (d, config.num_heads * hd), "mlp_norm": (d,),
-                "w_gate": (config.intermediate_size, d), "w_up": (config.intermediate_size, d),
-                "w_down": (d, config.intermediate_size)}
-    if config.qk_norm:
-        expected.update(q_norm=(hd,), k_norm=(hd,))
+    # The config's layer (`param_shapes`), by the kernel's names: norms are their scales.
+    layer_shapes = flatten_shapes(param_shapes(config)["layers"][0])
+    expected = {n.removesuffix("/scale"): shape for n, shape in layer_shapes.items()}
+    required = set(LAYER_WEIGHTS) - {"q_norm", "k_norm"}
+    if (not layers or not available() or config.position_embedding != "rope" or not required <= set(expected)
+            or not set(expected) <= set(LAYER_WEIGHTS)):
+        return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
     rows = []
     for p in layers:
-        if set(p) != set(expected) or any("bias" in p[n] or set(p[n]) != {"scale"} for n in ("attn_norm", "mlp_norm")):
-            return None  # biases, or a layer of another shape
-        arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in p}
+        if set(p) != set(expected) or len(jax.tree.leaves(p)) != len(expected):
+            return None  # a layer of another shape than the config's
+        arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in expected}
         if any(not isinstance(a, jax.Array) or a.dtype != jnp.float32 or a.shape != expected[n]
                or a.devices() != {jax.devices("cpu")[0]} for n, a in arrays.items()):
             return None
