@@ -40,6 +40,8 @@ POLICIES = {
     "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
     # Mixed steps. A budget of 13 tokens cuts prompts at odd offsets (13 minus the running decodes).
     "fused": dict(policy="continuous", merge_mode="fused"),
+    # Four token buckets per doubling from 16 (20, 24, 28, 40, ...): whole prompts in each.
+    "fused-bucket-steps-4": dict(policy="continuous", merge_mode="fused", token_bucket_steps=4),
     "fused-budget-paged": dict(policy="continuous", merge_mode="fused", max_num_batched_tokens=40,
                                kv_cache="paged", page_size=8),
     "chunked-13": dict(policy="continuous", merge_mode="chunked", max_num_batched_tokens=13),

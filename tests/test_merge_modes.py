@@ -63,13 +63,20 @@ def test_budget_decodes_first_then_chunks(mode, budget):
     dict(merge_mode="fused"),
     dict(merge_mode="chunked", max_num_batched_tokens=20, kv_cache="paged", page_size=8, num_pages=24,
          enable_prefix_caching=True),
-], ids=["chunked-slots", "fused-slots", "chunked-paged-prefix"])
+    dict(merge_mode="chunked", max_num_batched_tokens=40, token_bucket_steps=2, prefill_floor=8),
+], ids=["chunked-slots", "fused-slots", "chunked-paged-prefix", "chunked-bucket-steps"])
 def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
     assert llm.warmup() == len(llm.engine.programs())
-    # one step per token bucket, up to the budget's power of two
+    # one step per token bucket, up to the first that holds the budget: powers of two, and the
+    # 1.5x sizes from the prefill floor on with token_bucket_steps=2
     budget = llm.engine.step_tokens
-    assert [p[1] for p in llm.engine.programs()] == [1 << i for i in range((budget - 1).bit_length() + 1)]
+    sizes = [1 << i for i in range((budget - 1).bit_length() + 1)]
+    if options.get("token_bucket_steps") == 2:
+        sizes = sorted(sizes + [s * 3 // 2 for s in sizes if s >= options["prefill_floor"]])
+        sizes = sizes[:next(i for i, s in enumerate(sizes) if s >= budget) + 1]
+        assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 48]
+    assert [p[1] for p in llm.engine.programs()] == sizes
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)
     prompts, params = random_requests(rng, 200)
@@ -107,6 +114,8 @@ def test_decode_only_steps_cost_the_active_rows_not_the_slots():
     (dict(merge_mode="chunked", decode_steps=2), "decode_steps"),
     (dict(merge_mode="chunked", max_prefill_tokens=8), "max_prefill_tokens"),
     (dict(merge_mode="fused", max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(token_bucket_steps=3), "power of two"),
+    (dict(token_bucket_steps=0), "token_bucket_steps"),
 ])
 def test_bad_merge_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -62,6 +62,9 @@ class EngineArgs:
                                         "max(256, 2 x slots) chunked, max_seq_len + slots fused.", lower=1)
     # Device (cbjax/runtime/)
     prefill_floor: int = _knob(16, "Smallest token bucket of a step that holds prompt tokens.", lower=1)
+    token_bucket_steps: int = _knob(1, "Token buckets per doubling from prefill_floor on (a power of two): 1 = "
+                                    "powers of two; 2 adds 24, 48, 96, ...: a prompt pads to at most 1.33x its "
+                                    "length instead of 2x, at one more program per doubling.", lower=1)
     max_step_tokens: int = _knob(None, "Most tokens in one device step, its largest token bucket (longer prompts "
                                  "prefill over several steps); default max_num_batched_tokens, else "
                                  "512 on a CPU, 2048 on an accelerator.", lower=1)
@@ -151,7 +154,8 @@ class EngineArgs:
         return EngineConfig(
             num_slots=self.num_slots if num_slots is None else num_slots,
             num_pages=self.num_pages if num_pages is None else num_pages, max_seq_len=self.max_seq_len,
-            prefill_floor=self.prefill_floor, decode_steps=self.decode_steps, kv_cache=self.kv_cache,
+            prefill_floor=self.prefill_floor, token_bucket_steps=self.token_bucket_steps,
+            decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens)

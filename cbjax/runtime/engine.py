@@ -7,7 +7,8 @@ rows of the same step: a prompt row scatters its keys and values straight into i
 slot's part of the donated cache and, when it ends the prompt, sets the slot's decode
 state (last token, sampling parameters, stop tokens, budget); a decode row advances it.
 
-Programs are keyed by the token bucket alone (powers of two up to the step budget), plus
+Programs are keyed by the token bucket alone (powers of two up to the step budget, and
+`token_bucket_steps` sizes per doubling above the prefill floor), plus
 one per bucket of decode rows when `decode_steps > 1`: their number does not grow with
 `max_seq_len`, and a steady workload never recompiles (`TRACE_COUNTS` counts traces).
 """
@@ -115,7 +116,7 @@ class Engine:
         self.eos_ids = tuple(model.config.eos_token_ids)
         self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
         self.step_tokens = config.step_tokens(self.platform)
-        self._token_buckets = token_buckets(self.step_tokens)
+        self._token_buckets = token_buckets(self.step_tokens, config.token_bucket_steps, config.prefill_floor)
 
     @property
     def num_slots(self) -> int:
@@ -151,7 +152,7 @@ class Engine:
         return self.config.merge_mode != "prefill_first"
 
     def token_buckets(self) -> list[int]:
-        """The flat-buffer sizes a step is compiled for: powers of two up to the step budget."""
+        """The flat-buffer sizes a step is compiled for, up to the step budget (`step.token_buckets`)."""
         return list(self._token_buckets)
 
     def history_block(self) -> int:

@@ -39,6 +39,10 @@ class EngineConfig:
     num_slots: int = 8
     max_seq_len: int = 512
     prefill_floor: int = 16
+    # Token buckets per doubling from prefill_floor on: 1 keeps powers of two (a prompt pads to
+    # up to twice its length); 2 adds the 1.5x sizes (24, 48, 96, ...: up to 1.33x, at one
+    # more program per doubling). A power of two.
+    token_bucket_steps: int = 1
     decode_steps: int = 1
     max_stop_tokens: int = 16
     kv_cache: str = "slots"  # or "paged"
@@ -68,8 +72,10 @@ class EngineConfig:
     def __post_init__(self):
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
         self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
-        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size"):
+        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size", "token_bucket_steps"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        if self.token_bucket_steps & (self.token_bucket_steps - 1):
+            raise ValueError(f"token_bucket_steps must be a power of two, got {self.token_bucket_steps}")
         self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
         self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
         if self.attention not in ("reference", "pallas"):

@@ -4,7 +4,7 @@ one host-to-device copy each, and the checks that a request's sampling parameter
 
 Every round runs through `ragged_step`, whatever it holds: a decode row is one token of a
 running sequence, a prefill row a chunk of a prompt (a whole prompt is one chunk). The
-rows' tokens lie end to end in one buffer of `N` tokens (a power of two) with at most
+rows' tokens lie end to end in one buffer of `N` tokens (a token bucket) with at most
 `R = min(N, slots)` rows, so the programs are keyed by the token bucket alone: attended
 lengths and positions are data, never shapes (tpu-inference's ragged paged attention
 makes the same choice). `prefill_first`, `fused` and `chunked` are ways the scheduler
@@ -48,9 +48,17 @@ TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P = range(6)
 NUM_INTS, NUM_FLOATS = 5, 6
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Flat-buffer sizes: powers of two from 1 to the first one holding `max_tokens`."""
-    return [1 << i for i in range(max(max_tokens - 1, 0).bit_length() + 1)]
+def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1) -> list[int]:
+    """Flat-buffer sizes up to the first one holding `max_tokens`: powers of two from 1, and
+    from `floor` on `steps` evenly spaced sizes per doubling (2: 16, 24, 32, 48, 64, 96, ...)."""
+    buckets, b = [], 1
+    while True:
+        stride = b // steps if b >= floor and b % steps == 0 else b
+        for size in range(b, 2 * b, stride):
+            buckets.append(size)
+            if size >= max_tokens:
+                return buckets
+        b *= 2
 
 
 def row_bucket(num_tokens: int, num_slots: int) -> int:
