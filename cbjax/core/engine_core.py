@@ -21,7 +21,7 @@ import numpy as np
 
 from cbjax.core.step_stats import StepStats
 from cbjax.request import Request, RequestState, SamplingParams, TokenLogprob
-from cbjax.runtime.step import split_logprobs
+from cbjax.runtime.step import split_logprobs, to_host
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
 
 
@@ -208,7 +208,8 @@ class EngineCore:
         this round is running when its decode tokens are recorded)."""
         stats = self.stats
         t2 = time.perf_counter()
-        host = jax.device_get([[out for out, _ in dispatched] for dispatched, _ in calls])
+        host = to_host([[out for out, _ in dispatched] for dispatched, _ in calls],
+                       getattr(self.engine, "platform", None))
         now = self.clock()
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
