@@ -87,7 +87,11 @@ async def run_load(url: str, model_name: str, workload, desc: str):
         stream = await client.completions.create(
             model=model_name, prompt=list(item.prompt), max_tokens=item.sampling.max_tokens,
             temperature=item.sampling.temperature, stream=True,
-            extra_body={"ignore_eos": item.sampling.ignore_eos})
+            extra_body={"ignore_eos": item.sampling.ignore_eos},
+            # A connection per request: a kept-alive one that the server closed meanwhile
+            # failed a whole run ("Server disconnected without sending a response", llama-server
+            # at 3 req/s), and a retry would count in the request's TTFT.
+            extra_headers={"Connection": "close"})
         token_times: list[float] = []
         async for chunk in stream:
             now = time.perf_counter()
