@@ -208,8 +208,7 @@ class EngineCore:
         this round is running when its decode tokens are recorded)."""
         stats = self.stats
         t2 = time.perf_counter()
-        host = to_host([[out for out, _ in dispatched] for dispatched, _ in calls],
-                       getattr(self.engine, "platform", None))
+        host = to_host([[out for out, _ in dispatched] for dispatched, _ in calls], self.engine.platform)
         now = self.clock()
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch

@@ -356,7 +356,7 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     return (out if logprobs is None else (out, logprobs)), cache, state
 
 
-def to_host(tree, platform: str | None):
+def to_host(tree, platform: str):
     """A round's results as numpy. A CPU array is host memory already: reading each one in
     place (45 us for a decode call's two arrays, SmolLM2 on 2 cores, a call in flight) skips
     device_get's asynchronous copies, whose hop through another thread took 190 us of the
