@@ -30,6 +30,13 @@ FAMILIES = {
               dict(_LLAMA_LIKE, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(_LLAMA_LIKE, head_dim=32, num_key_value_heads=4)),
+    # Head sizes that are not powers of two (Phi-2 and StableLM ship 80, Phi-3-mini 96).
+    "llama-hd80": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(_LLAMA_LIKE, head_dim=80)),
+    "qwen3-hd96": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                   dict(_LLAMA_LIKE, head_dim=96, num_key_value_heads=1)),
+    # Qwen2's window layers: layers from max_window_layers on slide.
+    "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     dict(_LLAMA_LIKE, use_sliding_window=True, sliding_window=12, max_window_layers=1)),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
              dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=160)),
 }

@@ -68,7 +68,7 @@ def test_history_attention_equals_reference(layout, q_heads, kv_heads, head_dim)
     rng = np.random.default_rng(q_heads * 100 + head_dim)
     slots, max_len, page_size, rows = 5, 48, 8, 7
     num_pages = slots * max_len // page_size + 3
-    shape = (slots, kv_heads, max_len, head_dim) if layout == "slots" else (kv_heads, num_pages, page_size, head_dim)
+    shape = (kv_heads, slots, max_len, head_dim) if layout == "slots" else (kv_heads, num_pages, page_size, head_dim)
     layer_k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
     layer_v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
     lengths = jnp.zeros((slots,), jnp.int32)

@@ -1,8 +1,10 @@
 """Every program of an engine with the Pallas kernels on, traced on this CPU and lowered for
 cuda and for tpu (`Engine.lowered`): the Triton and Mosaic lowering rules run here, only the
 final compile needs the accelerator. At tiny-llama's shape, SmolLM2-135M's (head_dim 64, GQA
-9/3) and Llama-3-8B's (head_dim 128, 8 KV heads), f32 and bf16, under JAX's default Pallas
-settings. The params are shapes only, so the 8B shape costs no memory."""
+9/3), Llama-3-8B's (head_dim 128, 8 KV heads), head sizes that are not powers of two
+(Phi-2's 80, Phi-3-mini's 96) and sliding windows (Mistral-7B on every layer, Qwen2-7B on its
+window layers), f32 and bf16, over the paged cache and the slot cache, under JAX's default
+Pallas settings. The params are shapes only, so the 8B shape costs no memory."""
 
 from __future__ import annotations
 
@@ -27,14 +29,23 @@ SHAPES = {
     "tiny-llama": RANDOM_PRESETS["tiny-llama"],
     "smollm2-135m": RANDOM_PRESETS["smollm2-135m-random"],
     "llama-3-8b": LLAMA3_8B,
+    "hd80-phi-2": dataclasses.replace(LLAMA3_8B, hidden_size=2560, num_heads=32, num_kv_heads=32, head_dim=80,
+                                      intermediate_size=10240, vocab_size=51200),
+    "hd96-phi-3-mini": dataclasses.replace(LLAMA3_8B, hidden_size=3072, num_heads=32, num_kv_heads=32, head_dim=96,
+                                           intermediate_size=8192, vocab_size=32064),
+    "window-mistral-7b": dataclasses.replace(LLAMA3_8B, model_type="mistral", vocab_size=32000,
+                                             sliding_windows=(4096,) * 32),
+    "window-layers-qwen2-7b": dataclasses.replace(LLAMA3_8B, model_type="qwen2", hidden_size=3584, num_heads=28,
+                                                  num_kv_heads=4, vocab_size=152064, sliding_windows=(0,) * 31 + (4096,)),
 }
 KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 KERNEL_NAMES = {"cuda": "cbjax_ragged_paged_attention", "tpu": "cbjax_ragged_paged_attention_tpu"}
 
 
 def abstract_model(config: ModelConfig, dtype) -> Model:
-    """Two layers (every layer lowers alike) of `config`, its params as shapes only."""
-    config = dataclasses.replace(config, num_layers=2)
+    """Two layers (every layer lowers alike; a window model's two carry its windows) of
+    `config`, its params as shapes only."""
+    config = dataclasses.replace(config, num_layers=2, sliding_windows=config.sliding_windows[-2:])
     flat = flatten_shapes(param_shapes(config))
     return Model(config, unflatten({name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in flat.items()}))
 
@@ -70,12 +81,18 @@ def verify_triton(op) -> str:
         return str(module)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype):
+# f32 at the first three shapes; every shape in bf16 (what accelerators serve) over both layouts.
+CASES = [(shape, "f32", "paged") for shape in ("tiny-llama", "smollm2-135m", "llama-3-8b")]
+CASES += [(shape, "bf16", layout) for shape in sorted(SHAPES) for layout in ("paged", "slots")]
+
+
+@pytest.mark.parametrize("shape, dtype, layout", CASES, ids=["-".join(c) for c in CASES])
+def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype, layout):
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
     model = abstract_model(SHAPES[shape], dtype)
-    engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", page_size=16,
+    engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=256, kv_cache=layout, page_size=16,
                                         attention="pallas", cpu_kernels="off"))
+    assert engine.attention == "pallas"
     lowered = engine.lowered(("cuda", "tpu"))
     assert set(lowered) == set(engine.programs())
     for program, by_platform in lowered.items():
@@ -100,7 +117,7 @@ def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype):
 
 
 @pytest.mark.parametrize("change, knob", [(dict(page_size=24), "page_size"), (dict(page_size=4), "page_size"),
-                                          (dict(head_dim=96), "head_dim"), (dict(head_dim=40), "head_dim")])
+                                          (dict(head_dim=84), "head_dim"), (dict(head_dim=264), "head_dim")])
 def test_engine_refuses_a_kernel_configuration_at_build(change, knob):
     page_size = change.pop("page_size", 16)
     config = dataclasses.replace(RANDOM_PRESETS["tiny-llama"], **change)
@@ -115,3 +132,29 @@ def test_engine_refuses_bf16_pages_of_eight():
         Engine(abstract_model(RANDOM_PRESETS["tiny-llama"], jnp.bfloat16),
                EngineConfig(num_slots=2, max_seq_len=64, kv_cache="paged", page_size=8, attention="pallas",
                             cpu_kernels="off"))
+
+
+def test_the_slot_cache_needs_whole_kernel_pages():
+    """A slot is read as a run of pages: max_seq_len must hold whole ones (16 tokens in bf16)."""
+    model = abstract_model(RANDOM_PRESETS["tiny-llama"], jnp.bfloat16)
+    with pytest.raises(ValueError, match="attention='pallas'.*max_seq_len .*multiple of 16"):
+        Engine(model, EngineConfig(num_slots=2, max_seq_len=72, attention="pallas", cpu_kernels="off"))
+    assert Engine(model, EngineConfig(num_slots=2, max_seq_len=80, attention="pallas", cpu_kernels="off")).attention \
+        == "pallas"
+
+
+@pytest.mark.parametrize("platform, layout, expected", [("cpu", "slots", "reference"), ("cpu", "paged", "reference"),
+                                                        ("gpu", "slots", "pallas"), ("gpu", "paged", "pallas"),
+                                                        ("tpu", "slots", "pallas")])
+def test_auto_attention_is_the_kernel_on_accelerators(platform, layout, expected):
+    """The default, attention='auto': the kernels wherever a GPU or TPU runs them, the reference
+    path (and the C++ kernels) on a CPU; and the reference path where the kernel cannot run."""
+    from cbjax.runtime.engine import choose_attention
+
+    model = abstract_model(LLAMA3_8B, jnp.bfloat16)
+    config = EngineConfig(num_slots=4, max_seq_len=256, kv_cache=layout, page_size=16)
+    assert config.attention == "auto"
+    assert choose_attention(model, config, platform) == expected
+    assert choose_attention(model, config, platform, tensor_parallel=2) == "reference"
+    odd = EngineConfig(num_slots=4, max_seq_len=72, kv_cache="slots")
+    assert choose_attention(model, odd, platform) == "reference"

@@ -38,6 +38,11 @@ POLICIES = {
                                      decode_steps=2, overlap=False),
     "paged-static": dict(policy="static", kv_cache="paged", page_size=8, num_pages=14),
     "paged-pallas": dict(policy="continuous", kv_cache="paged", page_size=8, num_pages=20, attention="pallas"),
+    # The slot cache through the same kernel (a slot read as a run of pages).
+    "slots-pallas": dict(policy="continuous", attention="pallas"),
+    "chunked-13-slots-pallas-priority-rank-preempt": dict(policy="continuous", merge_mode="chunked",
+                                                          max_num_batched_tokens=13, ordering="priority",
+                                                          attention="pallas"),
     # Mixed steps. A budget of 13 tokens cuts prompts at odd offsets (13 minus the running decodes).
     "fused": dict(policy="continuous", merge_mode="fused"),
     # Four token buckets per doubling from 16 (20, 24, 28, 40, ...): whole prompts in each.
@@ -178,3 +183,26 @@ def test_prefix_cache_shares_a_system_prompt_and_keeps_outputs(setup):
     stats = llm.pages.stats
     # The first two run together (nothing computed yet); the other three hit the 5 shared pages.
     assert stats.hits >= 3 * 5 and 0 < stats.hit_rate <= 1
+
+
+# A head_dim that is not a power of two, and sliding windows (Mistral's on every layer, Qwen2's on
+# its window layers): the kernels take them, over either cache layout.
+KERNEL_FAMILIES = ["llama-hd80", "qwen3-hd96", "mistral", "qwen2-window"]
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+def test_the_kernel_matches_transformers_on_any_head_dim_and_window(family, layout, tmp_path):
+    """Greedy tokens with the Pallas kernel as the engine's attention (interpret mode here)
+    equal transformers' for models the kernel once refused: chunks cut at odd offsets beside
+    decodes, prompts and outputs well past the 12-token windows."""
+    hf = make_hf_model(family, seed=11, eos_token_id=2, bos_token_id=1)
+    model = load_hf_dir(save_hf_model(hf, str(tmp_path)), with_tokenizer=False)
+    prompts, max_tokens = workload(model.config.vocab_size, seed=3)
+    prompts, max_tokens = prompts[-8:], max_tokens[-8:]  # the last two run into max_seq_len
+    expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, attention="pallas", kv_cache=layout,
+              page_size=8, merge_mode="chunked", max_num_batched_tokens=13)
+    assert llm.engine.attention == "pallas"
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
+    _check(outputs, prompts, max_tokens, expected)

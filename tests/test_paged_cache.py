@@ -70,10 +70,10 @@ def test_decode_through_the_pallas_kernel_matches_the_reference_path():
         prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(1, n)), jnp.int32)
         _, cache = jit_forward(model.params, cfg, cache, prompt, jnp.zeros(1, jnp.int32),
                                slot_ids=jnp.asarray([slot]), kv_len=32)
-    step = jax.jit(forward, static_argnames=("config", "kv_len", "paged_kernel"))
+    step = jax.jit(forward, static_argnames=("config", "kv_len", "attention_kernel"))
     for _ in range(3):
         tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(slots, 1)), jnp.int32)
         active = jnp.asarray([1, 1, 0], jnp.int32)
         ref, _ = step(model.params, cfg, cache, tokens, cache.lengths, num_valid=active)
-        out, cache = step(model.params, cfg, cache, tokens, cache.lengths, num_valid=active, paged_kernel=True)
+        out, cache = step(model.params, cfg, cache, tokens, cache.lengths, num_valid=active, attention_kernel=True)
         np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(ref)[:2], atol=2e-5, rtol=2e-5)

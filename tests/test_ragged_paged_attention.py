@@ -110,7 +110,8 @@ def test_kernel_rejects_mismatched_metadata():
 
 
 @pytest.mark.parametrize("change, knob", [
-    (dict(head_dim=40), "head_dim"), (dict(head_dim=96), "head_dim"), (dict(page=24), "page_size"),
+    (dict(head_dim=12), "head_dim"), (dict(head_dim=84), "head_dim"), (dict(head_dim=264), "head_dim"),
+    (dict(page=24), "page_size"),
     (dict(page=8, dtype=jnp.bfloat16), "page_size"), (dict(block_q=24), "block_q"), (dict(block_q=8), "block_q"),
     (dict(pages_per_block=3), "pages_per_block")])
 def test_kernel_refuses_shapes_it_cannot_compile_for(change, knob):

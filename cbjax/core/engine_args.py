@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from cbjax import checks
-from cbjax.runtime.engine import CPU_KERNEL_CHOICES, EngineConfig
+from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 from cbjax.simulator.hardware import LINKS
 
@@ -76,8 +76,9 @@ class EngineArgs:
     page_size: int = _knob(16, "Tokens per page (paged cache).", lower=1)
     num_pages: int = _knob(None, "Pages in the paged cache (default: num_slots x max_seq_len worth).", lower=1)
     enable_prefix_caching: bool = _knob(False, "Share cached prompt pages between requests (paged cache).")
-    attention: str = _knob("reference", "Attention: reference (pure JAX) or pallas (paged kernels).",
-                           ("reference", "pallas"))
+    attention: str = _knob("auto", "Attention: auto (the Pallas kernels on a GPU or TPU, the reference path and "
+                           "the C++ kernels on a CPU), reference (pure JAX) or pallas (the ragged kernels, over "
+                           "either cache layout).", ATTENTION_CHOICES)
     cpu_kernels: str = _knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
                              "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
                              CPU_KERNEL_CHOICES)

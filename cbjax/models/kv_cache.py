@@ -9,11 +9,13 @@ made XLA:CPU copy the whole cache in every decode step: SmolLM2 at 8 slots spent
 14 ms of a 118 ms step in such copies.)
 
 `SlotCache` is the fixed-slot layout: every slot reserves `max_len` positions, each
-layer's keys `[slots, kv_heads, max_len, head_dim]`. Heads come before positions (as
-in the paged layout's `[kv_heads, pages, page_size, head_dim]`): attention then reads
-each head's keys as one contiguous `[length, head_dim]` matrix, which measured 1.5x
-faster than the position-major order on CPU. `lengths[slot]` is how many positions of
-a slot hold a valid sequence.
+layer's keys `[kv_heads, slots, max_len, head_dim]`. Heads come first and positions
+before head_dim, as in the paged layout's `[kv_heads, pages, page_size, head_dim]`:
+attention reads each head's keys of a slot as one contiguous `[length, head_dim]`
+matrix (1.5x faster than the position-major order on CPU), and a slot is a run of
+`max_len / page_size` consecutive pages of a pool, so the ragged attention kernel reads
+both layouts (`kernel_view`). `lengths[slot]` is how many positions of a slot hold a
+valid sequence.
 """
 
 from __future__ import annotations
@@ -45,16 +47,16 @@ def _scatter_rows(index: jax.Array, positions: jax.Array, new: jax.Array, droppe
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotCache:
-    k: tuple  # per layer: [slots, kv_heads, max_len, head_dim]
-    v: tuple  # per layer: [slots, kv_heads, max_len, head_dim]
+    k: tuple  # per layer: [kv_heads, slots, max_len, head_dim]
+    v: tuple  # per layer: [kv_heads, slots, max_len, head_dim]
     lengths: jax.Array  # [slots] int32
     # Static: where each layer's k and v live on a tensor-parallel mesh (cbjax/sharding.py), or None.
     kv_sharding: object = dataclasses.field(default=None, metadata=dict(static=True))
-    head_axis = 1  # of one layer's array
+    head_axis = 0  # of one layer's array
 
     @property
     def num_slots(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     @property
     def max_len(self) -> int:
@@ -62,7 +64,7 @@ class SlotCache:
 
     @staticmethod
     def layer_shape(config: ModelConfig, num_slots: int, max_len: int) -> tuple:
-        return (num_slots, config.num_kv_heads, max_len, config.head_dim)
+        return (config.num_kv_heads, num_slots, max_len, config.head_dim)
 
     @classmethod
     def init(cls, config: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32) -> "SlotCache":
@@ -80,32 +82,31 @@ class SlotCache:
 
     def write(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) into one layer's cache at
-        `[slot_ids[b], :, starts[b] + t]`, in place; padding (and anything past `max_len`)
+        `[:, slot_ids[b], starts[b] + t]`, in place; padding (and anything past `max_len`)
         goes to an out-of-range slot and is dropped."""
         t = new.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
         valid = (jnp.arange(t)[None, :] < num_valid[:, None]) & (positions < self.max_len)
         slots = jnp.where(valid, slot_ids[:, None], self.num_slots)
         slots, positions, new = _scatter_rows(slots, positions, new, self.num_slots)
-        # cache[slots, :, positions] with [B, T] index arrays indexes [B, T, kv_heads, hd]
-        # (NumPy puts the broadcast index dimensions first when a slice separates them).
-        return cache.at[slots, :, positions].set(new.astype(cache.dtype), mode="drop")
+        # cache[:, slots, positions] with adjacent [B, T] index arrays indexes [kv_heads, B, T, hd]
+        return cache.at[:, slots, positions].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
 
     def read(self, cache: jax.Array, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
         """One layer's keys (or values) of rows `slot_ids`: `[B, kv_heads, kv_len, head_dim]`."""
         if all_slots:  # decode: every slot in order, a plain slice (fused into the attention, no copy)
-            return cache[:, :, :kv_len]
-        return cache[slot_ids, :, :kv_len]
+            return cache[:, :, :kv_len].swapaxes(0, 1)
+        return cache[:, slot_ids, :kv_len].swapaxes(0, 1)
 
     def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
         """Positions `[at, at + size)` of rows `slot_ids` (`at` traced, `at + size <= max_len`):
         `[B, kv_heads, size, head_dim]`."""
-        return jax.lax.dynamic_slice_in_dim(cache, at, size, axis=2)[slot_ids]
+        return jax.lax.dynamic_slice_in_dim(cache, at, size, axis=2)[:, slot_ids].swapaxes(0, 1)
 
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
-        return tuple(jnp.stack([layer[slot, :, :n] for layer in kv]) for kv in (self.k, self.v))
+        return tuple(jnp.stack([layer[:, slot, :n] for layer in kv]) for kv in (self.k, self.v))
 
     # One sequence out and in (a KV move between engines), and copies (a fork's prompt).
     paged = False
@@ -121,22 +122,37 @@ class SlotCache:
     def sequence_out(self, layer: jax.Array, slot, pages, padded: int) -> jax.Array:
         """One layer's first `padded` positions of `slot`: `[kv_heads, padded, head_dim]`."""
         del pages
-        return jax.lax.dynamic_slice_in_dim(layer[slot], 0, padded, axis=1)
+        return jax.lax.dynamic_slice_in_dim(layer[:, slot], 0, padded, axis=1)
 
     def sequence_in(self, layer: jax.Array, new: jax.Array, slot, pages) -> jax.Array:
         """`new` (`[kv_heads, padded, head_dim]`) written as `slot`'s first positions, in place."""
         del pages
-        return jax.lax.dynamic_update_slice(layer, new[None].astype(layer.dtype), (slot, 0, 0, 0))
+        return jax.lax.dynamic_update_slice(layer, new[:, None].astype(layer.dtype), (0, slot, 0, 0))
 
     def copy(self, layer: jax.Array, src, dst) -> jax.Array:
         """Whole slots `src` copied to `dst` (out-of-range destinations dropped)."""
-        return layer.at[dst].set(layer[src], mode="drop")
+        return layer.at[:, dst].set(layer[:, src], mode="drop")
 
     def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
         """How a kernel walks rows `slot_ids` of one layer: (tables `[B, pages]`, num_pages,
         page_size, head_stride, page_stride) in elements; a slot is one page of max_len."""
-        num_pages, kv_heads, page_size, d = layer.shape
-        return slot_ids[:, None], num_pages, page_size, page_size * d, kv_heads * page_size * d
+        kv_heads, num_slots, max_len, d = layer.shape
+        return slot_ids[:, None], num_slots, max_len, num_slots * max_len * d, max_len * d
+
+    def kernel_view(self, layer_k: jax.Array, layer_v: jax.Array, slot_ids) -> tuple:
+        """What the ragged attention kernel reads for rows `slot_ids`: the layer as a pool of
+        pages of the kernel's choice (`[kv_heads, slots * max_len / page_size, page_size, hd]`,
+        a reshape: no copy), and each row's pages, the consecutive ones of its slot."""
+        from pallas_kernels.ragged_paged_attention import slot_page_size
+
+        kv_heads, num_slots, max_len, d = layer_k.shape
+        page_size = slot_page_size(max_len, d, layer_k.dtype)
+        if page_size is None:
+            raise ValueError(f"the attention kernel cannot read a slot cache of max_len {max_len} ({layer_k.dtype})")
+        per_slot = max_len // page_size
+        pool = lambda layer: layer.reshape(kv_heads, num_slots * per_slot, page_size, d)  # noqa: E731
+        tables = slot_ids[:, None] * per_slot + jnp.arange(per_slot, dtype=jnp.int32)[None, :]
+        return pool(layer_k), pool(layer_v), tables
 
 
 @jax.tree_util.register_dataclass
@@ -242,6 +258,10 @@ class PagedCache:
     def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
         kv_heads, num_pages, page_size, d = layer.shape
         return self.block_tables[slot_ids], num_pages, page_size, num_pages * page_size * d, page_size * d
+
+    def kernel_view(self, layer_k: jax.Array, layer_v: jax.Array, slot_ids) -> tuple:
+        """The pools as they are and the rows' block tables."""
+        return layer_k, layer_v, self.block_tables[slot_ids]
 
     def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
         """Positions `[at, at + size)` of rows `slot_ids` (`at` and `size` multiples of the page

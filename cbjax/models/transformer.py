@@ -47,19 +47,21 @@ def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
     return q, k, v
 
 
-def _kernel_attention(q, cache, pool_k, pool_v, slot_ids, starts, ragged):
-    """Attention by the ragged Pallas kernel over the page pool (the platform's kernel; on a CPU
-    its body in interpret mode). `ragged`: a flat mixed batch, one token per row
-    (cu_q_lens, kv_lens, row slots); None: a decode step, one token per row and sequence."""
+def _kernel_attention(q, cache, layer_k, layer_v, slot_ids, starts, ragged, window):
+    """Attention by the ragged Pallas kernel over the layer's cache, paged or slots (a slot read
+    as a run of pages): the platform's kernel, on a CPU its body in interpret mode. `ragged`:
+    a flat mixed batch, one token per row (cu_q_lens, kv_lens, row slots); None: a decode
+    step, one token per row and sequence."""
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     if ragged is None:
         rows = q.shape[0]
         ragged = (jnp.arange(rows + 1, dtype=jnp.int32), starts + 1, slot_ids)
     cu_q_lens, kv_lens, row_slots = ragged
+    k_pages, v_pages, tables = cache.kernel_view(layer_k, layer_v, row_slots)
     # The kernel loads each page once per query tile of a sequence, not once per token.
-    return ragged_paged_attention(q[:, 0], pool_k, pool_v, kv_lens, cache.block_tables[row_slots], cu_q_lens,
-                                  scale=q.shape[-1] ** -0.5)[:, None]
+    return ragged_paged_attention(q[:, 0], k_pages, v_pages, kv_lens, tables, cu_q_lens, scale=q.shape[-1] ** -0.5,
+                                  window=window)[:, None]
 
 
 def _blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end, valid, block, scale):
@@ -138,7 +140,7 @@ def forward(
     slot_ids: jax.Array | None = None,  # [B] int32; default arange(B)
     kv_len: int | None = None,  # static; default cache.max_len
     logits_index: jax.Array | None = None,  # [B]: return logits only at these chunk offsets
-    paged_kernel: bool = False,  # static: attention by the ragged Pallas kernel (paged cache)
+    attention_kernel: bool = False,  # static: attention by the ragged Pallas kernel (either cache layout)
     logits_rows: jax.Array | None = None,  # [R]: return logits only of these rows (T == 1)
     ragged: tuple | None = None,  # flat mixed batch for the ragged kernel: (cu_q_lens, kv_lens, row slots)
     flat_rows: jax.Array | None = None,  # [B] with T == 1: tokens of one sequence in a flat buffer share a row id
@@ -155,8 +157,6 @@ def forward(
     (`params["layers"]` and `cache` hold just those): `embed`/`head` say whether it
     starts from token ids and ends in logits."""
     b, t = tokens.shape[:2]
-    if paged_kernel and (not cache.paged or any(config.windows)):
-        raise ValueError("the Pallas kernel needs the paged cache and full (non-sliding) attention")
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
     all_slots = slot_ids is None
@@ -189,7 +189,7 @@ def forward(
     # around its reads; on an accelerator the scan's compile time is the open question.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
-        whole = None if paged_kernel else ops.decoder_layer(x, p, config, cache, ks[layer], vs[layer], slot_ids,
+        whole = None if attention_kernel else ops.decoder_layer(x, p, config, cache, ks[layer], vs[layer], slot_ids,
                                                              positions, num_valid, cos, sin, window)
         if whole is not None:
             x, ks[layer], vs[layer] = whole
@@ -200,8 +200,8 @@ def forward(
         # (written after, every layer's cache was copied twice per call).
         ks[layer] = cache.write(ks[layer], slot_ids, starts, num_valid, k)
         vs[layer] = cache.write(vs[layer], slot_ids, starts, num_valid, v)
-        if paged_kernel:
-            out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged)
+        if attention_kernel:
+            out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged, window)
         else:
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
                                        history_end, num_valid, kv_len, all_slots, flat_rows, ops,

@@ -27,11 +27,12 @@ from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
-from cbjax.runtime.engine_config import CPU_KERNEL_CHOICES, EngineConfig, prefill_buckets  # noqa: F401 (re-exported)
+from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
+                                         prefill_buckets)
 from cbjax.runtime.prompt_logprobs import prompt_logprobs
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
-from pallas_kernels.ragged_paged_attention import check_supported
+from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
 
 # (device result, for each row of the call the index of the round's row whose result it is,
 # or -1 for a piece of a prompt chunk that continues in a later call)
@@ -54,19 +55,42 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
     return False
 
 
-def check_kernel_config(model, config: EngineConfig) -> None:
-    """Refuse, naming the knob, what the Pallas kernels cannot compile for, when the engine is
-    built rather than when its first program lowers on the accelerator."""
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def kernel_refusal(model, config: EngineConfig) -> str | None:
+    """Why the Pallas kernels cannot compile for this model and engine (naming the knob), or
+    None: checked when the engine is built rather than when a program lowers on the device."""
     mc = model.config
-    if any(mc.windows):
-        raise ValueError("attention='pallas' does not support sliding-window layers: use attention='reference'")
     leaves = jax.tree.leaves(model.params)
     dtype = leaves[0].dtype if leaves else jax.numpy.bfloat16  # a simulated model: the accelerator's 16 bits
+    if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
+        return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
+                f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
     try:
-        check_supported(head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype, q_heads=mc.num_heads,
-                        kv_heads=mc.num_kv_heads)
+        check_supported(head_dim=mc.head_dim, page_size=config.page_size if config.kv_cache == "paged" else 64,
+                        dtype=dtype, q_heads=mc.num_heads, kv_heads=mc.num_kv_heads)
     except ValueError as e:
-        raise ValueError(f"attention='pallas': {e}") from None
+        return str(e)
+    return None
+
+
+def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel: int = 1) -> str:
+    """The attention an engine runs: `config.attention` when it names one ("pallas" refused,
+    naming the knob, where the kernels cannot run), and for "auto" the kernels on a GPU or
+    TPU wherever they take the model, the reference path elsewhere (on a CPU the C++
+    kernels, cbjax/runtime/cpu_kernels.py, are the fast path; the Pallas body only runs
+    interpreted there)."""
+    if config.attention == "reference":
+        return "reference"
+    why_not = kernel_refusal(model, config)
+    if why_not is None and tensor_parallel > 1:
+        why_not = "the kernels do not run tensor-parallel yet"
+    if config.attention == "pallas":
+        if why_not is not None:
+            raise ValueError(f"attention='pallas': {why_not}: use attention='reference'")
+        return "pallas"
+    return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
 
 
 class Engine:
@@ -81,34 +105,31 @@ class Engine:
         `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
         None keeps everything on the default device."""
         self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        self._configure(model, config)
+        self._configure(model, config, sharding.tp_size(mesh) if mesh is not None else 1)
         mc = model.config
         self.mesh = mesh
         if mesh is not None:
             sharding.check_divisible(mc, mesh)
-            if config.attention == "pallas" and sharding.tp_size(mesh) > 1:
-                raise ValueError("attention='pallas' does not run tensor-parallel yet: use attention='reference'")
             self.params = sharding.shard_params(model.params, mc, mesh)
         else:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
         self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
-        addresses = (self.ops is cpu_kernels.CPU_KERNELS and config.attention != "pallas"
+        addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
                      and cpu_kernels.layer_addresses(self.params, mc))
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
         self._programs, self._slot_decodes = {}, {}
         self.reset()
 
-    def _configure(self, model, config: EngineConfig) -> None:
+    def _configure(self, model, config: EngineConfig, tensor_parallel: int = 1) -> None:
         """What every engine kind sets up, the simulated one included: the model, the config
-        (checked against the model) and the length buckets."""
+        (checked against the model), the attention it runs and the length buckets."""
         if config.max_seq_len > model.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
-        if config.attention == "pallas":
-            check_kernel_config(model, config)
+        self.attention = choose_attention(model, config, self.platform, tensor_parallel)
         self.model = model
         self.config = config
         self.max_len = config.max_seq_len
@@ -206,7 +227,7 @@ class Engine:
         by_address = self._params_by_address is not None and packed[0].shape[1] <= cpu_kernels.MAX_ROWS
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
-                     paged_kernel=self.config.attention == "pallas", history_block=self.history_block(),
+                     attention_kernel=self.attention == "pallas", history_block=self.history_block(),
                      ops=self.ops))
 
     def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:

@@ -10,6 +10,7 @@ from cbjax.scheduling.config import MERGE_MODES
 
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
+ATTENTION_CHOICES = ("auto", "reference", "pallas")
 # A step's default token budget, whatever max_seq_len is: prompts longer than it prefill over
 # several calls (exactly), and the programs stay 10 on a CPU, 12 on an accelerator (tpu-
 # inference keeps about ten, after its users named start-up compile time their first
@@ -48,10 +49,11 @@ class EngineConfig:
     kv_cache: str = "slots"  # or "paged"
     page_size: int = 16
     num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
-    # Attention over the paged cache: "reference" (pure JAX, everywhere) or "pallas" (the ragged
+    # Attention over either cache layout: "reference" (pure JAX, everywhere), "pallas" (the ragged
     # kernels of pallas_kernels/ragged_paged_attention: Triton on a GPU, Mosaic on a TPU, interpret
-    # mode on a CPU). Cross-lowered in the tests, not yet run on an accelerator: not the default.
-    attention: str = "reference"
+    # mode on a CPU), or "auto": the kernels on a GPU or TPU, the reference path (and the C++
+    # CPU kernels) on a CPU (`engine.choose_attention`).
+    attention: str = "auto"
     # "prefill_first": a step of prompt rows, then one of decode rows. "fused" / "chunked": one
     # step of both per round over at most `max_num_batched_tokens` tokens (runtime/step.py).
     merge_mode: str = "prefill_first"
@@ -78,14 +80,12 @@ class EngineConfig:
             raise ValueError(f"token_bucket_steps must be a power of two, got {self.token_bucket_steps}")
         self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
         self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
-        if self.attention not in ("reference", "pallas"):
-            raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
-        if self.attention == "pallas" and self.kv_cache != "paged":
-            raise ValueError("attention='pallas' needs kv_cache='paged'")
         if self.merge_mode not in MERGE_MODES:
             raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
         if self.max_num_batched_tokens is not None:

@@ -89,9 +89,10 @@ class PipelineEngine(Engine):
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)
         self.micro_batches = checks.integer("micro_batches", micro_batches, 1)
-        if config.kv_cache != "slots" or config.merge_mode != "prefill_first" or config.attention != "reference":
+        if config.kv_cache != "slots" or config.merge_mode != "prefill_first" or config.attention == "pallas":
             raise ValueError("pipeline stages run the slot cache with merge_mode='prefill_first' and reference "
                              "attention")
+        config = dataclasses.replace(config, attention="reference")  # what its stages run, "auto" included
         if config.num_slots % self.micro_batches:
             raise ValueError(f"micro_batches={micro_batches} must divide num_slots={config.num_slots}")
         if model.config.num_layers < self.stages:

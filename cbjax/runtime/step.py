@@ -271,18 +271,18 @@ def resolve(state, lengths, flat, ints) -> Resolved:
                     (ints[:, IS_LAST] > 0) & (q_len > 0) & ~decode)
 
 
-def run_layers(params, config, cache, batch: Resolved, *, hidden=None, paged_kernel=False, history_block=None,
+def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention_kernel=False, history_block=None,
                first_layer=0, embed=True, head=True, ops=XLA):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
     `head=False`, the hidden states of every token), and the cache with the keys written."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
     last_token = jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1)
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
-        if paged_kernel else None
+        if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
     out, cache = forward(params, config, cache, x, batch.token_pos, num_valid=batch.valid.astype(jnp.int32),
                          slot_ids=batch.token_slot, kv_len=cache.max_len, logits_rows=last_token,
-                         paged_kernel=paged_kernel, ragged=ragged, flat_rows=batch.token_row,
+                         attention_kernel=attention_kernel, ragged=ragged, flat_rows=batch.token_row,
                          history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
                          history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops)
     # Several tokens of one slot set its length in any order; one write per row settles it.
@@ -325,13 +325,13 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     return out, logprobs, state
 
 
-_STATIC = ("config", "max_len", "steps", "max_logprobs", "paged_kernel", "history_block", "ops")
+_STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops")
 JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
-                paged_kernel=False, history_block=None, ops=XLA):
+                attention_kernel=False, history_block=None, ops=XLA):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
@@ -341,7 +341,7 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     def one_step(carry, _):
         cache, state = carry
         batch = resolve(state, cache.lengths, flat, ints)
-        logits, cache = run_layers(params, config, cache, batch, paged_kernel=paged_kernel,
+        logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                    history_block=history_block, ops=ops)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
                                            max_logprobs=max_logprobs, mask=mask)

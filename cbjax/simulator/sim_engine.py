@@ -70,7 +70,7 @@ class SimulatedEngine(Engine):
         # tokens and causal pairs, a decode reads each sequence's own pages. The reference
         # paths compute every padded row and read every slot (or, in a mixed step, every
         # token's keys) up to the attended-length bucket.
-        self.reads_live_pages = config.attention == "pallas"
+        self.reads_live_pages = self.attention == "pallas"
         self.busy_s = 0.0  # simulated device time (vs the clock, which also counts idle waits)
         self.reset()
 

@@ -18,7 +18,9 @@ import numpy as np
 
 from pallas_kernels.ragged_paged_attention import tpu_kernel, triton_kernel
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+# Any head_dim a supported family ships (64, 80, 96, 112, 128, 160, 192, 256, ...): Triton
+# computes with the next power of two (triton_kernel.padded_head_dim), Mosaic with its own.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 INTERPRETERS = ("triton", "tpu")
 _cpu_interpreter = "triton"
 
@@ -44,16 +46,37 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def min_page_size(dtype) -> int:
+    """The least page the kernels take: Mosaic DMAs whole sublane tiles (8 rows of 32 bits)."""
+    return 8 * 4 // np.dtype(dtype).itemsize
+
+
+def _step_keys(head_dim: int) -> int:
+    """Keys a program reads per step: 128 at head_dim <= 64, 64 above (the tile's K and V
+    then fill the same fast memory)."""
+    return 128 if triton_kernel.padded_head_dim(head_dim) <= 64 else 64
+
+
+def slot_page_size(max_len: int, head_dim: int, dtype) -> int | None:
+    """The pages a slot cache of `max_len` positions is read in (a slot is a run of them): one
+    step's keys, or the largest power of two below that which divides `max_len`; None when
+    not even the least page (`min_page_size`) does."""
+    page = _step_keys(head_dim)
+    while page >= min_page_size(dtype) and max_len % page:
+        page //= 2
+    return page if page >= min_page_size(dtype) else None
+
+
 def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None = None,
                     kv_heads: int | None = None, block_q: int | None = None,
                     pages_per_block: int | None = None) -> None:
     """Refuse (ValueError, naming the knob) a shape the kernels cannot compile for: Triton's
     block shapes are powers of two (a dot needs 16 per side), Mosaic DMAs pages in whole
     sublane tiles (8 rows of 32 bits, 16 of a 16-bit type)."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"the Pallas attention kernels need head_dim in {HEAD_DIMS}, got {head_dim}: "
-                         "use attention='reference'")
-    min_page = 8 * 4 // np.dtype(dtype).itemsize
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(f"the Pallas attention kernels need head_dim a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}: use attention='reference'")
+    min_page = min_page_size(dtype)
     if not _power_of_two(page_size) or page_size < min_page:
         raise ValueError(f"the Pallas attention kernels need page_size a power of two >= {min_page} "
                          f"for {np.dtype(dtype).name} KV, got {page_size}")
@@ -67,21 +90,20 @@ def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None
 
 def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int, int]:
     """`(block_q, pages_per_block)` for a shape: 16 query tokens per tile, and pages enough
-    for 128 keys per step at head_dim <= 64 (64 above: the tile's K and V then fill the same
-    fast memory), no more than a sequence can hold."""
-    keys = 128 if head_dim <= 64 else 64
-    pages = max(keys // page_size, 1)
+    for one step's keys (`_step_keys`), no more than a sequence can hold."""
+    pages = max(_step_keys(head_dim) // page_size, 1)
     return 16, min(pages, 1 << max(pages_per_seq - 1, 0).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
                            block_q: int | None = None, pages_per_block: int | None = None,
-                           interpret: bool | str = False):
+                           interpret: bool | str = False, window: int = 0):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
-    `page_indices[s]`; causal within its new tokens. Returns `[T, q_heads, hd]` in q's
+    `page_indices[s]`; causal within its new tokens, and with `window` > 0 each query sees
+    only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
     dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
     Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
     interpreter (both on any platform); False lets the platform choose."""
@@ -91,6 +113,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     pages_per_block = auto_pages if pages_per_block is None else pages_per_block
     check_supported(head_dim=head_dim, page_size=page_size, dtype=k_pages.dtype, q_heads=q.shape[1],
                     kv_heads=k_pages.shape[0], block_q=block_q, pages_per_block=pages_per_block)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
     if cu_q_lens.shape[0] != kv_lens.shape[0] + 1 or page_indices.shape[0] != kv_lens.shape[0]:
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
     args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
@@ -99,7 +123,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 
     def run(kernel: str, interpreted: bool):
         return functools.partial(kernels[kernel].attention, scale=scale, block_q=block_q,
-                                 pages_per_block=pages_per_block, interpret=interpreted)
+                                 pages_per_block=pages_per_block, interpret=interpreted, window=window)
 
     if interpret:
         return run("tpu" if interpret == "tpu" else "triton", True)(*args)

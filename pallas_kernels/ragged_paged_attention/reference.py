@@ -4,8 +4,9 @@ The layout of JAX's TPU `ragged_paged_attention`: a flat buffer of query tokens 
 which sequence `s` owns rows `[cu_q_lens[s], cu_q_lens[s + 1])`, its new tokens; its
 keys and values, new ones included (already written), are the first `kv_lens[s]`
 positions of its pages `page_indices[s]`. Query i of sequence s sits at position
-`kv_lens[s] - q_len[s] + i` and sees keys up to there (causal). Rows past the last
-sequence are padding and come out as zeros.
+`kv_lens[s] - q_len[s] + i` and sees keys up to there (causal); with a sliding `window`
+of w > 0, only the keys in `(position - w, position]` (transformers' rule). Rows past
+the last sequence are padding and come out as zeros.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def reference(
     page_indices: jax.Array,  # [S, pages_per_seq] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     scale: float,
+    window: int = 0,
 ) -> jax.Array:
     """`[T, q_heads, head_dim]` in q's dtype, computed in float32."""
     num_tokens, q_heads, head_dim = q.shape
@@ -38,7 +40,10 @@ def reference(
     v = v_pages[:, pages].reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32)
     logits = jnp.einsum("tkgd,tksd->tkgs", qg, k) * scale
-    visible = (jnp.arange(k.shape[2])[None, :] <= position[:, None]) & valid[:, None]  # [T, keys]
+    key = jnp.arange(k.shape[2])[None, :]
+    visible = (key <= position[:, None]) & valid[:, None]  # [T, keys]
+    if window:
+        visible &= key > position[:, None] - window
     logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.where(visible[:, None, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)

@@ -6,7 +6,8 @@ writes, no masked or overlapping stores, which Mosaic does not have). A block ma
 the tail of one sequence, several whole decode rows and the head of another chunk:
 the program walks the sequences that overlap it (their range is prefetched with the
 lengths and page tables into SMEM) and, for each, the pages its last token in the block
-can see, `pages_per_block` pages per DMA step, double buffered: the next step's pages
+can see (from the first inside the sliding window of its first token in the block, with
+one), `pages_per_block` pages per DMA step, double buffered: the next step's pages
 are copied from HBM while this step's are in the MXU. Rows of the block that belong to
 another sequence are masked out of that sequence's pass; an online softmax over the
 passes leaves each row with its own sequence's attention.
@@ -32,7 +33,7 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
             q_ref, k_hbm, v_hbm,  # inputs: q block in VMEM, pages in HBM
             o_ref,  # output block
             k_buf, v_buf, sems,  # scratch
-            *, scale, block_q, group, page_size, pages_per_block, table_width):
+            *, scale, block_q, group, page_size, pages_per_block, table_width, window):
     head, block = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     block_tokens = pages_per_block * page_size
@@ -54,16 +55,21 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
 
     def one_sequence(seq, carry):
         q_lo, q_hi, kv_len = cu_ref[seq], cu_ref[seq + 1], kv_lens_ref[seq]
-        hi = jnp.minimum(q_hi, row0 + block_q)
+        lo, hi = jnp.maximum(q_lo, row0), jnp.minimum(q_hi, row0 + block_q)
         # Keys the sequence's last token in this block sees; none when it has no token here.
-        needed = jnp.where(hi > jnp.maximum(q_lo, row0), kv_len - (q_hi - hi), 0)
+        needed = jnp.where(hi > lo, kv_len - (q_hi - hi), 0)
         steps = jax.lax.div(needed + block_tokens - 1, block_tokens)  # lax: jnp's floor division lowers via sign
+        # A sliding window skips the steps before the first key its first token here sees.
+        start = jnp.int32(0)
+        if window:
+            first_key = jnp.maximum(kv_len - (q_hi - lo) - window + 1, 0)
+            start = jnp.minimum(jax.lax.div(first_key, block_tokens), steps)
         mine = (token >= q_lo) & (token < q_hi)  # [rows, 1]
         position = kv_len - (q_hi - q_lo) + (token - q_lo)  # [rows, 1]
 
-        @pl.when(steps > 0)
+        @pl.when(steps > start)
         def _():
-            for c in copies(seq, 0, 0):
+            for c in copies(seq, start, jax.lax.rem(start, 2)):
                 c.start()
 
         def one_step(step, carry):
@@ -82,6 +88,8 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
             logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             key = step * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
             seen = mine & (key <= position)  # [rows, block_tokens]
+            if window:
+                seen &= key > position - window
             logits = jnp.where(seen, logits, _MASKED)
             m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
             p = jnp.where(seen, jnp.exp(logits - m_new), 0.0)
@@ -89,7 +97,7 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return acc * correction + pv, m_new, l * correction + jnp.sum(p, axis=1, keepdims=True)
 
-        return jax.lax.fori_loop(0, steps, one_step, carry)
+        return jax.lax.fori_loop(start, steps, one_step, carry)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), _MASKED, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
@@ -98,7 +106,7 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
 
 
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
-              interpret=False):
+              interpret=False, window=0):
     """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract); `interpret`: run on
     the CPU under Pallas's TPU interpreter (DMAs and semaphores simulated)."""
     num_tokens, q_heads, head_dim = q.shape
@@ -121,7 +129,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
     rows = rows.reshape(kv_heads, padded_tokens * group, head_dim)
     block_rows = block_q * group
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, group=group, page_size=page_size,
-                               pages_per_block=pages_per_block, table_width=width)
+                               pages_per_block=pages_per_block, table_width=width, window=window)
     q_spec = pl.BlockSpec((None, block_rows, head_dim), lambda h, b, *_: (h, b, 0))
     out = pl.pallas_call(
         kernel,
