@@ -33,9 +33,9 @@ def make_batch(rng, seqs, q_heads, kv_heads, head_dim, dtype, pages_per_seq=8, e
     return cast(q), cast(k), cast(v), jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
 
 
-def loop_attention(q, k, v, kv_lens, table, cu, scale):
-    page = k.shape[2]
+def loop_attention(q, k, v, kv_lens, table, cu, scale, window=0):
     """The contract, token by token in numpy."""
+    page = k.shape[2]
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     out = np.zeros_like(q)
     kv_heads, group = k.shape[0], q.shape[1] // k.shape[0]
@@ -45,10 +45,11 @@ def loop_attention(q, k, v, kv_lens, table, cu, scale):
         vals = v[:, np.asarray(table[s])[: -(-int(kv_lens[s]) // page)]].reshape(kv_heads, -1, k.shape[-1])
         for i in range(q_len):
             position = int(kv_lens[s]) - q_len + i
+            lo = max(position - window + 1, 0) if window else 0
             for h in range(q.shape[1]):
-                logits = keys[h // group, :position + 1] @ q[cu[s] + i, h] * scale
+                logits = keys[h // group, lo:position + 1] @ q[cu[s] + i, h] * scale
                 p = np.exp(logits - logits.max())
-                out[cu[s] + i, h] = p @ vals[h // group, :position + 1] / p.sum()
+                out[cu[s] + i, h] = p @ vals[h // group, lo:position + 1] / p.sum()
     return out
 
 
@@ -98,6 +99,34 @@ def test_kernels_match_reference_bf16(mix, kernel):
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32)[:valid], np.asarray(ref, np.float32)[:valid],
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("window", [5, 16])
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+def test_kernels_match_reference_with_windows_and_any_head_dim(head_dim, window, kernel):
+    """Sliding windows and head sizes that are not powers of two (Triton pads them): against
+    the reference and the loop. The pages wholly before a sequence's first query's window
+    hold NaN: a kernel that read them would return NaN, so this also proves they are skipped
+    (one page per step, so skipping is possible at all)."""
+    rng = np.random.default_rng(head_dim + window)
+    seqs = MIXES["mixed"] + [(3, 61), (1, 64)]
+    q, k, v, kv_lens, table, cu = make_batch(rng, seqs, 6, 2, head_dim, jnp.float32)
+    valid, scale = int(cu[-1]), head_dim ** -0.5
+    want = loop_attention(q, k, v, kv_lens, table, cu, scale, window)
+    ref = reference(q, k, v, kv_lens, table, cu, scale, window=window)
+    np.testing.assert_allclose(np.asarray(ref)[:valid], want[:valid], rtol=2e-5, atol=2e-5)
+    k, v = np.array(k), np.array(v)
+    poisoned = 0
+    for s, (q_len, kv_len) in enumerate(seqs):
+        first_key = max(kv_len - q_len - window + 1, 0)
+        for p in range(first_key // PAGE):
+            k[:, table[s, p]] = v[:, table[s, p]] = np.nan
+            poisoned += 1
+    assert poisoned > 0
+    out = ragged_paged_attention(q, jnp.asarray(k), jnp.asarray(v), kv_lens, table, cu, scale=scale, block_q=16,
+                                 pages_per_block=1, interpret=KERNELS[kernel], window=window)
+    np.testing.assert_allclose(np.asarray(out)[:valid], want[:valid], rtol=2e-5, atol=2e-5)
 
 
 def test_kernel_rejects_mismatched_metadata():
