@@ -63,6 +63,39 @@ def custom_calls(lowered) -> list:
     return found
 
 
+def data_dependent_control_flow(lowered) -> list[str]:
+    """The conditionals and loops of a lowered program whose branch or trip count depends on
+    data: a `case` whose index is not a constant (`platform_dependent`'s cases are: the
+    platform is known), a `while` whose condition compares against anything but a constant
+    (`scan`'s fixed trip counts do). On a GPU each of these waits for the device inside the
+    step (XLA:GPU reads the predicate on the host)."""
+    found = []
+
+    def constant(value) -> bool:
+        op = value.owner
+        name = op.name if hasattr(op, "name") else ""
+        if name == "stablehlo.constant":
+            return True
+        if name == "stablehlo.case":  # a platform index: a constant case whose branches return constants
+            return constant(op.operands[0]) and all(
+                constant(block.operations[len(block.operations) - 1].operands[0])
+                for region in op.regions for block in region.blocks)
+        return False
+
+    def visit(op):
+        if op.name == "stablehlo.case" and not constant(op.operands[0]):
+            found.append("case")
+        if op.name == "stablehlo.while":
+            cond = op.regions[0].blocks[0]
+            compare = [o for o in cond.operations if o.name == "stablehlo.compare"]
+            if not compare or not any(constant(v) for v in compare[-1].operands):
+                found.append("while")
+        return ir.WalkResult.ADVANCE
+
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    return found
+
+
 def attribute(op, name: str) -> str:
     return ir.StringAttr(op.attributes[name]).value
 
@@ -100,6 +133,8 @@ def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype, layout):
             where = f"{shape} {jnp.dtype(dtype).name} {program} {platform}"
             text = low.as_text()
             assert "f64" not in text, where
+            if platform == "cuda":
+                assert data_dependent_control_flow(low) == [], where
             calls = custom_calls(low)
             # One kernel function shared by the layers; nothing else leaves XLA: no host
             # callback, no CPU FFI call (the C++ CPU kernels), no interpret-mode fallback.

@@ -12,6 +12,21 @@ import jax
 import jax.numpy as jnp
 
 
+def skip_unless(pred, branch, otherwise, operand):
+    """`branch(operand)` where `pred`, else `otherwise(operand)`: a work-skipping branch on a CPU
+    or TPU, both computed and selected on a GPU. XLA:GPU evaluates a conditional's predicate
+    on the host (a device-to-host copy and a wait inside the step): the host can no longer
+    queue the rest of the step, nor return to dispatch the next one, while the device runs,
+    so every step's dispatch and launches would sit on the device's critical path."""
+    def on_device(pred, operand):
+        return jax.lax.cond(pred, branch, otherwise, operand)
+
+    def selected(pred, operand):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), branch(operand), otherwise(operand))
+
+    return jax.lax.platform_dependent(pred, operand, cuda=selected, rocm=selected, default=on_device)
+
+
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, index):
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
@@ -74,7 +89,7 @@ def sample(
         return jnp.where(temperature > 0, drawn, greedy)
 
     # The sort is the expensive part: skip it when every row is greedy.
-    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+    return skip_unless(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
 
 
 def process_logits(logits, rows, index, history=None) -> jax.Array:
@@ -100,7 +115,7 @@ def process_logits(logits, rows, index, history=None) -> jax.Array:
 
     on = ((rows.repetition != 1) | (rows.presence != 0) | (rows.frequency != 0) | (index < rows.min_tokens)
           | jnp.any(rows.bias_ids >= 0, axis=-1))
-    return jax.lax.cond(jnp.any(on), apply, lambda x: x, logits)
+    return skip_unless(jnp.any(on), apply, lambda x: x, logits)
 
 
 def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
@@ -113,8 +128,8 @@ def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
         top, ids = jax.lax.top_k(logp, k)
         return jnp.concatenate([chosen, top, ids.astype(jnp.float32)], axis=-1)
 
-    return jax.lax.cond(jnp.any(wanted >= 0), compute,
-                        lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits)
+    return skip_unless(jnp.any(wanted >= 0), compute,
+                       lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits)
 
 
 def allowed_tokens(mask, vocab: int) -> jax.Array:
