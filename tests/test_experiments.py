@@ -81,6 +81,49 @@ def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
     assert all("us" in r[n] for r in rows for n in ("ours", "xla_reference", "dense"))
 
 
+def test_bench_device_tiny_runs_every_section(tmp_path):
+    """The device benchmark's tiny mode on this CPU: every section reports (the kernels
+    interpreted, matching their reference; every engine timed at each batch; the peer run in
+    its own process). Its times mean nothing here and nothing timed is asserted."""
+    out = tmp_path / "device.json"
+    run_script("bench_device.py", "--tiny", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert not [k for k in result if k.endswith("_error")], result
+    assert set(result["sections"]) == {"copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer"}
+    assert result["copy"]["GBps"] > 0 and result["kernel"] and all(r["ok"] for r in result["kernel"])
+    assert all(r["ms"] > 0 for r in result["kernel_bw"])
+    decode = result["decode_8b"]
+    assert [r["engine"] for r in decode["rows"]] == ["slots/auto", "paged/auto", "slots/reference", "paged/reference"]
+    # auto on a CPU is the reference path (and the C++ kernels)
+    assert all(r["attention_run"] == "reference" and set(r["steps"]) == {"1", "4"} for r in decode["rows"])
+    assert all(s["ms"] > 0 and 0 < s["roofline_ms"] for r in decode["rows"] for s in r["steps"].values())
+    assert set(result["peer"]["steps"]) == {"1", "4"}
+    assert [r["decode_steps"] for r in result["step_135m"]] == [1, 4]
+
+
+def test_device_trace_summary_counts_busy_idle_and_syncs(tmp_path):
+    """The profile summary over a trace like a GPU's: device events on streams (overlapping
+    ones counted once), the gaps between them as idle, device-to-host copies as host syncs."""
+    import gzip
+
+    bench = experiments_module("device_trace")
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 40, "name": "fusion.1"},
+              {"ph": "X", "pid": 1, "tid": 2, "ts": 30, "dur": 20, "name": "cbjax_ragged_paged_attention"},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 80, "dur": 10, "name": "MemcpyDtoH"},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 90, "dur": 10, "name": "fusion.1"},
+              {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 500, "name": "PjitFunction(ragged_step)"}]
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = bench.summarise_trace(str(tmp_path))
+    assert summary["device_events"] == 4 and summary["wall_us"] == 100 and summary["busy_us"] == 70
+    assert abs(summary["idle_share"] - 0.3) < 1e-9 and summary["device_to_host_copies"] == 1
+    assert summary["top_kernels_us"][0] == ["fusion.1", 50]
+
+
 def experiments_module(name: str):
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     try:
@@ -103,6 +146,8 @@ def experiments_module(name: str):
     ("generate.py", "--top_p=1.5"),
     ("eval_perplexity.py", "--window=1"),
     ("bench_paged_attention.py", "--page_sizes=0"),
+    ("bench_device.py", "--sections=copy,warp"),
+    ("bench_device.py", "--engines=slots/auto,ring/auto"),
     ("merge_modes.py", "--modes=prefill_first,eager"),
     ("merge_modes.py", "--long_prompt_len=600"),
     ("bench_decode_slots.py", "--slots=0,4"),

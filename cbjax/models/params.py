@@ -157,3 +157,23 @@ def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: floa
         else:
             out[name] = jnp.asarray(value, dtype)
     return unflatten(out)
+
+
+def init_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, std: float = 0.02) -> dict:
+    """Random params drawn on the default device in `dtype` (normal(0, std) matrices, unit
+    norms, zero biases): an 8B model's 16 GB in seconds, without the host copy `init_params`
+    makes. For benchmarks of shapes with no checkpoint; not the same values as `init_params`."""
+    key = jax.random.key(seed)
+    flat = flatten_shapes(param_shapes(config))
+    normal = jax.jit(lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype),
+                     static_argnums=1)
+    out = {}
+    for i, (name, shape) in enumerate(sorted(flat.items())):
+        leaf = name.rsplit("/", 1)[-1]
+        if leaf == "scale" or leaf in ("q_norm", "k_norm"):
+            out[name] = jnp.ones(shape, dtype)
+        elif leaf == "bias" or leaf.startswith("b"):
+            out[name] = jnp.zeros(shape, dtype)
+        else:
+            out[name] = normal(jax.random.fold_in(key, i), shape)
+    return unflatten(out)
