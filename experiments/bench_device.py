@@ -150,6 +150,16 @@ def kernel_check() -> list[dict]:
     return rows
 
 
+def kernel_variants(group: int) -> list[tuple]:
+    """(keys per step, block_q, num_stages) to time, None for the kernel's own choice: the
+    default first, then wider steps, the smallest query tile (block_q x group = 16 rows: a
+    decode wastes no rows) and deeper pipelining."""
+    if FLAGS.tiny:
+        return [(None, None, None), (16, max(16 // group, 1), None)]
+    least = max(16 // group, 1)
+    return [(None, None, None), (128, None, 2), (256, None, 2), (None, least, 2), (None, least, 3), (128, least, 3)]
+
+
 def kernel_bandwidth(copy_GBps: float) -> list[dict]:
     import functools
 
@@ -174,17 +184,18 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
         for page in ((16, 64) if big else (8,)):
             args = kernel_batch(rng, seqs, *heads, jnp.bfloat16 if big else jnp.float32, page)
             live = sum(kv for _, kv in seqs) * heads[1] * heads[2] * args[1].dtype.itemsize * 2
-            for keys in ((64, 128, 256) if big else (16,)):
-                per_block = max(keys // page, 1)
+            for keys, block_q, stages in kernel_variants(heads[0] // heads[1]):
+                per_block = max(keys // page, 1) if keys else None
                 fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.1, pages_per_block=per_block,
-                                               interpret=interpret))
+                                               block_q=block_q, num_stages=stages, interpret=interpret))
+                variant = {"batch": name, "page": page, "keys_per_step": keys or "auto", "block_q": block_q or "auto",
+                           "num_stages": stages or "auto"}
                 try:
                     ms = timed_ms(fn, *args)
                 except Exception as e:  # a tile too large for this device's shared memory, say
-                    rows.append({"batch": name, "page": page, "keys_per_step": keys, "error": str(e)[:200]})
+                    rows.append({**variant, "error": str(e)[:200]})
                     continue
-                rows.append({"batch": name, "page": page, "keys_per_step": keys, "ms": ms,
-                             "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
+                rows.append({**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
             del args
     return rows
 
@@ -391,7 +402,8 @@ def table(results: dict) -> list[str]:
     for r in results.get("kernel_bw", []):
         figure = (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({100 * r['of_copy']:.0f}% of copy)" if "ms" in r
                   else "error")
-        line("kernel_bw", f"{r['batch']} page{r['page']} keys{r['keys_per_step']}", figure)
+        line("kernel_bw", f"{r['batch']} p{r['page']} k{r['keys_per_step']} q{r['block_q']} s{r['num_stages']}",
+             figure)
     peer = results.get("peer", {}).get("steps", {})
     decode = results.get("decode_8b", {})
     for row in decode.get("rows", []):

@@ -16,6 +16,7 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 
@@ -91,6 +92,16 @@ def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel
             raise ValueError(f"attention='pallas': {why_not}: use attention='reference'")
         return "pallas"
     return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
+
+
+def lowering_target(platform: str):
+    """The context a lowering for `platform` runs in off the device: for "cuda", an abstract
+    mesh naming an H100 (from JAX 0.11 the Pallas Triton lowering reads the compute capability
+    of the device it targets, which a CPU does not have); nothing for the others."""
+    if platform != "cuda":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
 
 
 class Engine:
@@ -255,8 +266,10 @@ class Engine:
         out = {}
         for prog in self.programs():
             args, static = self._step_arguments(self._pack([], prog[1]), prog[2])
-            traced = ragged_step.trace(*args, **static)
-            out[prog] = {p: traced.lower(lowering_platforms=(p,)) for p in platforms}
+            out[prog] = {}
+            for p in platforms:
+                with lowering_target(p):
+                    out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
         return out
 
     def _compile_all(self, progs: list[tuple]) -> None:

@@ -82,8 +82,10 @@ def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None
                          f"for {np.dtype(dtype).name} KV, got {page_size}")
     if q_heads is not None and kv_heads is not None and q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
-    if block_q is not None and (not _power_of_two(block_q) or block_q < 16):
-        raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
+    group = q_heads // kv_heads if q_heads and kv_heads else 1
+    if block_q is not None and (not _power_of_two(block_q) or block_q * group < 16):
+        raise ValueError(f"block_q must be a power of two with block_q x group ({group}) >= 16 query rows, "
+                         f"got {block_q}")
     if pages_per_block is not None and not _power_of_two(pages_per_block):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
 
@@ -95,10 +97,12 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
     return 16, min(pages, 1 << max(pages_per_seq - 1, 0).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
+                                             "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
                            block_q: int | None = None, pages_per_block: int | None = None,
-                           interpret: bool | str = False, window: int = 0):
+                           interpret: bool | str = False, window: int = 0, num_warps: int | None = None,
+                           num_stages: int | None = None):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
@@ -106,7 +110,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
     dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
     Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
-    interpreter (both on any platform); False lets the platform choose."""
+    interpreter (both on any platform); False lets the platform choose. `num_warps` and
+    `num_stages`: the Triton kernel's launch settings (default: by head_dim), for tuning."""
     head_dim, page_size = q.shape[2], k_pages.shape[2]
     auto_q, auto_pages = block_sizes(head_dim, page_size, page_indices.shape[1])
     block_q = auto_q if block_q is None else block_q
@@ -119,10 +124,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
     args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
             cu_q_lens.astype(jnp.int32))
-    kernels = {"triton": triton_kernel, "tpu": tpu_kernel}
+    kernels = {"triton": functools.partial(triton_kernel.attention, num_warps=num_warps, num_stages=num_stages),
+               "tpu": tpu_kernel.attention}
 
     def run(kernel: str, interpreted: bool):
-        return functools.partial(kernels[kernel].attention, scale=scale, block_q=block_q,
+        return functools.partial(kernels[kernel], scale=scale, block_q=block_q,
                                  pages_per_block=pages_per_block, interpret=interpreted, window=window)
 
     if interpret:

@@ -97,7 +97,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
 
 
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
-              interpret, window=0):
+              interpret, window=0, num_warps=None, num_stages=None):
     """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract)."""
     num_tokens, q_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -136,7 +136,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
         out_specs=pl.BlockSpec((rows, None, block_g, padded_dim), lambda s, h, i: (0, h, 0, 0)),
         # Triton named explicitly: JAX 0.10's default GPU lowering is Mosaic GPU, which this
         # kernel (gathers of whole pages, masked stores) is not written for.
-        compiler_params=plgpu.CompilerParams(num_warps=4 if padded_dim <= 64 else 8, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or (4 if padded_dim <= 64 else 8),
+                                             num_stages=num_stages or 2),
         interpret=interpret,
         name="cbjax_ragged_paged_attention",
     )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table)
