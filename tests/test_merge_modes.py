@@ -64,7 +64,9 @@ def test_budget_decodes_first_then_chunks(mode, budget):
     dict(merge_mode="chunked", max_num_batched_tokens=20, kv_cache="paged", page_size=8, num_pages=24,
          enable_prefix_caching=True),
     dict(merge_mode="chunked", max_num_batched_tokens=40, token_bucket_steps=2, prefill_floor=8),
-], ids=["chunked-slots", "fused-slots", "chunked-paged-prefix", "chunked-bucket-steps"])
+    # an accelerator's buckets (none below 16 tokens), with multi-step decode calls
+    dict(merge_mode="prefill_first", decode_steps=2, min_step_tokens=16, max_step_tokens=64),
+], ids=["chunked-slots", "fused-slots", "chunked-paged-prefix", "chunked-bucket-steps", "prefill-first-min-16"])
 def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
     assert llm.warmup() == len(llm.engine.programs())
@@ -76,7 +78,8 @@ def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
         sizes = sorted(sizes + [s * 3 // 2 for s in sizes if s >= options["prefill_floor"]])
         sizes = sizes[:next(i for i, s in enumerate(sizes) if s >= budget) + 1]
         assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 48]
-    assert [p[1] for p in llm.engine.programs()] == sizes
+    sizes = [s for s in sizes if s >= options.get("min_step_tokens", 1)]
+    assert [p[1] for p in llm.engine.programs() if p[2] == 1] == sizes
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)
     prompts, params = random_requests(rng, 200)

@@ -68,6 +68,9 @@ class EngineArgs:
     max_step_tokens: int = _knob(None, "Most tokens in one device step, its largest token bucket (longer prompts "
                                  "prefill over several steps); default max_num_batched_tokens, else "
                                  "512 on a CPU, 2048 on an accelerator.", lower=1)
+    min_step_tokens: int = _knob(None, "Least tokens in one device step, its smallest token bucket (fewer rows pad "
+                                 "up to it); default 1 on a CPU, 16 on an accelerator, where a step that small "
+                                 "costs one read of the weights whatever its rows.", lower=1)
     dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
@@ -159,7 +162,8 @@ class EngineArgs:
             decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
-            max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens)
+            max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
+            min_step_tokens=self.min_step_tokens)
 
     # ------------------------------------------------------------- flags
     @classmethod

@@ -148,7 +148,8 @@ class Engine:
         self.eos_ids = tuple(model.config.eos_token_ids)
         self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
         self.step_tokens = config.step_tokens(self.platform)
-        self._token_buckets = token_buckets(self.step_tokens, config.token_bucket_steps, config.prefill_floor)
+        self._token_buckets = token_buckets(self.step_tokens, config.token_bucket_steps, config.prefill_floor,
+                                            config.smallest_step(self.platform))
 
     @property
     def num_slots(self) -> int:
@@ -292,14 +293,15 @@ class Engine:
     def programs(self, only: str | None = None) -> list[tuple]:
         """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
         those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
+        buckets = self.token_buckets()
         most_rows = 1 << (self.num_slots - 1).bit_length()
+        decode_top = next((n for n in buckets if n >= most_rows), buckets[-1])  # every slot decoding
         progs = []
         if only != "decode":
-            progs += [("step", n, 1) for n in self.token_buckets()]
+            progs += [("step", n, 1) for n in buckets]
         if only != "prefill":
             steps = self.config.decode_steps
-            progs += [("step", n, steps) for n in self.token_buckets() if n <= most_rows
-                      and ("step", n, steps) not in progs]
+            progs += [("step", n, steps) for n in buckets if n <= decode_top and ("step", n, steps) not in progs]
         return progs
 
     def warmup(self, only: str | None = None) -> int:

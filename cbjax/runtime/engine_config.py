@@ -12,12 +12,17 @@ from cbjax.scheduling.config import MERGE_MODES
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
 ATTENTION_CHOICES = ("auto", "reference", "pallas")
 # A step's default token budget, whatever max_seq_len is: prompts longer than it prefill over
-# several calls (exactly), and the programs stay 10 on a CPU, 12 on an accelerator (tpu-
+# several calls (exactly), and the programs stay 10 on a CPU, 8 on an accelerator (tpu-
 # inference keeps about ten, after its users named start-up compile time their first
 # complaint). Every call reads all the weights once: SmolLM2's LLM.generate of 8 and 32
 # prompts of 64 tokens ran 6% and 2% slower at 256 than at 512 on 2 cores. An accelerator
 # takes bigger steps still (vLLM's online default is 2048).
 DEFAULT_STEP_TOKENS = {"cpu": 512, "accelerator": 2048}
+# A step's smallest token bucket. On a CPU a decode step's time grows with its rows from the
+# first (1, 2, 4, ... all pay off). On an accelerator a step of up to ~100 tokens costs one
+# read of the weights whatever its rows: buckets below 16 would only add programs to trace
+# and compile at start-up (each a few seconds for an 8B model's 32 layers).
+DEFAULT_MIN_STEP_TOKENS = {"cpu": 1, "accelerator": 16}
 
 
 def prefill_buckets(floor: int, max_len: int) -> list[int]:
@@ -62,6 +67,9 @@ class EngineConfig:
     # round's rows beyond it go in further calls, a long prompt chunk split across them.
     # Default: max_num_batched_tokens, else DEFAULT_STEP_TOKENS for the engine's platform.
     max_step_tokens: int | None = None
+    # The least tokens a step is compiled for, its smallest token bucket (rows of fewer pad up
+    # to it). Default: DEFAULT_MIN_STEP_TOKENS for the engine's platform.
+    min_step_tokens: int | None = None
     # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
     # cbjax/runtime/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
@@ -92,6 +100,8 @@ class EngineConfig:
             self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_step_tokens is not None:
             self.max_step_tokens = checks.integer("max_step_tokens", self.max_step_tokens, 1)
+        if self.min_step_tokens is not None:
+            self.min_step_tokens = checks.integer("min_step_tokens", self.min_step_tokens, 1)
         if self.kv_cache == "paged":
             if self.max_seq_len % self.page_size:
                 raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "
@@ -104,3 +114,7 @@ class EngineConfig:
         """The step's token budget on `platform` ("cpu" or anything else; see `max_step_tokens`)."""
         default = DEFAULT_STEP_TOKENS["cpu" if platform == "cpu" else "accelerator"]
         return self.max_step_tokens or self.max_num_batched_tokens or default
+
+    def smallest_step(self, platform: str) -> int:
+        """The smallest token bucket on `platform` (see `min_step_tokens`)."""
+        return self.min_step_tokens or DEFAULT_MIN_STEP_TOKENS["cpu" if platform == "cpu" else "accelerator"]

@@ -48,16 +48,17 @@ TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P = range(6)
 NUM_INTS, NUM_FLOATS = 5, 6
 
 
-def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1) -> list[int]:
+def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1, smallest: int = 1) -> list[int]:
     """Flat-buffer sizes up to the first one holding `max_tokens`: powers of two from 1, and
-    from `floor` on `steps` evenly spaced sizes per doubling (2: 16, 24, 32, 48, 64, 96, ...)."""
+    from `floor` on `steps` evenly spaced sizes per doubling (2: 16, 24, 32, 48, 64, 96, ...);
+    none below `smallest` (but at least the last)."""
     buckets, b = [], 1
     while True:
         stride = b // steps if b >= floor and b % steps == 0 else b
         for size in range(b, 2 * b, stride):
             buckets.append(size)
             if size >= max_tokens:
-                return buckets
+                return [size for size in buckets if size >= min(smallest, buckets[-1])]
         b *= 2
 
 
