@@ -9,6 +9,14 @@ each continuous/static ratio we print the bound the drawn workload allows at
 equal slots: the mean over static batches of the longest budget divided by the
 mean budget.
 
+Those bounds assume a decode step costs the same at any batch, which holds on a GPU
+and not on a CPU, where a step of 34 rows costs several times one of 4. So each column
+also prints the bound this machine allows (`--machine_bound`): the static and continuous
+rows' own rounds, profiled once on this machine in the same run, fit the simulator's cost
+model (cbjax/simulator/profile.py), and the simulator runs both schedules at those step
+costs. A continuous row short of that bound lost to its scheduler; a bound near 1x means
+the machine, not the scheduler, leaves batching little to win.
+
     python experiments/compare_batching.py                          # CPU, scaled down
     python experiments/compare_batching.py --flagfile=configs/compare_batching_gpu.cfg
 """
@@ -53,9 +61,12 @@ PEERS = ("hf_generate_static", "hf_generate_batch")
 flags.DEFINE_list("peers", list(PEERS), "transformers rows (not under --simulate), each timed once per column: "
                   "hf_generate_static (generate over static batches), hf_generate_batch (its continuous batching); "
                   "empty for none.")
-flags.DEFINE_enum("paged_attention", "reference", ["reference", "pallas"],
-                  "Attention of the paged rows (pallas: the Pallas kernels, GPU; under --simulate, reads live "
-                  "pages only, as vLLM's kernel does).")
+flags.DEFINE_enum("paged_attention", "auto", ["auto", "reference", "pallas"],
+                  "Attention of the paged rows (auto: the Pallas kernels on a GPU or TPU; pallas: them anywhere; "
+                  "under --simulate, the kernels read live pages only, as vLLM's do).")
+flags.DEFINE_bool("machine_bound", True, "Also print the continuous/static bound this machine allows: the static "
+                  "and continuous rounds profiled once more (untimed), a cost model fitted to them, both schedules "
+                  "simulated at those costs (not under --simulate, whose costs are the bound already).")
 common.define_simulate_flag()
 common.define_trace_flags(("synthetic",), "'synthetic': --prompt_len prompts of random tokens and capped-"
                           "exponential budgets (--output_mean); ")
@@ -190,6 +201,9 @@ def run_column(model, max_gen: int, peer) -> dict:
             ratios = [a / b for a, b in zip(seconds["static"], seconds[row])]  # in round order
             column["rows"][row]["over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                   "max": max(ratios), "runs": ratios}
+    if FLAGS.machine_bound and not FLAGS.simulate and {"static", "continuous"} <= set(engines):
+        column.update(machine_bound(model, {row: engines[row] for row in ("static", "continuous")}, prompts,
+                                    [w.sampling for w in work], max_gen))
     if peer is not None:
         from hf_peers import continuous_generate_batch, static_generate
 
@@ -199,6 +213,32 @@ def run_column(model, max_gen: int, peer) -> dict:
                 tokens, elapsed = fn(peer, prompts, budgets, slots, progress=bar.update)
             column["rows"][name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
     return column
+
+
+def machine_bound(model, engines: dict, prompts, samplings, max_gen: int) -> dict:
+    """This machine's continuous/static bound for the column's schedules: the rows' rounds
+    profiled on their own warm engines (one untimed run each, host/device overlap off), the
+    simulator's cost model fitted to those rounds, then each row's `EngineArgs` simulated at
+    that cost over the same requests."""
+    from tqdm.auto import tqdm
+
+    from cbjax import LLM
+    from cbjax.simulator.profile import calibrate, profile_rounds
+
+    rounds = []
+    for row, llm in engines.items():
+        with tqdm(total=1, desc=f"{row} gen<={max_gen} profiled") as bar:
+            rounds += profile_rounds(llm, list(zip(prompts, samplings)))
+            bar.update()
+    cost = calibrate(rounds, {"source": "compare_batching, this column's rounds"})
+    simulated = {}
+    for row, llm in engines.items():
+        sim = LLM(model, llm.args, simulate=cost)
+        t0 = sim.clock()
+        sim.generate(prompts, samplings, use_tqdm=False)
+        simulated[row] = sim.clock() - t0
+    return {"machine_bound_continuous_over_static": simulated["static"] / simulated["continuous"],
+            "machine_simulated_seconds": simulated, "machine_fit": cost.info["fit"]}
 
 
 def over_static(row: dict, static: dict) -> str:
@@ -220,6 +260,12 @@ def print_table(columns: list[dict]) -> str:
                     for r in rows if r != "static"]
         labeled.append(("bound cont./static, FCFS", [f"{c['fcfs_bound_continuous_over_static']:.2f}x" for c in columns]))
         labeled.append(("bound, no slot idle", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
+        if all("machine_bound_continuous_over_static" in c for c in columns) and "continuous" in rows:
+            labeled.append(("bound, this machine", [f"{c['machine_bound_continuous_over_static']:.2f}x"
+                                                    for c in columns]))
+            labeled.append(("continuous of that bound", [
+                f"{100 * c['rows']['continuous']['over_static']['median'] / c['machine_bound_continuous_over_static']:.0f}%"
+                if "over_static" in c["rows"]["continuous"] else "-" for c in columns]))
     labeled += [(f"{r} mean running", [f"{c['rows'][r]['mean_running']:.2f}" for c in columns])
                 for r in rows if "mean_running" in columns[0]["rows"][r]]
     width = max(len("policy"), *(len(label) for label, _ in labeled)) + 2

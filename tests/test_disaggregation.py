@@ -173,14 +173,16 @@ def test_disaggregation_rejects_what_it_cannot_run(gqa):  # noqa: F811
 def test_simulated_disaggregation_shares_one_clock_and_keeps_decodes_steady():
     """At GPU scale (simulated H100, Llama-3-8B shape): long prompts arriving beside running
     decodes stall the colocated engine's decodes, not the disaggregated decode instance's;
-    the move costs the modelled link time."""
+    the move costs the modelled link time. Gaps are counted from the second token on: the
+    first gap of a disaggregated request is its hand-over (the move, and the wait for a
+    decode slot when the prefills outpace the decodes), not a stall of running decodes."""
     workload = [(0.05 * i, [1] * (1800 if i % 2 else 50), SamplingParams(max_tokens=64, ignore_eos=True))
                 for i in range(24)]
 
     def worst_gap(llm) -> float:
         outs = llm.replay(workload, use_tqdm=False)
         assert all(len(o.token_ids) == 64 for o in outs)
-        return max(float(np.diff(o.metrics.token_times).max()) for o in outs)
+        return max(float(np.diff(o.metrics.token_times)[1:].max()) for o in outs)
 
     colocated = LLM("llama3-8b", simulate="h100", num_slots=16, max_seq_len=2048)
     split = LLM("llama3-8b", simulate="h100", prefill_instances=1, decode_instances=1, num_slots=16,

@@ -29,10 +29,13 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
         assert column["num_requests"] == 6  # three waves of the column's 2 slots
         continuous = column["rows"]["continuous"]
         assert len(continuous["seconds"]) == 2 and continuous["over_static"]["min"] <= continuous["over_static"]["max"]
-        assert "x [" in result["table"]  # each ratio printed with its range
+        assert "x [" in result["table"] and "bound, this machine" in result["table"]
         assert set(column["rows"]) == {"static", "dynamic", "continuous", "continuous-paged"}
         assert column["rows"]["continuous-paged"]["num_pages"] > 0
         assert column["bound_continuous_over_static"] >= column["fcfs_bound_continuous_over_static"] >= 1.0
+        # this machine's bound: both rows' rounds profiled and fitted, both schedules simulated at that cost
+        assert column["machine_bound_continuous_over_static"] > 0 and column["machine_fit"]["rounds"] > 0
+        assert set(column["machine_simulated_seconds"]) == {"static", "continuous"}
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
     # A trace's lengths instead (Azure's code service, scaled to the tiny model).
