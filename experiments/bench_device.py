@@ -26,6 +26,8 @@ Prints one table and writes JSON. `--tiny` runs every section at tiny shapes on 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -39,7 +41,8 @@ from absl import app, flags
 from device_trace import summarise_trace
 
 FLAGS = flags.FLAGS
-SECTIONS = ("copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer")
+# In the order they run (the peer first: see main), the must-have figures before the sweeps.
+SECTIONS = ("peer", "copy", "kernel", "step_135m", "decode_8b", "kernel_bw")
 ENGINES = ("slots/auto", "paged/auto", "slots/reference", "paged/reference")
 flags.DEFINE_bool("tiny", False, "Tiny shapes everywhere (a smoke test on any machine; times mean nothing).")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, of {', '.join(SECTIONS)}.")
@@ -161,8 +164,6 @@ def kernel_variants(group: int) -> list[tuple]:
 
 
 def kernel_bandwidth(copy_GBps: float) -> list[dict]:
-    import functools
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -218,10 +219,11 @@ def _accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int) -> float:
+def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int, around=contextlib.nullcontext) -> float:
     """Milliseconds per decode step of `batch` sequences past `prompt_len` prompt tokens: the
     wall time of `timed` rounds over the tokens they returned per sequence (with the host's
-    run-ahead, a round may return the previous one's tokens)."""
+    run-ahead, a round may return the previous one's tokens). The timed rounds run inside
+    the context `around()` (a profiler's, say)."""
     import numpy as np
 
     from cbjax import SamplingParams
@@ -235,10 +237,11 @@ def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int) -> float:
     while min(counts.values()) < warm:
         for out in llm.step():
             counts[out.request_id] += len(out.new_token_ids)
-    tokens, t0 = 0, time.perf_counter()
-    for _ in range(timed):
-        tokens += sum(len(out.new_token_ids) for out in llm.step())
-    seconds = time.perf_counter() - t0
+    with around():
+        tokens, t0 = 0, time.perf_counter()
+        for _ in range(timed):
+            tokens += sum(len(out.new_token_ids) for out in llm.step())
+        seconds = time.perf_counter() - t0
     for request_id in ids:
         if llm.has_request(request_id):
             llm.abort(request_id)
@@ -294,8 +297,10 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
         rows.append(row)
         del llm
+    import jax
+
     return {"rows": rows, "skipped": skipped, "profile": profile,
-            "weights_GB": sum(a.nbytes for a in __import__("jax").tree.leaves(model.params)) / 1e9}
+            "weights_GB": sum(a.nbytes for a in jax.tree.leaves(model.params)) / 1e9}
 
 
 def profiled_decode(llm, batch: int, prompt_len: int, warm: int, timed: int) -> dict:
@@ -303,18 +308,22 @@ def profiled_decode(llm, batch: int, prompt_len: int, warm: int, timed: int) -> 
     share of the profiled wall time, device-to-host copies per step (host syncs)."""
     import jax
 
+    rounds = max(timed // 4, 2)
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            ms = decode_ms(llm, batch, prompt_len, warm, max(timed // 4, 2))
+        profiler = functools.partial(jax.profiler.trace, trace_dir, create_perfetto_trace=True)
+        ms = decode_ms(llm, batch, prompt_len, warm, rounds, around=profiler)
         summary = summarise_trace(trace_dir)
-    return {"batch": batch, "ms_per_step_profiled": ms, **summary}
+    per_round = {f"{k}_per_round": summary[k] / rounds for k in ("device_events", "device_to_host_copies")
+                 if k in summary}
+    return {"batch": batch, "ms_per_step_profiled": ms, "rounds": rounds, **summary, **per_round}
 
 
 def step_135m(copy_GBps: float) -> list[dict]:
+    import dataclasses
+
     from cbjax.loading.presets import RANDOM_PRESETS
 
-    shape = {f.name: getattr(RANDOM_PRESETS["smollm2-135m-random"], f.name)
-             for f in __import__("dataclasses").fields(RANDOM_PRESETS["smollm2-135m-random"])}
+    shape = dataclasses.asdict(RANDOM_PRESETS["smollm2-135m-random"])
     model = device_model(shape if not FLAGS.tiny else TINY, seed=1)
     slots, prompt_len, warm, timed = (64, 512, 4, FLAGS.timed_steps) if not FLAGS.tiny else (4, 16, 2, 4)
     rows = []
@@ -325,6 +334,8 @@ def step_135m(copy_GBps: float) -> list[dict]:
         rows.append({"decode_steps": decode_steps, "slots": slots, "ms": ms, "startup_s": startup,
                      "attention_run": llm.engine.attention,
                      "roofline_ms": roofline_ms(model, slots, prompt_len + warm, copy_GBps)})
+        if FLAGS.profile and decode_steps == 1:  # where an overhead-bound step's time goes
+            rows[-1]["profile"] = profiled_decode(llm, slots, prompt_len, warm, timed)
         del llm
     return rows
 
@@ -422,10 +433,15 @@ def table(results: dict) -> list[str]:
     profile = decode.get("profile") or {}
     if "idle_share" in profile:
         line("profile", f"default engine batch {profile['batch']}",
-             f"idle {100 * profile['idle_share']:.0f}%, {profile['device_to_host_copies']} DtoH")
+             f"idle {100 * profile['idle_share']:.0f}%, {profile['device_events_per_round']:.0f} kernels, "
+             f"{profile['device_to_host_copies_per_round']:.1f} DtoH /round")
     for r in results.get("step_135m", []):
         line("step_135m", f"{r['slots']} slots decode_steps={r['decode_steps']}",
-             f"{r['ms']:.2f} ms/step (floor {r['roofline_ms']:.2f})")
+             f"{r['ms']:.2f} ms/step (floor {r['roofline_ms']:.2f}), start-up {r['startup_s']:.1f} s")
+        if "idle_share" in r.get("profile", {}):
+            p = r["profile"]
+            line("profile", f"135m {r['slots']} slots", f"idle {100 * p['idle_share']:.0f}%, "
+                 f"{p['device_events_per_round']:.0f} kernels, {p['device_to_host_copies_per_round']:.1f} DtoH /round")
     return lines
 
 
@@ -441,9 +457,9 @@ def main(argv):
     deadline = start + FLAGS.budget_s
     sections = [s for s in SECTIONS if s in FLAGS.sections]
     results: dict = {"sections": sections, "tiny": FLAGS.tiny, "seconds": {}}
-    # The peer first, in its own process: JAX takes most of the device's memory once it starts.
-    order = (["peer"] if "peer" in sections else []) + [s for s in sections if s != "peer"]
-    for section in tqdm(order, desc="sections"):
+    # The peer first (SECTIONS' order), in its own process: JAX takes most of the device's
+    # memory once it starts.
+    for section in tqdm(sections, desc="sections"):
         if time.perf_counter() > deadline:
             results.setdefault("skipped", []).append(section)
             continue

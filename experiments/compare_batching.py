@@ -11,11 +11,11 @@ mean budget.
 
 Those bounds assume a decode step costs the same at any batch, which holds on a GPU
 and not on a CPU, where a step of 34 rows costs several times one of 4. So each column
-also prints the bound this machine allows (`--machine_bound`): the static and continuous
-rows' own rounds, profiled once on this machine in the same run, fit the simulator's cost
-model (cbjax/simulator/profile.py), and the simulator runs both schedules at those step
-costs. A continuous row short of that bound lost to its scheduler; a bound near 1x means
-the machine, not the scheduler, leaves batching little to win.
+also prints the bound this machine allows (`--machine_bound`): the same FCFS schedules,
+each decode step priced at what a step of that many sequences took on this machine in
+the same run (the static row's rounds profiled once more, cbjax/simulator/profile.py). A
+continuous row short of that bound lost to its scheduler; a bound near 1x means the
+machine, not the scheduler, leaves batching little to win.
 
     python experiments/compare_batching.py                          # CPU, scaled down
     python experiments/compare_batching.py --flagfile=configs/compare_batching_gpu.cfg
@@ -64,9 +64,9 @@ flags.DEFINE_list("peers", list(PEERS), "transformers rows (not under --simulate
 flags.DEFINE_enum("paged_attention", "auto", ["auto", "reference", "pallas"],
                   "Attention of the paged rows (auto: the Pallas kernels on a GPU or TPU; pallas: them anywhere; "
                   "under --simulate, the kernels read live pages only, as vLLM's do).")
-flags.DEFINE_bool("machine_bound", True, "Also print the continuous/static bound this machine allows: the static "
-                  "and continuous rounds profiled once more (untimed), a cost model fitted to them, both schedules "
-                  "simulated at those costs (not under --simulate, whose costs are the bound already).")
+flags.DEFINE_bool("machine_bound", True, "Also print the continuous/static bound this machine allows: the FCFS "
+                  "schedules' decode steps priced at what the static row's steps of as many sequences took here "
+                  "(one more untimed run of it; not under --simulate).")
 common.define_simulate_flag()
 common.define_trace_flags(("synthetic",), "'synthetic': --prompt_len prompts of random tokens and capped-"
                           "exponential budgets (--output_mean); ")
@@ -202,8 +202,8 @@ def run_column(model, max_gen: int, peer) -> dict:
             column["rows"][row]["over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                   "max": max(ratios), "runs": ratios}
     if FLAGS.machine_bound and not FLAGS.simulate and {"static", "continuous"} <= set(engines):
-        column.update(machine_bound(model, {row: engines[row] for row in ("static", "continuous")}, prompts,
-                                    [w.sampling for w in work], max_gen))
+        column.update(machine_bound(engines["static"], prompts, [w.sampling for w in work], budgets, int(slots),
+                                    max_gen))
     if peer is not None:
         from hf_peers import continuous_generate_batch, static_generate
 
@@ -215,30 +215,77 @@ def run_column(model, max_gen: int, peer) -> dict:
     return column
 
 
-def machine_bound(model, engines: dict, prompts, samplings, max_gen: int) -> dict:
-    """This machine's continuous/static bound for the column's schedules: the rows' rounds
-    profiled on their own warm engines (one untimed run each, host/device overlap off), the
-    simulator's cost model fitted to those rounds, then each row's `EngineArgs` simulated at
-    that cost over the same requests."""
+def fcfs_rows(budgets: list[int], slots: int, static: bool) -> list[int]:
+    """The decode steps of the FCFS schedules of `fcfs_bound`, as the number of sequences each
+    step decodes: static's batches of `slots` run to their longest member (rows leave as they
+    finish); continuous gives each request, in order, the slot that frees first."""
+    import heapq
+
+    steps: list[int] = []
+    if static:
+        for i in range(0, len(budgets), slots):
+            batch = budgets[i:i + slots]
+            steps += [sum(b > t for b in batch) for t in range(max(batch))]
+        return steps
+    free = [0] * slots
+    ends = []
+    for b in budgets:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + b)
+        ends.append((start, start + b))
+    length = max(e for _, e in ends)
+    busy = [0] * (length + 1)
+    for start, end in ends:
+        busy[start] += 1
+        busy[end] -= 1
+    running = 0
+    for t in range(length):
+        running += busy[t]
+        steps.append(running)
+    return steps
+
+
+def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int, max_gen: int) -> dict:
+    """This machine's continuous/static bound: the FCFS schedules of `fcfs_bound`, each decode
+    step priced at what a decode step of its token bucket took in the static row's rounds
+    (profiled once more, untimed, host/device overlap off: static decodes every batch size
+    from full to one as its batches drain), the prompts' prefill priced alike for both.
+    Continuous may reach it by refilling freed slots at once with the refills merged into the
+    decode steps; it cannot beat it by much."""
+    import numpy as np
     from tqdm.auto import tqdm
 
-    from cbjax import LLM
-    from cbjax.simulator.profile import calibrate, profile_rounds
+    from cbjax.simulator.profile import profile_rounds
 
-    rounds = []
-    for row, llm in engines.items():
-        with tqdm(total=1, desc=f"{row} gen<={max_gen} profiled") as bar:
-            rounds += profile_rounds(llm, list(zip(prompts, samplings)))
-            bar.update()
-    cost = calibrate(rounds, {"source": "compare_batching, this column's rounds"})
-    simulated = {}
-    for row, llm in engines.items():
-        sim = LLM(model, llm.args, simulate=cost)
-        t0 = sim.clock()
-        sim.generate(prompts, samplings, use_tqdm=False)
-        simulated[row] = sim.clock() - t0
-    return {"machine_bound_continuous_over_static": simulated["static"] / simulated["continuous"],
-            "machine_simulated_seconds": simulated, "machine_fit": cost.info["fit"]}
+    with tqdm(total=1, desc=f"static gen<={max_gen} profiled") as bar:
+        rounds = profile_rounds(static_llm, list(zip(prompts, samplings)))
+        bar.update()
+    # A decode step costs what its token bucket costs (the rows pad up to it: 17 rows cost
+    # twice 16 on a CPU): the median of static's decode rounds in each bucket, interpolated
+    # between buckets for one static never ran alone.
+    buckets = static_llm.engine.token_buckets()
+    bucket = lambda rows: next((b for b in buckets if b >= rows), buckets[-1])  # noqa: E731
+    by_bucket: dict[int, list[float]] = {}
+    prefill, prefill_decodes = 0.0, []
+    for calls, seconds in rounds:
+        decoded = max((c.rows for c in calls if c.kind == "decode"), default=0)
+        if all(c.kind == "decode" for c in calls):
+            by_bucket.setdefault(bucket(decoded), []).append(seconds)
+        else:  # prompt calls, and the round's decode (charged back below)
+            prefill += seconds
+            prefill_decodes += [decoded] if decoded else []
+    sizes = sorted(by_bucket)
+    step = [float(np.median(by_bucket[b])) for b in sizes]
+
+    def cost(schedule: list[int]) -> float:
+        return float(np.sum(np.interp([bucket(r) for r in schedule], sizes, step)))
+
+    static_steps, continuous_steps = fcfs_rows(budgets, slots, True), fcfs_rows(budgets, slots, False)
+    prefill = max(prefill - cost(prefill_decodes), 0.0)
+    static_s, continuous_s = prefill + cost(static_steps), prefill + cost(continuous_steps)
+    return {"machine_bound_continuous_over_static": static_s / continuous_s,
+            "machine_step_seconds": dict(zip(sizes, step)), "machine_prefill_seconds": prefill,
+            "machine_schedule_seconds": {"static": static_s, "continuous": continuous_s}}
 
 
 def over_static(row: dict, static: dict) -> str:
