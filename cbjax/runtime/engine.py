@@ -260,19 +260,6 @@ class Engine:
         """Compile one program ahead of time."""
         self._program(*self._step_arguments(self._pack([], num_tokens), steps))
 
-    def lowered(self, platforms: tuple[str, ...]) -> dict[tuple, dict]:
-        """`{program: {platform: jax Lowered}}`: every program `warmup` compiles, traced here and
-        lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
-        Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
-        out = {}
-        for prog in self.programs():
-            args, static = self._step_arguments(self._pack([], prog[1]), prog[2])
-            out[prog] = {}
-            for p in platforms:
-                with lowering_target(p):
-                    out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
-        return out
-
     def _compile_all(self, progs: list[tuple]) -> None:
         """Compile every program, then run each once on padding (the rows name no slot).
 
@@ -355,6 +342,20 @@ class Engine:
     def num_backend_compilations() -> int:
         """XLA compilations of anything in this process so far."""
         return BACKEND_COMPILES[0]
+
+
+def lower_programs(engine: Engine, platforms: tuple[str, ...]) -> dict[tuple, dict]:
+    """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles, traced here
+    and lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
+    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
+    out = {}
+    for prog in engine.programs():
+        args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2])
+        out[prog] = {}
+        for p in platforms:
+            with lowering_target(p):
+                out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
+    return out
 
 
 def init_cache_and_state(model_config, c: EngineConfig, dtype, mesh) -> tuple:
