@@ -47,7 +47,8 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ class SamplingParams:
 
         put("max_tokens", checks.integer("max_tokens", self.max_tokens, 1))
         put("temperature", checks.real("temperature", self.temperature, 0.0))
-        put("top_k", checks.integer("top_k (0 disables it)", self.top_k, 0))
+        put("top_k", checks.integer("top_k (0 disables it)", self.top_k, 0, field="top_k"))
         put("top_p", checks.real("top_p", self.top_p, 0.0, 1.0, low_open=True))
         put("min_p", checks.real("min_p", self.min_p, 0.0, 1.0))
         if self.seed is not None:
@@ -107,7 +108,7 @@ class SamplingParams:
             stop = () if stop is None else [stop]
         put("stop_token_ids", tuple(checks.integer("stop_token_ids", t, 0) for t in stop))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise checks.FieldError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         put("min_tokens", checks.integer("min_tokens", self.min_tokens, 0, self.max_tokens))
         put("presence_penalty", checks.real("presence_penalty", self.presence_penalty, -2.0, 2.0))
         put("frequency_penalty", checks.real("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
@@ -121,7 +122,7 @@ class SamplingParams:
             pairs = [(checks.integer("a logit_bias token id", t, 0), checks.real("a logit_bias value", b))
                      for t, b in items]
         except (TypeError, ValueError) as e:
-            raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+            raise checks.FieldError(f"logit_bias must map token ids to numbers: {e}", "logit_bias") from None
         put("logit_bias", tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in dict(pairs).items())))
         if self.logprobs is not None:
             put("logprobs", checks.integer("logprobs", self.logprobs, 0, 1024))
@@ -131,7 +132,8 @@ class SamplingParams:
         if self.best_of is not None:
             put("best_of", checks.integer("best_of", self.best_of, self.n, 1024))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+            raise checks.FieldError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}",
+                                    "structured")
 
     @property
     def num_samples(self) -> int:

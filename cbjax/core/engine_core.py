@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from cbjax.core.step_stats import StepStats
-from cbjax.request import Request, RequestState, SamplingParams, TokenLogprob
+from cbjax.request import FinishReason, Request, RequestState, SamplingParams, TokenLogprob
 from cbjax.runtime.step import split_logprobs, to_host
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
 
@@ -158,6 +158,9 @@ class EngineCore:
         round that finds a decode call in flight (overlap) records it first; if requests wait
         to be admitted it goes on to schedule them in the same round, so an admitted request's
         first token comes out of the round that admitted it."""
+        return end_failed_constraints(self, self._round())
+
+    def _round(self) -> list[Request]:
         touched: dict[str, Request] = {}
         if self._ahead is not None:
             self._ahead_round(touched)
@@ -328,3 +331,16 @@ class EngineCore:
 def _decodes_after_prefill(request) -> bool:
     """Whether a request still has tokens to make after the one its last prefill chunk samples."""
     return request.sampling.max_tokens - len(request.output_token_ids) > 1
+
+
+def end_failed_constraints(core: EngineCore, touched: list[Request]) -> list[Request]:
+    """End with an error the requests whose structured-output matcher failed this round (past
+    its work bounds, cbjax/grammar.py): its mask then allowed only EOS, so the answer would
+    otherwise end as a truncated "stop" that breaks its own constraint."""
+    for r in touched:
+        error = r.grammar.error if r.grammar is not None and r.finish_reason != FinishReason.ABORT else None
+        if error is not None:
+            if not r.finished:
+                core.abort(r)
+            r.finish_reason, r.error = FinishReason.ERROR, error
+    return touched

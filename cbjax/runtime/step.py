@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax import grammar
+from cbjax.checks import FieldError
 from cbjax.models import forward
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
@@ -199,13 +200,14 @@ def check_sampling(sampling: SamplingParams, max_logprobs: int, max_logit_bias: 
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(sampling, name)
         if k is not None and k > (max_logprobs or -1):
-            raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs}"
-                             if max_logprobs else "this engine computes no logprobs (max_logprobs=0)")
+            raise FieldError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs}"
+                             if max_logprobs else "this engine computes no logprobs (max_logprobs=0)", name)
     if len(sampling.logit_bias) > max_logit_bias:
-        raise ValueError(f"at most {max_logit_bias} logit_bias entries per request, got {len(sampling.logit_bias)}")
+        raise FieldError(f"at most {max_logit_bias} logit_bias entries per request, got {len(sampling.logit_bias)}",
+                         "logit_bias")
     bad = [t for t, _ in sampling.logit_bias if t >= vocab]
     if bad:
-        raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        raise FieldError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}", "logit_bias")
 
 
 def sampling_row(row: Row | None, stops: np.ndarray | None, max_stop_tokens: int,

@@ -21,8 +21,20 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face director
 flags.DEFINE_string("served_model_name", None, "The name clients pass as 'model' (default: --model).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port).", lower_bound=0, upper_bound=65535)
-flags.DEFINE_integer("max_pending", 1024, "Requests held at once (waiting or running); more get 429.",
+flags.DEFINE_integer("max_pending", 1024, "Sequences held at once (waiting or running), each request counted as "
+                     "its prompts x samples (best_of, else n); more get 429, a request that alone has more a 400.",
                      lower_bound=1)
+flags.DEFINE_integer("max_pending_tokens", 1 << 20, "Prompt tokens held at once; more get 429, a request that alone "
+                     "has more a 400.", lower_bound=1)
+flags.DEFINE_integer("max_logprob_entries", 1 << 20, "Prompt logprob entries (scored prompt tokens x (1 + k)) one "
+                     "request may ask for; more get a 400 (this bounds its forward's time and its response's size).",
+                     lower_bound=1)
+flags.DEFINE_integer("max_connections", None, "Open connections at once; past it a connection gets 503 and is closed "
+                     "(default: the descriptor limit, raised to its hard limit, less 256, at most 16384).",
+                     lower_bound=1)
+flags.DEFINE_float("header_timeout_s", 10.0, "Seconds a new connection may take to send its request's headers.",
+                   lower_bound=0.001)
+flags.DEFINE_float("idle_timeout_s", 15.0, "Seconds an idle keep-alive connection stays open.", lower_bound=0.001)
 define_engine_flags()
 flags.adopt_module_key_flags(engine_flags)
 flags.DEFINE_integer("seed", 0, "Sampling seed for requests that bring none.", lower_bound=0)
@@ -105,7 +117,9 @@ def main(argv):
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                     max_pending=FLAGS.max_pending, access_log=FLAGS.access_log,
                     api_key=FLAGS.api_key or os.environ.get("CBJAX_API_KEY") or None,
-                    body_timeout_s=FLAGS.body_timeout_s)
+                    body_timeout_s=FLAGS.body_timeout_s, max_pending_tokens=FLAGS.max_pending_tokens,
+                    max_logprob_entries=FLAGS.max_logprob_entries, max_connections=FLAGS.max_connections,
+                    header_timeout_s=FLAGS.header_timeout_s, idle_timeout_s=FLAGS.idle_timeout_s)
     server.run()
 
 

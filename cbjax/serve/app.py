@@ -23,10 +23,12 @@ from aiohttp import web
 
 from cbjax.llm import LLM
 from cbjax.serve import protocol, responses
+from cbjax.serve.admission import Admission
 from cbjax.serve.choices import Choices
+from cbjax.serve.connections import ConnectionGuard, GuardedSite, default_max_connections, quiet_accept_errors
 from cbjax.serve.engine_loop import EngineLoop
 from cbjax.serve.info_routes import InfoRoutes, json_response
-from cbjax.serve.prometheus import CONTENT_TYPE, ServerMetrics
+from cbjax.serve.prometheus import ServerMetrics
 from cbjax.serve.protocol import APIError
 
 log = logging.getLogger("cbjax.serve")
@@ -88,6 +90,27 @@ def _grammar_checked(llm, job: protocol.Job) -> protocol.Job:
     return job
 
 
+def _total(job, raw: bytes):
+    """`job(parsed body)` for the parser threads. A StopIteration escaping it would never reach
+    the handler (a Future refuses it as an exception, and the request would hang): a 500 instead."""
+    def run():
+        try:
+            return job(protocol.parse_body(raw))
+        except StopIteration as e:
+            raise RuntimeError(f"StopIteration while parsing the request: {e!r}") from None
+    return run
+
+
+def _failure(out, job: protocol.Job, engine_error: str | None) -> APIError:
+    """The error a failed request answers with: 500 once the engine loop is down, 400 naming the
+    constraint's field when its matcher failed mid-generation, else 503."""
+    if engine_error is not None:
+        return APIError(500, out.error or "request failed")
+    if job.structured_field is not None and (out.error or "").startswith("structured output"):
+        return APIError(400, out.error, param=job.structured_field, code="structured_output_failed")
+    return APIError(503, out.error or "request failed")
+
+
 def _sink(loop, outputs: asyncio.Queue, index: int):
     """Where the engine loop hands prompt `index`'s outputs to the request's coroutine."""
     def put(output):
@@ -101,9 +124,18 @@ class Server:
 
     def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False,
-                 api_key: str | None = None, body_timeout_s: float = 30.0):
+                 api_key: str | None = None, body_timeout_s: float = 30.0, max_pending_tokens: int | None = None,
+                 max_logprob_entries: int | None = 1 << 20, max_connections: int | None = None,
+                 header_timeout_s: float = 10.0, idle_timeout_s: float = 15.0):
+        """`max_pending`: sequences (prompts x samples) held at once; `max_pending_tokens`: prompt
+        tokens held at once; `max_logprob_entries`: prompt logprob entries one request may ask for
+        (serve/admission.py). `max_connections` (default: below the descriptor limit),
+        `header_timeout_s`, `idle_timeout_s` (keep-alive): serve/connections.py."""
         self.llm = llm
         self.body_timeout_s = body_timeout_s
+        self.admission = Admission(max_pending, max_pending_tokens, max_logprob_entries)
+        self.guard = ConnectionGuard(max_connections or default_max_connections(), header_timeout_s)
+        self.idle_timeout_s = idle_timeout_s
         self.api_key = api_key
         # Bodies are parsed and prompts tokenized here, off the event loop (two: one huge prompt
         # does not hold up the next request's parse).
@@ -111,12 +143,10 @@ class Server:
         self.model_name = model_name
         self.host = host
         self.port = port
-        self.max_pending = max_pending
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log
         self.metrics = ServerMetrics(model_name)
         self.engine = EngineLoop(llm, on_output=self.metrics.observe)
-        self.pending = 0  # requests accepted and not finished (touched on the event loop only)
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,17 +159,15 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         InfoRoutes(self).add_to(app)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
         return app
 
     async def _start_site(self) -> None:
         self.engine.start()
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True,
+        quiet_accept_errors(asyncio.get_running_loop())
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, keepalive_timeout=self.idle_timeout_s,
                                     access_log=log if self.access_log else None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        await GuardedSite(self._runner, self.host, self.port, self.guard).start()
         self.port = self._runner.addresses[0][1]  # the bound port when asked for 0
 
     async def _shutdown(self) -> None:
@@ -204,6 +232,11 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def pending(self) -> int:
+        """Sequences accepted and not finished."""
+        return self.admission.samples
+
     # ------------------------------------------------------------ routes
     async def off_loop(self, request: web.Request, job):
         """`job(body)` on the parser threads, `body` the request's parsed JSON. A body that
@@ -214,17 +247,7 @@ class Server:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                            code="request_timeout") from None
-        return await asyncio.get_running_loop().run_in_executor(self._parser,
-                                                                lambda: job(protocol.parse_body(raw)))
-
-    async def health(self, request: web.Request) -> web.Response:
-        if not self.engine.alive:
-            raise APIError(503, self.engine.error or "the engine loop is not running")
-        return json_response({"status": "ok"})
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        body = self.metrics.render(self.engine.load)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        return await asyncio.get_running_loop().run_in_executor(self._parser, _total(job, raw))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_completion)
@@ -244,16 +267,13 @@ class Server:
         job = await self._parse(request, parse)
         if not self.engine.alive:
             raise APIError(503, self.engine.error or "the engine loop is not running")
-        n = len(job.prompts)
-        if self.max_pending is not None and self.pending + n > self.max_pending:
-            raise APIError(429, f"the server holds {self.pending} requests (limit {self.max_pending}); "
-                                "retry later", code="queue_full", headers={"Retry-After": "1"})
+        n, cost = len(job.prompts), self.admission.cost(job)
+        self.admission.admit(cost)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         # The front names the requests, so it can abort one whose submission is still queued.
         response_id = responses.new_id(job)
         choices = Choices(job, self.llm.tokenizer, [f"{response_id}-{i}" for i in range(n)])
-        self.pending += n
         try:
             futures = [self.engine.submit(prompt, job.sampling, _sink(loop, outputs, i), arrival_time=received,
                                           request_id=rid, priority=job.priority)
@@ -261,8 +281,9 @@ class Server:
             for future in futures:
                 try:
                     await asyncio.wrap_future(future)
-                except ValueError as e:
-                    raise APIError(400, str(e), param="prompt") from None
+                except ValueError as e:  # the engine's checks name the field (checks.FieldError)
+                    raise protocol.bad(str(e), protocol.field_name(job, getattr(e, "field", None) or "prompt")) \
+                        from None
                 except RuntimeError as e:
                     raise APIError(503, str(e)) from None
             if job.stream:
@@ -272,7 +293,7 @@ class Server:
             self.metrics.finished("abort", len(choices.live))
             for rid in choices.live_requests():  # a client that went away, or a refused sibling: free it
                 self.engine.abort(rid)
-            self.pending -= n
+            self.admission.release(cost)
 
     async def _outputs(self, outputs: asyncio.Queue, choices: Choices):
         """Yield `(choice, text delta, finish reason, new token ids, logprobs)` until every
@@ -285,7 +306,7 @@ class Server:
             if out.finish_reason == "error":
                 choices.live.discard(c)
                 self.metrics.finished("error")
-                raise APIError(503 if self.engine.error is None else 500, out.error or "request failed")
+                raise _failure(out, choices.job, self.engine.error)
             choices.note_prompt_logprobs(c, out.prompt_logprobs)
             stream = choices.streams[c]
             delta = stream.push(out.new_token_ids, final=out.finished)

@@ -122,6 +122,10 @@ class EngineLoop:
                 return False
             if command[0] == "submit":
                 self._add(command[1])
+                if command[1].sampling.prompt_logprobs is not None:
+                    # Its prompt's forward ran here: let the running requests step before the next
+                    # one (a request of 64 such prompts would stall every stream for all of them).
+                    return True
             elif command[0] == "abort":
                 self._abort(*command[1:])
             try:

@@ -34,3 +34,13 @@ def utf8(text: str, param: str) -> str:
     except UnicodeEncodeError as e:
         raise bad(f"'{param}' is not valid Unicode: {e.reason} at character {e.start}", param) from None
     return text
+
+
+def check_keys(value: dict, allowed, path: str) -> None:
+    """Refuse (400, naming `path.key`) a key of the object at `path` that the server does not read:
+    strict at every level, as at the top (a silently dropped field would change what a client
+    measures without telling it)."""
+    for key in value:
+        if key not in allowed:
+            raise bad(f"'{path}.{key}' is not a field this server honours ({', '.join(sorted(allowed))})",
+                      f"{path}.{key}")

@@ -1,5 +1,5 @@
-"""The routes beside generation: the model card (`/v1/models`, `/v1/models/{id}`), `/version`,
-and vLLM's `/tokenize` and `/detokenize`. Parsing and tokenizing run on the server's
+"""The routes beside generation: `/health`, `/metrics` (Prometheus), the model card
+(`/v1/models`, `/v1/models/{id}`), `/version`, and vLLM's `/tokenize` and `/detokenize`. Parsing and tokenizing run on the server's
 parser threads, as the generation routes' do."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from aiohttp import web
 
 from cbjax import __version__
 from cbjax.serve import protocol
+from cbjax.serve.errors import APIError
+from cbjax.serve.prometheus import CONTENT_TYPE
 
 
 class InfoRoutes:
@@ -22,6 +24,18 @@ class InfoRoutes:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+
+    async def health(self, request: web.Request) -> web.Response:
+        engine = self.server.engine
+        if not engine.alive:
+            raise APIError(503, engine.error or "the engine loop is not running")
+        return json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = self.server.metrics.render(self.server.engine.load)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.server.created, "owned_by": "cbjax",

@@ -18,7 +18,7 @@ import math
 
 from cbjax.request import SamplingParams
 from cbjax.serve import tools as tool_calls
-from cbjax.serve.errors import APIError, bad, utf8 as _utf8  # noqa: F401 (APIError re-exported)
+from cbjax.serve.errors import APIError, bad, check_keys, utf8 as _utf8  # noqa: F401 (APIError re-exported)
 from cbjax.serve.structured import STRUCTURED_FIELDS, structured_output
 from cbjax.serve.tools import Tools
 
@@ -94,17 +94,19 @@ def check_text_length(chars: int, tokenizer, max_len: int, param: str) -> None:
 
 
 # ------------------------------------------------------------------ fields
-def get_field(body: dict, name: str, kinds, default=None, allow_none: bool = True):
+def get_field(body: dict, name: str, kinds, default=None, allow_none: bool = True, within: str | None = None):
+    """`body[name]` checked to be one of `kinds`; `within`: the JSON path of `body` in the request."""
     value = body.get(name, default)
+    path = f"{within}.{name}" if within else name
     if value is None:
         if not allow_none:
-            raise bad(f"'{name}' is required", name)
+            raise bad(f"'{path}' is required", path)
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        raise bad(f"'{name}' must be {names}, got {type(value).__name__}", name)
+        raise bad(f"'{path}' must be {names}, got {type(value).__name__}", path)
     if isinstance(value, float) and not math.isfinite(value):
-        raise bad(f"'{name}' must be finite", name)
+        raise bad(f"'{path}' must be finite", path)
     return value
 
 
@@ -131,7 +133,7 @@ def _stop_fields(body: dict, tokenizer) -> tuple[tuple[str, ...], tuple[int, ...
 
 
 def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logprobs: int | None,
-              structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
+              structured=None, prompt_logprobs: int | None = None, logprobs_field: str = "logprobs") -> SamplingParams:
     numbers = (int, float)
     n = get_field(body, "n", (int,), 1)
     best_of = get_field(body, "best_of", (int,))
@@ -153,8 +155,9 @@ def _sampling(body: dict, max_tokens: int, stop_token_ids: tuple[int, ...], logp
             repetition_penalty=float(get_field(body, "repetition_penalty", numbers, 1.0)),
             logit_bias=_logit_bias(body),
             logprobs=logprobs, n=n, best_of=best_of, structured=structured, prompt_logprobs=prompt_logprobs)
-    except ValueError as e:
-        raise bad(str(e)) from None
+    except ValueError as e:  # SamplingParams' checks name the field (checks.FieldError)
+        field = getattr(e, "field", None)
+        raise bad(str(e), logprobs_field if field == "logprobs" else field) from None
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -242,9 +245,10 @@ def _stream_options(body: dict, stream: bool) -> bool:
     options = get_field(body, "stream_options", (dict,))
     if options is None:
         return False
+    check_keys(options, ("include_usage",), "stream_options")
     if not stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return bool(get_field(options, "include_usage", (bool,), False))
+    return bool(get_field(options, "include_usage", (bool,), False, within="stream_options"))
 
 
 def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) -> int:
@@ -264,6 +268,11 @@ def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) 
                   f"{prompt_len + value} tokens ({prompt_len} in the prompt, {value} for the completion). "
                   f"Please reduce the length of the prompt or the completion.", "max_tokens")
     return value
+
+
+def field_name(job: Job, field: str) -> str:
+    """A sampling field as the request spelled it (chat asks for logprobs' k as top_logprobs)."""
+    return "top_logprobs" if job.kind == "chat" and field == "logprobs" else field
 
 
 def require_object(body) -> dict:
@@ -357,6 +366,8 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     max_tokens = _max_tokens(body, len(ids), max_len, None)
     structured, field = _structured(body, tools)
     asked = _prompt_logprobs(body, stream)
-    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured, asked),
+    logprobs_field = "top_logprobs" if body.get("top_logprobs") is not None else "logprobs"
+    return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured, asked,
+                                               logprobs_field),
                stream, _stream_options(body, stream), stop, priority=_priority(body), tools=tools,
                structured_field=field, prompt_logprobs=asked)

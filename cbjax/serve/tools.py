@@ -21,7 +21,8 @@ import re
 import uuid
 
 from cbjax.request import StructuredOutput
-from cbjax.serve.errors import bad, utf8
+from cbjax.serve.errors import bad, check_keys, utf8
+from cbjax.serve.structured import json_schema
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -60,9 +61,14 @@ def parse_tools(body: dict) -> Tools | None:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", "tools")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]")
+        check_keys(tool, ("type", "function"), f"tools[{i}]")
+        check_keys(function, ("name", "description", "parameters", "strict"), f"tools[{i}].function")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise bad(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description")
+        if function.get("parameters") is not None:
+            json_schema(function["parameters"] if isinstance(function["parameters"], dict) else None,
+                        f"tools[{i}].function.parameters")
         functions.append({k: function[k] for k in ("name", "description", "parameters") if k in function})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -70,14 +76,26 @@ def parse_tools(body: dict) -> Tools | None:
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
-            raise bad(f"'tool_choice' names no function among the tools: {choice!r}", "tool_choice")
-        choice = name
+        choice = _named_choice(choice, names)
     elif choice not in ("none", "auto", "required"):
         raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                   "{'name': ...}}", "tool_choice")
     return Tools(tuple(functions), choice, parallel)
+
+
+def _named_choice(choice: dict, names: list[str]) -> str:
+    """The function a `tool_choice` object names (one of the tools)."""
+    check_keys(choice, ("type", "function"), "tool_choice")
+    if choice.get("type") != "function":
+        raise bad(f"'tool_choice.type' must be 'function', got {choice.get('type')!r}", "tool_choice.type")
+    function = choice.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad("'tool_choice.function' must be an object with a string 'name'", "tool_choice.function")
+    check_keys(function, ("name",), "tool_choice.function")
+    if function["name"] not in names:
+        raise bad(f"'tool_choice' names no function among the tools: {function['name']!r}",
+                  "tool_choice.function.name")
+    return function["name"]
 
 
 def constraint(tools: Tools | None) -> StructuredOutput | None:
@@ -170,33 +188,61 @@ def parse_output(tools: Tools, text: str) -> tuple[str | None, list[dict]]:
     return (kept.strip() or None) if calls else text, calls
 
 
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+
+
 def messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+            raise bad(f"{where} must be an object with a string 'role'", where)
+        check_keys(m, MESSAGE_FIELDS, where)
         if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}]: role {m['role']!r} is not supported", "messages")
+            raise bad(f"{where}: role {m['role']!r} is not supported", f"{where}.role")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string", f"{where}.name")
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if m.get("tool_calls") is not None and m["role"] != "assistant":
+            raise bad(f"{where}.tool_calls: only an assistant message carries calls", f"{where}.tool_calls")
         message = {"role": "system" if m["role"] == "developer" else m["role"],
-                   "content": _content(m.get("content"), i) if m.get("content") is not None or not calls else None}
+                   "content": _content(m.get("content"), where) if m.get("content") is not None or not calls else None}
         if calls:
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      and isinstance(c["function"].get("name"), str) for c in calls):
-                raise bad(f"messages[{i}].tool_calls must be a list of function calls", "messages")
-            message["tool_calls"] = calls
-        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if m.get("tool_call_id") is not None:
+            if m["role"] != "tool" or not isinstance(m["tool_call_id"], str):
+                raise bad(f"{where}.tool_call_id must be a string, on a tool message", f"{where}.tool_call_id")
             message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     return out
 
 
-def _content(content, i: int) -> str:
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list of function calls", where)
+    for j, c in enumerate(calls):
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict) \
+                or not isinstance(c["function"].get("name"), str):
+            raise bad(f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
+                      f"{where}[{j}]")
+        check_keys(c, ("id", "type", "function"), f"{where}[{j}]")
+        check_keys(c["function"], ("name", "arguments"), f"{where}[{j}].function")
+        if not isinstance(c["function"].get("arguments", "{}"), (str, dict)):
+            raise bad(f"{where}[{j}].function.arguments must be a JSON text or an object",
+                      f"{where}[{j}].function.arguments")
+    return calls
+
+
+def _content(content, where: str) -> str:
     if isinstance(content, str):
-        return utf8(content, "messages")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return utf8("".join(p["text"] for p in content), "messages")
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        return utf8(content, f"{where}.content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}",
+                          f"{where}.content[{j}]")
+            check_keys(part, ("type", "text"), f"{where}.content[{j}]")
+        return utf8("".join(p["text"] for p in content), f"{where}.content")
+    raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")

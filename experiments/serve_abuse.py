@@ -1,0 +1,128 @@
+"""One stream's inter-token gaps alone, then beside adversarial clients: eight concurrent
+constrained requests with regexes that explode or crawl, and one maximal `prompt_logprobs`
+request (as many prompt tokens x k as the server admits). Each adversary is re-sent as soon
+as it is answered, so the stream runs beside all of them from its first token to its last.
+
+The server runs as its own process (`python -m cbjax.serve`), as a user would run it; the
+client's clock measures the gaps between the stream's SSE events. Prints the gap median,
+p90 and max per scenario and their ratios to the stream alone, and writes JSON.
+
+    python experiments/serve_abuse.py                         # the embedded SmolLM2-135M
+    python experiments/serve_abuse.py --model=/path/to/hf_dir --stream_tokens=128
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+import common
+from cbjax.serve import flags as engine_flags
+from cbjax.serve.flags import define_engine_flags, engine_argv
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_integer("stream_tokens", 96, "Tokens the measured stream generates.", lower_bound=8)
+flags.DEFINE_integer("repeats", 3, "Streams per scenario; the gaps of all of them are pooled.", lower_bound=1)
+flags.DEFINE_integer("adversaries", 8, "Concurrent constrained requests in the constrained scenario.", lower_bound=1)
+flags.DEFINE_list("regexes", ["(a{100}){100}{100}", "(a{100}){100}", "([a-z]{1,50}[0-9]{1,50}){1,40}"],
+                  "The adversaries' guided_regex values, dealt round-robin.")
+flags.DEFINE_integer("max_logprob_entries", 1 << 16, "The server's --max_logprob_entries (the prompt_logprobs "
+                     "adversary asks for as much as it admits).", lower_bound=1)
+flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the server's /health.", lower_bound=1.0)
+flags.DEFINE_string("output_dir", "results/serve_abuse", "Where the JSON and the server log go.")
+define_engine_flags(num_slots=16, max_seq_len=512)
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(engine_flags)
+
+
+async def _stream_gaps(session, url: str, model: str, tokens: int) -> list[float]:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+    return list(np.diff(times[1:]))  # from the first token on: the gaps a reader sees
+
+
+async def _keep_sending(session, url: str, body: dict, stop: asyncio.Event, statuses: list) -> None:
+    while not stop.is_set():
+        async with session.post(url + "/v1/completions", json=body) as r:
+            await r.read()
+            statuses.append(r.status)
+
+
+def _adversaries(model: str, max_len: int, vocab_hint: int = 200) -> dict[str, list[dict]]:
+    constrained = [{"model": model, "prompt": "Write:", "max_tokens": 64, "temperature": 1.0,
+                    "guided_regex": FLAGS.regexes[i % len(FLAGS.regexes)]} for i in range(FLAGS.adversaries)]
+    k = 20
+    length = max_len - 1
+    prompts = max(FLAGS.max_logprob_entries // (length * (1 + k)), 1)
+    rows = [[1 + (7 * i + j) % vocab_hint for j in range(length)] for i in range(prompts)]
+    logprobs = [{"model": model, "prompt": rows, "max_tokens": 1, "prompt_logprobs": k}]
+    return {"beside 8 constrained": constrained, "beside max prompt_logprobs": logprobs}
+
+
+async def _scenario(url: str, model: str, bodies: list[dict]) -> tuple[list[float], dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        stop, statuses = asyncio.Event(), []
+        senders = [asyncio.create_task(_keep_sending(session, url, b, stop, statuses)) for b in bodies]
+        if bodies:
+            await asyncio.sleep(0.5)  # the adversaries in flight before the stream starts
+        gaps = []
+        for _ in range(FLAGS.repeats):
+            gaps += await _stream_gaps(session, url, model, FLAGS.stream_tokens)
+        stop.set()
+        await asyncio.gather(*senders)
+    return gaps, {str(s): statuses.count(s) for s in sorted(set(statuses))}
+
+
+def _stats(gaps: list[float]) -> dict:
+    g = np.asarray(gaps) * 1e3
+    return {"median_gap_ms": float(np.median(g)), "p90_gap_ms": float(np.percentile(g, 90)),
+            "max_gap_ms": float(g.max()), "gaps": len(g)}
+
+
+def main(argv):
+    del argv
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    model = "served"
+    process, url, _ = common.start_server(
+        FLAGS.model, [f"--served_model_name={model}", f"--max_logprob_entries={FLAGS.max_logprob_entries}",
+                      *engine_argv()], os.path.join(FLAGS.output_dir, "server.log"), FLAGS.startup_timeout_s)
+    results = {}
+    try:
+        scenarios = {"alone": [], **_adversaries(model, FLAGS.max_seq_len)}
+        for name, bodies in scenarios.items():
+            gaps, statuses = asyncio.run(_scenario(url, model, bodies))
+            results[name] = {**_stats(gaps), "adversary_statuses": statuses}
+            print(f"{name}: {results[name]}", flush=True)
+    finally:
+        process.terminate()
+        process.wait(30)
+    alone = results["alone"]
+    print(f"\n{'scenario':28s} {'median ms':>10s} {'p90 ms':>8s} {'max ms':>8s} {'p90 / alone':>12s} "
+          f"{'max / alone':>12s}  adversaries answered")
+    for name, r in results.items():
+        r["p90_vs_alone"] = r["p90_gap_ms"] / alone["p90_gap_ms"]
+        r["max_vs_alone"] = r["max_gap_ms"] / alone["max_gap_ms"]
+        print(f"{name:28s} {r['median_gap_ms']:10.1f} {r['p90_gap_ms']:8.1f} {r['max_gap_ms']:8.1f} "
+              f"{r['p90_vs_alone']:11.2f}x {r['max_vs_alone']:11.2f}x  {r['adversary_statuses']}")
+    path = os.path.join(FLAGS.output_dir, "serve_abuse.json")
+    with open(path, "w") as f:
+        json.dump({"flags": common.script_flags(), "results": results}, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
