@@ -97,7 +97,8 @@ class Grammars:
         self._eos_ids = list(eos_ids)
         self._lock = threading.Lock()
         self._tokenizer = None
-        self._compiled: dict[StructuredOutput, str] = {}  # checked grammars (the server checks, then adds)
+        # Checked grammars, and the refusals (the server checks on its parser threads, then adds).
+        self._compiled: dict[StructuredOutput, str | ValueError] = {}
 
     def tokenizer(self):
         if self._hf is None:
@@ -119,17 +120,25 @@ class Grammars:
         server calls it on its parser threads, never on the engine's."""
         import llguidance
 
-        if structured in self._compiled:
-            return self._compiled[structured]
-        text = grammar_text(structured)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer(),
-                                                                               limits=_limits())
-        if failed:
-            raise ValueError(f"structured output ({structured.kind}): {messages[0]}")
-        self.probe(text, structured.kind)
+        known = self._compiled.get(structured)
+        if isinstance(known, ValueError):  # refused before: refused again at once (a client may repeat it)
+            raise known
+        if known is not None:
+            return known
+        try:
+            text = grammar_text(structured)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer(),
+                                                                                   limits=_limits())
+            if failed:
+                raise ValueError(f"structured output ({structured.kind}): {messages[0]}")
+            self.probe(text, structured.kind)
+        except ValueError as e:
+            text = ValueError(str(e))
         if len(self._compiled) >= 256:
             self._compiled.clear()
         self._compiled[structured] = text
+        if isinstance(text, ValueError):
+            raise text
         return text
 
     def probe(self, grammar: str, kind: str) -> None:

@@ -98,16 +98,7 @@ class LLM:
 
     # ------------------------------------------------------------ requests
     def prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return list(self.tokenizer(prompt)["input_ids"]), prompt
-        if isinstance(prompt, (bytes, bytearray, memoryview)) or not hasattr(prompt, "__iter__"):
-            raise ValueError(f"a prompt must be a string or a sequence of integer token ids, "
-                             f"got {type(prompt).__name__}")
-        if type(prompt) is list and all(type(t) is int for t in prompt):  # the common case, without a call per id
-            return list(prompt), None
-        return [checks.integer("a prompt token id", t) for t in prompt], None
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def _new_request_id(self) -> str:
         # Skip ids a user chose: auto ids share the namespace of live requests.
@@ -120,8 +111,10 @@ class LLM:
             zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFFFFFF
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
-        """Queue a request; raises ValueError for a bad one (nothing else is touched)."""
+                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None,
+                    scored_prompt: list | None = None) -> str:
+        """Queue a request; raises ValueError for a bad one (nothing else is touched).
+        `scored_prompt`: its prompt logprobs, when the caller computed them (`engine.prompt_scorer`)."""
         sampling = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling).__name__}")
@@ -133,7 +126,8 @@ class LLM:
         self.core.check_request(ids, sampling)
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
         k = sampling.prompt_logprobs
-        prompt_lp = None if k is None else self.engine.prompt_logprobs(ids, k)  # the n samples share them
+        prompt_lp = scored_prompt if scored_prompt is not None or k is None else \
+            self.engine.prompt_logprobs(ids, k)  # the n samples share them
         request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests or self.groups.live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -318,6 +312,20 @@ def request_output(r: Request, tokenizer, since: int | None = None) -> RequestOu
     return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics, prompt=r.prompt,
                          error=r.error, new_token_ids=new, logprobs=logprobs, cumulative_logprob=cumulative,
                          prompt_logprobs=r.prompt_logprobs if not since else None)
+
+
+def prompt_token_ids(tokenizer, prompt: Prompt) -> tuple[list[int], str | None]:
+    """A prompt's token ids, and its text when it was one."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        return list(tokenizer(prompt)["input_ids"]), prompt
+    if isinstance(prompt, (bytes, bytearray, memoryview)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"a prompt must be a string or a sequence of integer token ids, "
+                         f"got {type(prompt).__name__}")
+    if type(prompt) is list and all(type(t) is int for t in prompt):  # the common case, without a call per id
+        return list(prompt), None
+    return [checks.integer("a prompt token id", t) for t in prompt], None
 
 
 def offline_workload(prompts, sampling_params) -> list[tuple[float, Prompt, SamplingParams | None]]:

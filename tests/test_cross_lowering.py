@@ -1,5 +1,5 @@
 """Every program of an engine with the Pallas kernels on, traced on this CPU and lowered for
-cuda and for tpu (`engine.lower_programs`): the Triton and Mosaic lowering rules run here, only the
+cuda and for tpu (`lowering.lower_programs`): the Triton and Mosaic lowering rules run here, only the
 final compile needs the accelerator. At tiny-llama's shape, SmolLM2-135M's (head_dim 64, GQA
 9/3), Llama-3-8B's (head_dim 128, 8 KV heads), head sizes that are not powers of two
 (Phi-2's 80, Phi-3-mini's 96) and sliding windows (Mistral-7B on every layer, Qwen2-7B on its
@@ -19,7 +19,8 @@ from cbjax.config import ModelConfig
 from cbjax.loading.model import Model
 from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.models.params import flatten_shapes, param_shapes, unflatten
-from cbjax.runtime.engine import Engine, lower_programs
+from cbjax.runtime.engine import Engine
+from cbjax.runtime.lowering import lower_programs
 from cbjax.runtime.engine_config import EngineConfig
 
 LLAMA3_8B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,

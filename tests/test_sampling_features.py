@@ -285,3 +285,24 @@ def test_n_samples_through_replicas(hf_and_dir):
         front.close()
     ref = LLM(path, max_seq_len=MAX_SEQ_LEN, num_slots=4).generate(prompts, sampling, use_tqdm=False)
     assert [[s.token_ids for s in o.samples] for o in outs] == [[s.token_ids for s in o.samples] for o in ref]
+
+
+def test_sampling_without_top_k_or_top_p_skips_the_sort_and_draws_the_same_tokens():
+    import jax
+    import jax.numpy as jnp
+
+    from cbjax.runtime import sampling
+
+    rng = np.random.default_rng(0)
+    rows = 64
+    logits = jnp.asarray(rng.normal(0, 3, (rows, 1000)).astype(np.float32))
+    logits = logits.at[::7, :5].set(logits[::7, :1])  # ties at the top in some rows
+    temperature = jnp.asarray(rng.choice([0.3, 1.0, 2.0], rows).astype(np.float32))
+    min_p = jnp.asarray(rng.choice([0.0, 0.05, 0.5], rows).astype(np.float32))
+    off = (jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.float32))
+    seeds, index = jnp.arange(rows, dtype=jnp.int32), jnp.arange(rows, dtype=jnp.int32) % 5
+    args = (logits, temperature, *off, min_p, seeds, index)
+    sorted_draws = jax.vmap(sampling._sample_row)(*args)
+    unsorted_draws = jax.vmap(sampling._sample_row_unsorted)(*args)
+    np.testing.assert_array_equal(np.asarray(sorted_draws), np.asarray(unsorted_draws))
+    assert len(set(np.asarray(unsorted_draws).tolist())) > 10  # it does sample

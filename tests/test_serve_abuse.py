@@ -21,6 +21,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax import grammar as grammar_module
 from cbjax.request import StructuredOutput
+from cbjax.runtime.engine import warm_structured_output
 from cbjax.serve import Server
 from tests.hf_models import save_chat_model
 
@@ -305,3 +306,19 @@ def test_the_server_is_idle_and_serving_after_the_abuse(server):
         time.sleep(0.05)
     assert server.pending == 0 and server.admission.prompt_tokens == 0
     assert_serving(server)
+
+
+# ----------------------------------------- 5. nothing compiles mid-stream
+def test_warmed_structured_output_programs_leave_nothing_to_compile(model_dir):
+    """The CLI's warm-up covers what a constrained request runs: its first one compiles
+    nothing on the engine thread (a compile there stalls every stream for seconds)."""
+    llm = LLM(model_dir, num_slots=4, max_seq_len=64, merge_mode="chunked")
+    llm.warmup()
+    assert warm_structured_output(llm.engine) > 0
+    before = llm.engine.num_compilations()
+    outs = llm.generate(["Hello", "Hi there", "A"], [
+        SamplingParams(max_tokens=6, structured=StructuredOutput(regex="[a-z]{2,5}")),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, structured=StructuredOutput(choice=("yes", "no")))], use_tqdm=False)
+    assert re.fullmatch("[a-z]{2,5}", outs[0].text) and outs[2].text in ("yes", "no"), outs
+    assert llm.engine.num_compilations() == before

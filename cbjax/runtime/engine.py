@@ -16,13 +16,13 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import os
 
 import jax
 import numpy as np
 
+from cbjax import grammar
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
@@ -30,7 +30,7 @@ from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
                                          prefill_buckets)
-from cbjax.runtime.prompt_logprobs import prompt_logprobs
+from cbjax.runtime.prompt_logprobs import LARGE_CHUNK, PromptScorer
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
 from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
@@ -94,16 +94,6 @@ def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel
     return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
 
 
-def lowering_target(platform: str):
-    """The context a lowering for `platform` runs in off the device: for "cuda", an abstract
-    mesh naming an H100 (from JAX 0.11 the Pallas Triton lowering reads the compute capability
-    of the device it targets, which a CPU does not have); nothing for the others."""
-    if platform != "cuda":
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
-
-
 class Engine:
     reads_block_tables = True  # the paged cache's tables are copied to the device each round
     # Its decode reads each slot's last token from the device state, so the host may dispatch the
@@ -163,9 +153,17 @@ class Engine:
         self.stop_ids_for(sampling)  # refuses too many stop ids
         step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
 
+    def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
+        """A prompt's logprobs, by one more forward over it a chunk at a time (one program per engine)."""
+        return PromptScorer(self.params, self.model.config, ids, k, self.max_len, self.max_logprobs, ops=self.ops,
+                            history_block=self.history_block())
+
     def prompt_logprobs(self, ids: list[int], k: int) -> list:
-        """Each prompt token's `TokenLogprob` (None for the first), by one more forward over it."""
-        return prompt_logprobs(self.params, self.model.config, ids, k)
+        """Each prompt token's `TokenLogprob` (None for the first), the scorer run at once."""
+        scorer = self.prompt_scorer(ids, k)
+        while not scorer.done:
+            scorer.advance(LARGE_CHUNK)
+        return scorer.result()
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""
@@ -344,18 +342,21 @@ class Engine:
         return BACKEND_COMPILES[0]
 
 
-def lower_programs(engine: Engine, platforms: tuple[str, ...]) -> dict[tuple, dict]:
-    """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles, traced here
-    and lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
-    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
-    out = {}
-    for prog in engine.programs():
-        args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2])
-        out[prog] = {}
-        for p in platforms:
-            with lowering_target(p):
-                out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
-    return out
+def warm_structured_output(engine: Engine) -> int:
+    """Compile (and run once on padding) the masked variant of every one-step program: the
+    programs a structured-output request runs, which `warmup` leaves out. Without them the first
+    constrained request compiles one on the engine's thread (4 s for SmolLM2 on a 2-core CPU),
+    stalling every stream. Returns the number of programs."""
+    words = grammar.mask_words(engine.model.config.vocab_size)
+    progs = [(n, steps) for _, n, steps in engine.programs() if steps == 1]
+    out = None
+    for num_tokens, steps in progs:
+        packed = engine._pack([], num_tokens)
+        masks = np.full((row_bucket(num_tokens, engine.num_slots), words), -1, np.int32)
+        out = engine._dispatch((*packed, masks), steps)
+    jax.block_until_ready(out)
+    engine.reset()
+    return len(progs)
 
 
 def init_cache_and_state(model_config, c: EngineConfig, dtype, mesh) -> tuple:

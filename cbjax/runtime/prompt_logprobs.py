@@ -1,16 +1,22 @@
 """Prompt log-probabilities (vLLM's `prompt_logprobs`, the completions API's `echo` with
-`logprobs`): the model over a whole prompt at once, outside the batched step, with each
-position's log-softmax.
+`logprobs`): the model over the prompt, outside the batched step, with each position's
+log-softmax.
 
 The batched step computes logits only at each row's last token, so a request that asks for
-its prompt's distribution pays one more forward over the prompt, compiled per power-of-two
-prompt length (cached persistently like every program): a research engine's choice, where
-vLLM keeps every prefill position's logits inside its step.
+its prompt's distribution pays one more forward over the prompt: a research engine's choice,
+where vLLM keeps every prefill position's logits inside its step. The forward runs in chunks
+over a one-sequence cache of its own (`PromptScorer`), so that a server can interleave it with
+the batched step (serve/engine_loop.py): beside running streams a small chunk at a time, with a
+bounded share of the engine's time, so a long prompt's scoring never stalls them for its whole
+forward. One program per chunk size serves every prompt of an engine (the cache holds
+`max_len` tokens and the top `k_max` are computed; a request's k takes the first k).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -18,31 +24,100 @@ import numpy as np
 
 from cbjax.models import forward
 from cbjax.models.kv_cache import SlotCache
+from cbjax.models.ops import XLA
 from cbjax.request import TokenLogprob
 
+# Tokens per forward: small beside running streams (a chunk then costs about one decode step),
+# large when nothing else runs.
+SMALL_CHUNK, LARGE_CHUNK = 8, 64
 
-@functools.partial(jax.jit, static_argnames=("config", "k"))
-def _columns(params, config, tokens, length, *, k: int):
-    """`[N - 1, 2 + 2k]` float32 for positions 1..N-1: the prompt token's log-probability given
-    the tokens before it, its rank (1 = likeliest), the top k log-probabilities and their ids."""
-    cache = SlotCache.init(config, 1, tokens.shape[0], jax.tree.leaves(params)[0].dtype)
-    logits, _ = forward(params, config, cache, tokens[None], jnp.zeros((1,), jnp.int32), num_valid=length[None])
-    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)
+
+@functools.partial(jax.jit, static_argnames=("config", "k", "ops", "history_block"), donate_argnames=("cache",))
+def _chunk_columns(params, config, cache, tokens, targets, start, num_valid, *, k: int, ops=XLA,
+                   history_block: int | None = None):
+    """`([C, 2 + 2k] float32, cache)` for chunk positions start..start+C-1: the next prompt
+    token's (`targets`) log-probability, its rank (1 = likeliest), the top k log-probabilities
+    and their ids; the cache with the chunk written."""
+    logits, cache = forward(params, config, cache, tokens[None], start[None], num_valid=num_valid[None], ops=ops,
+                            history_block=history_block)
+    logp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)
     rank = 1 + jnp.sum(logp > chosen, axis=-1, keepdims=True).astype(jnp.float32)
     top, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], jnp.zeros((logp.shape[0], 0), jnp.int32))
-    return jnp.concatenate([chosen, rank, top, ids.astype(jnp.float32)], axis=-1)
+    return jnp.concatenate([chosen, rank, top, ids.astype(jnp.float32)], axis=-1), cache
 
 
-def prompt_logprobs(params, config, ids: list[int], k: int) -> list[TokenLogprob | None]:
-    """Each prompt token's `TokenLogprob` (with its rank and the k likeliest tokens at that
-    position); None for the first, which nothing predicts."""
-    size = 1 << max(len(ids) - 1, 1).bit_length()
-    padded = np.zeros(size, np.int32)
-    padded[:len(ids)] = ids
-    columns = np.asarray(jax.device_get(_columns(params, config, padded, np.int32(len(ids)), k=k)))
-    out: list[TokenLogprob | None] = [None]
-    for token, row in zip(ids[1:], columns):
-        top = tuple((int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + k:2 + 2 * k]))
-        out.append(TokenLogprob(token, float(row[0]), top, rank=int(row[1])))
-    return out
+_compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-score-compile")
+_programs: dict[tuple, concurrent.futures.Future] = {}  # compiled chunk programs, by shapes and settings
+_programs_lock = threading.Lock()
+
+
+class PromptScorer:
+    """One prompt's logprobs, a chunk per `advance()`; `result()` once `done`. Its programs (one
+    per chunk size) compile on a thread of their own: `ready(chunk)` says whether one has, so an
+    engine loop never waits for a compile (a few seconds on a CPU) between two rounds."""
+
+    def __init__(self, params, config, ids: list[int], k: int, max_len: int, k_max: int | None = None,
+                 ops=XLA, history_block: int | None = None, largest_chunk: int = LARGE_CHUNK):
+        if len(ids) > max_len:
+            raise ValueError(f"a prompt of {len(ids)} tokens cannot be scored in {max_len}")
+        self.params, self.config, self.ids, self.k = params, config, list(ids), k
+        self.k_max = max(k, k_max or 0)
+        self.ops, self.history_block = ops, history_block  # the engine's (cpu_kernels.py, its history read)
+        self.cache = SlotCache.init(config, 1, max_len + largest_chunk, jax.tree.leaves(params)[0].dtype)
+        self.start = 0
+        self.columns: list[np.ndarray] = []
+
+    def _arguments(self, chunk: int) -> tuple[tuple, dict]:
+        n, s = len(self.ids), self.start
+        tokens, targets = np.zeros(chunk, np.int32), np.zeros(chunk, np.int32)
+        piece, nexts = self.ids[s:s + chunk], self.ids[s + 1:s + chunk + 1]
+        tokens[:len(piece)] = piece
+        targets[:len(nexts)] = nexts
+        return ((self.params, self.config, self.cache, tokens, targets, np.int32(s), np.int32(len(piece))),
+                dict(k=self.k_max, ops=self.ops, history_block=self.history_block))
+
+    def _program(self, chunk: int) -> concurrent.futures.Future:
+        args, static = self._arguments(chunk)
+        key = (chunk, self.cache.k[0].shape, str(self.cache.k[0].dtype), self.config, tuple(sorted(static.items())),
+               jax.tree.structure(self.params), id(self.params))
+        with _programs_lock:
+            if key not in _programs:
+                _programs[key] = _compiler.submit(lambda: _chunk_columns.trace(*args, **static).lower().compile())
+            return _programs[key]
+
+    def ready(self, chunk: int) -> bool:
+        """Whether the program for `chunk` tokens has compiled (starts its compile if not)."""
+        return self._program(chunk).done()
+
+    @property
+    def done(self) -> bool:
+        return self.start >= len(self.ids) - 1
+
+    def advance(self, chunk: int = SMALL_CHUNK) -> None:
+        """Score the next `chunk` positions (waits for the program's compile, then for the device)."""
+        args, _ = self._arguments(chunk)
+        out, self.cache = self._program(chunk).result()(*args[:1], *args[2:])
+        nexts = len(self.ids[self.start + 1:self.start + chunk + 1])
+        self.columns.append(np.asarray(jax.device_get(out))[:nexts])
+        self.start += chunk
+
+    def result(self) -> list[TokenLogprob | None]:
+        """Each prompt token's `TokenLogprob` (with its rank and the k likeliest tokens at that
+        position); None for the first, which nothing predicts."""
+        k, k_max = self.k, self.k_max
+        columns = np.concatenate(self.columns) if self.columns else np.zeros((0, 2 + 2 * k_max), np.float32)
+        out: list[TokenLogprob | None] = [None]
+        for token, row in zip(self.ids[1:], columns):
+            top = tuple((int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + k_max:2 + k_max + k]))
+            out.append(TokenLogprob(token, float(row[0]), top, rank=int(row[1])))
+        return out
+
+
+def prompt_logprobs(params, config, ids: list[int], k: int, max_len: int | None = None,
+                    k_max: int | None = None) -> list[TokenLogprob | None]:
+    """Each prompt token's `TokenLogprob` (`PromptScorer` run to the end at once)."""
+    scorer = PromptScorer(params, config, ids, k, max_len or len(ids), k_max)
+    while not scorer.done:
+        scorer.advance(LARGE_CHUNK)
+    return scorer.result()

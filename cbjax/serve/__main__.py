@@ -50,6 +50,8 @@ flags.DEFINE_enum("routing", "least_loaded", ["round_robin", "least_loaded", "pr
                   "hash of its first --affinity_tokens prompt tokens (their prefix caches then share prompts).")
 flags.DEFINE_integer("affinity_tokens", 16, "Prompt tokens prefix_affinity routing hashes.", lower_bound=1)
 flags.DEFINE_bool("warmup", True, "Compile every program before serving (first requests then pay no compile).")
+flags.DEFINE_bool("warmup_structured", True, "With --warmup, also compile the programs structured-output requests run "
+                  "(else the first such request compiles one, stalling every stream).")
 flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
                     "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
 flags.DEFINE_bool("access_log", False, "Log one line per HTTP request.")
@@ -80,6 +82,7 @@ def engine_layout(llm, args) -> str:
 def main(argv):
     del argv
     from cbjax import LLM, compile_cache
+    from cbjax.runtime.engine import warm_structured_output
     from cbjax.serve import Server
 
     if FLAGS.host_devices:  # read when JAX's CPU backend starts, which nothing has asked for yet
@@ -112,6 +115,10 @@ def main(argv):
         if llm.tokenizer is not None:  # llguidance's view of it (0.3 s for SmolLM2, holding the GIL): now, not mid-stream
             try:
                 llm.grammars.tokenizer()
+                if FLAGS.warmup_structured and getattr(llm.engine, "supports_structured_output", False):
+                    t0 = time.perf_counter()
+                    count = warm_structured_output(llm.engine)
+                    print(f"compiled {count} structured-output programs in {time.perf_counter() - t0:.1f}s", flush=True)
             except ValueError as e:
                 print(f"structured output unavailable: {e}", flush=True)
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,

@@ -10,10 +10,12 @@ round goes on for everyone else.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import queue
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -21,8 +23,10 @@ from cbjax.core import Load
 from cbjax.core.engine_core import EngineCore
 from cbjax.llm import LLM, Prompt
 from cbjax.request import RequestOutput, SamplingParams
+from cbjax.runtime.prompt_logprobs import LARGE_CHUNK, SMALL_CHUNK
 
 Sink = Callable[[RequestOutput], None]
+SCORING_SHARE = 0.2  # of the engine's time, for prompt logprobs while requests are running
 
 
 @dataclasses.dataclass
@@ -34,6 +38,7 @@ class _Submit:
     request_id: str | None
     future: concurrent.futures.Future
     priority: float = 0
+    scorer: object | None = None  # its prompt logprobs' `PromptScorer`, when it asks for them
 
 
 class EngineLoop:
@@ -48,6 +53,8 @@ class EngineLoop:
         self.error: str | None = None  # set if a round raised: the engine is no longer trusted
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._scoring: collections.deque[_Submit] = collections.deque()  # waiting for their prompt logprobs
+        self._scoring_credit = 0.0  # seconds scoring may still take before the next chunk (<0: in debt)
         self._thread = threading.Thread(target=self._run, name="cbjax-engine-loop", daemon=True)
         core = getattr(llm, "core", None)
         if isinstance(core, EngineCore):  # requests arrive at any time: see EngineCore._run_ahead
@@ -94,9 +101,14 @@ class EngineLoop:
     # -------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
-            while self._handle_commands(block=not self.llm.has_unfinished_requests()):
+            stepped_s = 0.0
+            while self._handle_commands(block=not self.llm.has_unfinished_requests() and not self._scoring):
+                if self._scoring:
+                    self._score_chunk(stepped_s)
                 if self.llm.has_unfinished_requests():
+                    start = time.perf_counter()
                     self._dispatch(self.llm.step())
+                    stepped_s = time.perf_counter() - start
                     self._note_load()
                     if self.llm.idle:  # e.g. a dynamic batch's window is open
                         self._handle_commands(block=True, timeout=self._idle_wait(self.llm.wake_time))
@@ -122,10 +134,6 @@ class EngineLoop:
                 return False
             if command[0] == "submit":
                 self._add(command[1])
-                if command[1].sampling.prompt_logprobs is not None:
-                    # Its prompt's forward ran here: let the running requests step before the next
-                    # one (a request of 64 such prompts would stall every stream for all of them).
-                    return True
             elif command[0] == "abort":
                 self._abort(*command[1:])
             try:
@@ -136,9 +144,49 @@ class EngineLoop:
     def _add(self, submit: _Submit) -> None:
         if not submit.future.set_running_or_notify_cancel():
             return
+        k = submit.sampling.prompt_logprobs
+        if k is not None and isinstance(self.llm, LLM):  # (replicas score a prompt at once)
+            try:
+                ids, _ = self.llm.prompt_ids(submit.prompt)
+                self.llm.core.check_request(ids, submit.sampling)
+                submit.scorer = self.llm.engine.prompt_scorer(ids, k)
+            except ValueError as e:
+                submit.future.set_exception(e)
+                return
+            self._scoring.append(submit)  # admitted once scored, a chunk per round (_score_chunk)
+            return
+        self._admit(submit)
+
+    def _score_chunk(self, stepped_s: float) -> None:
+        """Score a chunk of the oldest prompt waiting for its logprobs, between two rounds of the
+        batched step. With nothing running, a large chunk. Beside running requests, a small one,
+        and only while scoring has had less than `SCORING_SHARE` of the engine's time
+        (`stepped_s`: the last round's): most of their tokens then come with no scoring between
+        them, and a delayed one waits a small chunk's forward, never a whole prompt's."""
+        submit, busy = self._scoring[0], self.llm.has_unfinished_requests()
+        if submit.scorer.done:  # a one-token prompt: nothing to score
+            self._scoring.popleft()
+            self._admit(submit, submit.scorer.result())
+            return
+        chunk = SMALL_CHUNK if busy else LARGE_CHUNK
+        self._scoring_credit = min(self._scoring_credit + SCORING_SHARE * stepped_s, 0.0) if busy else 0.0
+        if not submit.scorer.ready(chunk) or self._scoring_credit < 0:
+            if not busy:  # its program is compiling on its own thread: wait for it, not for work
+                time.sleep(0.02)
+            return
+        start = time.perf_counter()
+        submit.scorer.advance(chunk)
+        if busy:
+            self._scoring_credit -= time.perf_counter() - start
+        if submit.scorer.done:
+            self._scoring.popleft()
+            self._admit(submit, submit.scorer.result())
+
+    def _admit(self, submit: _Submit, scored_prompt: list | None = None) -> None:
         try:
             request_id = self.llm.add_request(submit.prompt, submit.sampling, arrival_time=submit.arrival_time,
-                                              request_id=submit.request_id, priority=submit.priority)
+                                              request_id=submit.request_id, priority=submit.priority,
+                                              **({"scored_prompt": scored_prompt} if scored_prompt else {}))
         except ValueError as e:
             submit.future.set_exception(e)
             return
@@ -147,6 +195,9 @@ class EngineLoop:
         self._note_load()
 
     def _abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        for submit in [s for s in self._scoring if s.request_id == request_id]:  # not admitted yet
+            self._scoring.remove(submit)
+            submit.future.set_exception(RuntimeError(f"request {request_id!r} aborted"))
         if not self.llm.has_request(request_id):
             return
         try:
@@ -183,6 +234,8 @@ class EngineLoop:
             except Exception:
                 traceback.print_exc()
         self._sinks.clear()
+        while self._scoring:
+            self._scoring.popleft().future.set_exception(RuntimeError(message))
         while True:  # refuse what is still queued
             try:
                 command = self._commands.get_nowait()

@@ -1,0 +1,35 @@
+"""Every program of an engine lowered for an accelerator without one: tracing on this machine,
+the Pallas kernels' Triton (cuda) and Mosaic (tpu) lowering rules included; only the final
+compile needs the device (tests/test_cross_lowering.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from cbjax.runtime.step import ragged_step
+
+
+def lowering_target(platform: str):
+    """The context a lowering for `platform` runs in off the device: for "cuda", an abstract
+    mesh naming an H100 (from JAX 0.11 the Pallas Triton lowering reads the compute capability
+    of the device it targets, which a CPU does not have); nothing for the others."""
+    if platform != "cuda":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
+
+
+def lower_programs(engine, platforms: tuple[str, ...]) -> dict[tuple, dict]:
+    """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles, traced here
+    and lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
+    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
+    out = {}
+    for prog in engine.programs():
+        args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2])
+        out[prog] = {}
+        for p in platforms:
+            with lowering_target(p):
+                out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
+    return out
