@@ -38,6 +38,9 @@ flags.DEFINE_integer("max_logprob_entries", 1 << 16, "The server's --max_logprob
                      "adversary asks for as much as it admits).", lower_bound=1)
 flags.DEFINE_float("refused_backoff_s", 0.1, "Seconds a refused adversary waits before sending again.",
                    lower_bound=0.0)
+flags.DEFINE_integer("load_requests", 4000, "Short requests sent after the scenarios (half streamed), to check "
+                     "that none is lost and /metrics counts them all (0: skip).", lower_bound=0)
+flags.DEFINE_integer("load_concurrency", 64, "Requests in flight at once during the load.", lower_bound=1)
 flags.DEFINE_float("startup_timeout_s", 900.0, "How long to wait for the server's /health.", lower_bound=1.0)
 flags.DEFINE_string("output_dir", "results/serve_abuse", "Where the JSON and the server log go.")
 define_engine_flags(num_slots=16, max_seq_len=512)
@@ -95,6 +98,51 @@ async def _scenario(url: str, model: str, bodies: list[dict]) -> tuple[list[floa
     return gaps, {str(s): statuses.count(s) for s in sorted(set(statuses))}
 
 
+def _metric(url: str, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+async def _load(url: str, model: str, pid: int) -> dict:
+    """`--load_requests` short requests at `--load_concurrency`: nothing lost, /metrics equal to
+    the client's count, the server's RSS after against before."""
+    import aiohttp
+
+    queue = asyncio.Queue()
+    for i in range(FLAGS.load_requests):
+        queue.put_nowait(i)
+    statuses: list[int] = []
+
+    async def worker(session):
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {"model": model, "prompt": f"Request {i}: tell me", "max_tokens": 4, "temperature": 0,
+                    "stream": i % 2 == 0}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+                statuses.append(r.status)
+
+    before_ok = _metric(url, "vllm:request_success_total")
+    rss_before = _rss_mb(pid)
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(FLAGS.load_concurrency)))
+    elapsed = time.perf_counter() - start
+    answered = statuses.count(200)
+    counted = _metric(url, "vllm:request_success_total") - before_ok
+    return {"requests": FLAGS.load_requests, "answered_200": answered, "other_statuses": len(statuses) - answered,
+            "metrics_success_delta": counted, "rss_mb_before": rss_before, "rss_mb_after": _rss_mb(pid),
+            "seconds": elapsed}
+
+
 def _stats(gaps: list[float]) -> dict:
     g = np.asarray(gaps) * 1e3
     return {"median_gap_ms": float(np.median(g)), "p90_gap_ms": float(np.percentile(g, 90)),
@@ -115,6 +163,7 @@ def main(argv):
             gaps, statuses = asyncio.run(_scenario(url, model, bodies))
             results[name] = {**_stats(gaps), "adversary_statuses": statuses}
             print(f"{name}: {results[name]}", flush=True)
+        load = asyncio.run(_load(url, model, process.pid)) if FLAGS.load_requests else None
     finally:
         process.terminate()
         process.wait(30)
@@ -128,9 +177,13 @@ def main(argv):
         print(f"{name:28s} {r['median_gap_ms']:10.1f} {r['p90_gap_ms']:8.1f} {r['max_gap_ms']:8.1f} "
               f"{r['median_vs_alone']:12.2f}x {r['p90_vs_alone']:9.2f}x {r['p90_vs_plain']:9.2f}x  "
               f"{r['adversary_statuses']}")
+    if load is not None:
+        print(f"\nload after the abuse: {load['answered_200']}/{load['requests']} answered 200 "
+              f"({load['other_statuses']} other), /metrics counted {load['metrics_success_delta']:.0f}; server RSS "
+              f"{load['rss_mb_before']:.0f} -> {load['rss_mb_after']:.0f} MB; {load['seconds']:.1f}s")
     path = os.path.join(FLAGS.output_dir, "serve_abuse.json")
     with open(path, "w") as f:
-        json.dump({"flags": common.script_flags(), "results": results}, f, indent=2)
+        json.dump({"flags": common.script_flags(), "results": results, "load": load}, f, indent=2)
     print(f"wrote {path}")
 
 

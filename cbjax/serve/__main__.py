@@ -26,7 +26,7 @@ flags.DEFINE_integer("max_pending", 1024, "Sequences held at once (waiting or ru
                      lower_bound=1)
 flags.DEFINE_integer("max_pending_tokens", 1 << 20, "Prompt tokens held at once; more get 429, a request that alone "
                      "has more a 400.", lower_bound=1)
-flags.DEFINE_integer("max_logprob_entries", 1 << 20, "Prompt logprob entries (scored prompt tokens x (1 + k)) one "
+flags.DEFINE_integer("max_logprob_entries", 1 << 18, "Prompt logprob entries (scored prompt tokens x (1 + k)) one "
                      "request may ask for; more get a 400 (this bounds its forward's time and its response's size).",
                      lower_bound=1)
 flags.DEFINE_integer("max_connections", None, "Open connections at once; past it a connection gets 503 and is closed "

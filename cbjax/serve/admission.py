@@ -26,7 +26,7 @@ class Cost:
 class Admission:
     max_pending: int | None = None  # samples held at once (waiting or running)
     max_pending_tokens: int | None = None  # prompt tokens held at once
-    max_logprob_entries: int | None = 1 << 20  # prompt logprob entries one request may ask for
+    max_logprob_entries: int | None = 1 << 18  # prompt logprob entries one request may ask for
     samples: int = 0  # pending (touched on the event loop only)
     prompt_tokens: int = 0
 

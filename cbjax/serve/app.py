@@ -125,7 +125,7 @@ class Server:
     def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False,
                  api_key: str | None = None, body_timeout_s: float = 30.0, max_pending_tokens: int | None = None,
-                 max_logprob_entries: int | None = 1 << 20, max_connections: int | None = None,
+                 max_logprob_entries: int | None = 1 << 18, max_connections: int | None = None,
                  header_timeout_s: float = 10.0, idle_timeout_s: float = 15.0):
         """`max_pending`: sequences (prompts x samples) held at once; `max_pending_tokens`: prompt
         tokens held at once; `max_logprob_entries`: prompt logprob entries one request may ask for
