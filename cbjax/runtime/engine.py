@@ -30,7 +30,7 @@ from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
                                          prefill_buckets)
-from cbjax.runtime.prompt_logprobs import LARGE_CHUNK, PromptScorer
+from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
 from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
@@ -160,10 +160,7 @@ class Engine:
 
     def prompt_logprobs(self, ids: list[int], k: int) -> list:
         """Each prompt token's `TokenLogprob` (None for the first), the scorer run at once."""
-        scorer = self.prompt_scorer(ids, k)
-        while not scorer.done:
-            scorer.advance(LARGE_CHUNK)
-        return scorer.result()
+        return self.prompt_scorer(ids, k).run()
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""

@@ -68,22 +68,25 @@ class PromptScorer:
         self.start = 0
         self.columns: list[np.ndarray] = []
 
-    def _arguments(self, chunk: int) -> tuple[tuple, dict]:
-        n, s = len(self.ids), self.start
+    def _inputs(self, chunk: int) -> tuple[tuple, int]:
+        """The chunk program's array arguments for the next `chunk` positions, and how many of
+        them have a next token to score."""
+        s = self.start
         tokens, targets = np.zeros(chunk, np.int32), np.zeros(chunk, np.int32)
         piece, nexts = self.ids[s:s + chunk], self.ids[s + 1:s + chunk + 1]
         tokens[:len(piece)] = piece
         targets[:len(nexts)] = nexts
-        return ((self.params, self.config, self.cache, tokens, targets, np.int32(s), np.int32(len(piece))),
-                dict(k=self.k_max, ops=self.ops, history_block=self.history_block))
+        return (self.params, self.cache, tokens, targets, np.int32(s), np.int32(len(piece))), len(nexts)
 
     def _program(self, chunk: int) -> concurrent.futures.Future:
-        args, static = self._arguments(chunk)
+        static = dict(k=self.k_max, ops=self.ops, history_block=self.history_block)
         key = (chunk, self.cache.k[0].shape, str(self.cache.k[0].dtype), self.config, tuple(sorted(static.items())),
                jax.tree.structure(self.params), id(self.params))
         with _programs_lock:
             if key not in _programs:
-                _programs[key] = _compiler.submit(lambda: _chunk_columns.trace(*args, **static).lower().compile())
+                params, *rest = self._inputs(chunk)[0]
+                _programs[key] = _compiler.submit(
+                    lambda: _chunk_columns.trace(params, self.config, *rest, **static).lower().compile())
             return _programs[key]
 
     def ready(self, chunk: int) -> bool:
@@ -96,11 +99,17 @@ class PromptScorer:
 
     def advance(self, chunk: int = SMALL_CHUNK) -> None:
         """Score the next `chunk` positions (waits for the program's compile, then for the device)."""
-        args, _ = self._arguments(chunk)
-        out, self.cache = self._program(chunk).result()(*args[:1], *args[2:])
-        nexts = len(self.ids[self.start + 1:self.start + chunk + 1])
-        self.columns.append(np.asarray(jax.device_get(out))[:nexts])
+        program = self._program(chunk).result()
+        inputs, scored = self._inputs(chunk)
+        out, self.cache = program(*inputs)
+        self.columns.append(np.asarray(jax.device_get(out))[:scored])
         self.start += chunk
+
+    def run(self) -> list[TokenLogprob | None]:
+        """Score the whole prompt at once, in the largest chunks; its `result()`."""
+        while not self.done:
+            self.advance(LARGE_CHUNK)
+        return self.result()
 
     def result(self) -> list[TokenLogprob | None]:
         """Each prompt token's `TokenLogprob` (with its rank and the k likeliest tokens at that
@@ -113,11 +122,3 @@ class PromptScorer:
             out.append(TokenLogprob(token, float(row[0]), top, rank=int(row[1])))
         return out
 
-
-def prompt_logprobs(params, config, ids: list[int], k: int, max_len: int | None = None,
-                    k_max: int | None = None) -> list[TokenLogprob | None]:
-    """Each prompt token's `TokenLogprob` (`PromptScorer` run to the end at once)."""
-    scorer = PromptScorer(params, config, ids, k, max_len or len(ids), k_max)
-    while not scorer.done:
-        scorer.advance(LARGE_CHUNK)
-    return scorer.result()

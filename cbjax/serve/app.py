@@ -282,7 +282,7 @@ class Server:
                 try:
                     await asyncio.wrap_future(future)
                 except ValueError as e:  # the engine's checks name the field (checks.FieldError)
-                    raise protocol.bad(str(e), protocol.field_name(job, getattr(e, "field", None) or "prompt")) \
+                    raise protocol.bad(str(e), job.field_name(getattr(e, "field", None) or "prompt")) \
                         from None
                 except RuntimeError as e:
                     raise APIError(503, str(e)) from None

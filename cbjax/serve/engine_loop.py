@@ -164,20 +164,17 @@ class EngineLoop:
         (`stepped_s`: the last round's): most of their tokens then come with no scoring between
         them, and a delayed one waits a small chunk's forward, never a whole prompt's."""
         submit, busy = self._scoring[0], self.llm.has_unfinished_requests()
-        if submit.scorer.done:  # a one-token prompt: nothing to score
-            self._scoring.popleft()
-            self._admit(submit, submit.scorer.result())
-            return
-        chunk = SMALL_CHUNK if busy else LARGE_CHUNK
-        self._scoring_credit = min(self._scoring_credit + SCORING_SHARE * stepped_s, 0.0) if busy else 0.0
-        if not submit.scorer.ready(chunk) or self._scoring_credit < 0:
-            if not busy:  # its program is compiling on its own thread: wait for it, not for work
-                time.sleep(0.02)
-            return
-        start = time.perf_counter()
-        submit.scorer.advance(chunk)
-        if busy:
-            self._scoring_credit -= time.perf_counter() - start
+        if not submit.scorer.done:  # (a one-token prompt has nothing to score)
+            chunk = SMALL_CHUNK if busy else LARGE_CHUNK
+            self._scoring_credit = min(self._scoring_credit + SCORING_SHARE * stepped_s, 0.0) if busy else 0.0
+            if not submit.scorer.ready(chunk) or self._scoring_credit < 0:
+                if not busy:  # its program is compiling on its own thread: wait for it, not for work
+                    time.sleep(0.02)
+                return
+            start = time.perf_counter()
+            submit.scorer.advance(chunk)
+            if busy:
+                self._scoring_credit -= time.perf_counter() - start
         if submit.scorer.done:
             self._scoring.popleft()
             self._admit(submit, submit.scorer.result())

@@ -41,6 +41,11 @@ class Job:
     tools: Tools | None = None  # chat's function calling (serve/tools.py)
     structured_field: str | None = None  # the request field that constrains the output, for its errors
     prompt_logprobs: int | None = None  # vLLM's field: each choice carries its prompt's top-k per position
+    logprobs_field: str = "logprobs"  # the field that asked for logprobs' k (chat's top_logprobs), for its errors
+
+    def field_name(self, field: str) -> str:
+        """A sampling field as this request spelled it."""
+        return self.logprobs_field if field == "logprobs" else field
 
     @property
     def n(self) -> int:
@@ -270,11 +275,6 @@ def _max_tokens(body: dict, prompt_len: int, max_len: int, default: int | None) 
     return value
 
 
-def field_name(job: Job, field: str) -> str:
-    """A sampling field as the request spelled it (chat asks for logprobs' k as top_logprobs)."""
-    return "top_logprobs" if job.kind == "chat" and field == "logprobs" else field
-
-
 def require_object(body) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -370,4 +370,4 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured, asked,
                                                logprobs_field),
                stream, _stream_options(body, stream), stop, priority=_priority(body), tools=tools,
-               structured_field=field, prompt_logprobs=asked)
+               structured_field=field, prompt_logprobs=asked, logprobs_field=logprobs_field)

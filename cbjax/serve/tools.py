@@ -22,7 +22,7 @@ import uuid
 
 from cbjax.request import StructuredOutput
 from cbjax.serve.errors import bad, check_keys, utf8
-from cbjax.serve.structured import json_schema
+from cbjax.serve.structured import check_schema
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -66,9 +66,12 @@ def parse_tools(body: dict) -> Tools | None:
         check_keys(function, ("name", "description", "parameters", "strict"), f"tools[{i}].function")
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise bad(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description")
-        if function.get("parameters") is not None:
-            json_schema(function["parameters"] if isinstance(function["parameters"], dict) else None,
-                        f"tools[{i}].function.parameters")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise bad(f"tools[{i}].function.parameters must be a JSON schema object",
+                          f"tools[{i}].function.parameters")
+            check_schema(parameters, f"tools[{i}].function.parameters")
         functions.append({k: function[k] for k in ("name", "description", "parameters") if k in function})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
