@@ -209,6 +209,7 @@ class Request:
     slot: int | None = None
     num_prefilled: int = 0  # prompt tokens already in the cache
     placed_at: int = 0  # num_prefilled when it took its slot (past 0: cached prefix pages or a fork)
+    swapped: bool = False  # preempted with its KV and state in the host tier (preemption_mode="swap")
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -7,13 +7,17 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import jax
+
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, load_model
 from cbjax.models.kv_cache import kv_capacity
-from cbjax.runtime import sharding
+from cbjax.runtime import kv_transfer, sharding
+from cbjax.runtime.device_state import SlotState
 from cbjax.runtime.engine import Engine
 from cbjax.scheduling import BlockManager, Scheduler
+from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
 
 
@@ -58,22 +62,42 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                                            args.page_size, kv_dtype, num_slots)
     engine_config = args.engine_config(num_slots, num_pages)
     if simulate is not None:
-        engine = simulator.SimulatedEngine(model, engine_config, simulate, clock)
+        engine = simulator.SimulatedEngine(model, engine_config, simulate, clock, dtype=args.dtype)
     elif args.pipeline_stages > 1:
         from cbjax.runtime.pipeline import PipelineEngine
 
         engine = PipelineEngine(model, engine_config, args.pipeline_stages, args.micro_batches, devices)
     else:
         engine = Engine(model, engine_config, mesh=mesh)
+    host = host_tier(engine, args, simulate) if args.host_kv_cache_bytes else None
     pages = None
     if args.kv_cache == "paged":
-        pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching)
+        pages = BlockManager(engine.config.num_pages, args.page_size, args.enable_prefix_caching, host=host)
     scheduler_class = {"both": Scheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}[role]
     scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
-                          pages=pages)
+                                pages=pages, host=host)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 
         core.predict_len = LengthPredictor.load(args.length_predictor, model)
     return model, core
+
+
+def host_tier(engine, args: EngineArgs, simulate=None) -> HostTier:
+    """The host tier's accounting at the bytes the engine stores: a page at the cache's dtype
+    (simulated: the cost model's KV dtype), a swapped sequence padded as `kv_transfer` gathers
+    it, with its decode-state row."""
+    config, c = engine.model.config, engine.config
+    if simulate is not None:
+        per_token = engine.kv_bytes_per_token
+    else:
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * engine.cache.k[0].dtype.itemsize
+    state = jax.eval_shape(lambda: SlotState.init(1, c.max_stop_tokens, c.max_logit_bias, config.vocab_size))
+    state_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    page_size = args.page_size if args.kv_cache == "paged" else 1
+
+    def sequence_bytes(length: int) -> int:
+        return per_token * kv_transfer.padded_length(length, args.max_seq_len, page_size) + state_row
+
+    return HostTier(args.host_kv_cache_bytes, per_token * args.page_size, sequence_bytes)

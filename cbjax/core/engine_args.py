@@ -13,6 +13,7 @@ import os
 from cbjax import checks
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
+from cbjax.scheduling.config import PREEMPTION_MODES
 from cbjax.simulator.hardware import LINKS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,6 +80,12 @@ class EngineArgs:
     page_size: int = _knob(16, "Tokens per page (paged cache).", lower=1)
     num_pages: int = _knob(None, "Pages in the paged cache (default: num_slots x max_seq_len worth).", lower=1)
     enable_prefix_caching: bool = _knob(False, "Share cached prompt pages between requests (paged cache).")
+    host_kv_cache_bytes: int = _knob(0, "Host memory for the KV cache's second tier, in bytes (0: none): "
+                                     "swapped-out requests (preemption_mode=swap) and, paged with prefix "
+                                     "caching, prefix pages evicted from the device.", lower=0)
+    preemption_mode: str = _knob("recompute", "What a preempted decoding request keeps: recompute (its tokens "
+                                 "are prefilled again) or swap (its KV and state wait in host memory, "
+                                 "host_kv_cache_bytes).", PREEMPTION_MODES)
     attention: str = _knob("auto", "Attention: auto (the Pallas kernels on a GPU or TPU, the reference path and "
                            "the C++ kernels on a CPU), reference (pure JAX) or pallas (the ragged kernels, over "
                            "either cache layout).", ATTENTION_CHOICES)
@@ -128,6 +135,7 @@ class EngineArgs:
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
         self._check_disaggregation()
+        self._check_host_tier()
         for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES), ("kv_link", LINKS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -144,6 +152,20 @@ class EngineArgs:
         if self.pipeline_stages > 1:
             raise ValueError("disaggregation and pipeline stages do not combine: choose one")
 
+    def _check_host_tier(self) -> None:
+        self.host_kv_cache_bytes = checks.integer("host_kv_cache_bytes", self.host_kv_cache_bytes, 0, 2 ** 62)
+        if self.preemption_mode == "swap":
+            if not self.host_kv_cache_bytes:
+                raise ValueError("preemption_mode='swap' needs host memory to swap to: set host_kv_cache_bytes > 0")
+            if self.pipeline_stages > 1 or self.prefill_instances:
+                raise ValueError("preemption_mode='swap' needs a cache layout one engine gathers and restores: "
+                                 "not pipeline stages nor disaggregated instances (use recompute)")
+        elif self.host_kv_cache_bytes and not (self.enable_prefix_caching and self.kv_cache == "paged"):
+            raise ValueError("host_kv_cache_bytes has nothing to hold: set preemption_mode='swap', or "
+                             "kv_cache='paged' with enable_prefix_caching (prefix pages behind the device's)")
+        if self.host_kv_cache_bytes and self.pipeline_stages > 1:
+            raise ValueError("host_kv_cache_bytes: pipeline stages keep no host tier (their caches are split by layer)")
+
     def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(
             num_slots=self.num_slots if num_slots is None else num_slots, merge_mode=self.merge_mode,
@@ -152,7 +174,8 @@ class EngineArgs:
             waiting_served_ratio=self.waiting_served_ratio, max_waiting_steps=self.max_waiting_steps,
             max_prefill_tokens=self.max_prefill_tokens, ordering=self.ordering, length_aware=self.length_aware,
             decode_steps=self.decode_steps, score_wait=self.score_wait, score_short=self.score_short,
-            score_priority=self.score_priority, priority_preemption=self.priority_preemption)
+            score_priority=self.score_priority, priority_preemption=self.priority_preemption,
+            preemption_mode=self.preemption_mode)
 
     def engine_config(self, num_slots: int | None = None, num_pages: int | None = None) -> EngineConfig:
         return EngineConfig(

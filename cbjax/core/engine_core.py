@@ -176,10 +176,12 @@ class EngineCore:
             return list(touched.values())
         for slot in plan.preempted_slots:
             engine.deactivate(slot)
+        if plan.kv_ops:  # swaps and prefix pages to and from host memory, before anything writes
+            engine.move_kv(plan.kv_ops)
         if plan.copies:
             engine.copy_kv(plan.copies)
         if self.pages is not None and engine.reads_block_tables:
-            engine.set_block_tables(self._block_tables())
+            engine.set_block_tables(block_tables(self))
         running = RequestState.RUNNING
         if plan.mixed and plan.prefills:  # one step: the plan's chunks, then a decode row per running request
             rows = plan.prefills + [Row.decode(r) for r in sched.running if r.state == running]
@@ -319,13 +321,14 @@ class EngineCore:
         self.stats.prefill_chunks += len(plan.prefills)
         self.stats.process_s += time.perf_counter() - t_recorded
 
-    def _block_tables(self) -> np.ndarray:
-        tables = np.zeros((self.engine.num_slots, self.engine.max_len // self.pages.page_size), np.int32)
-        for slot, r in enumerate(self.scheduler.slots):
-            if r is not None:
-                pages = self.pages.tables[r.request_id]
-                tables[slot, :len(pages)] = pages
-        return tables
+
+def block_tables(core: EngineCore) -> np.ndarray:
+    tables = np.zeros((core.engine.num_slots, core.engine.max_len // core.pages.page_size), np.int32)
+    for slot, r in enumerate(core.scheduler.slots):
+        if r is not None:
+            pages = core.pages.tables[r.request_id]
+            tables[slot, :len(pages)] = pages
+    return tables
 
 
 def _decodes_after_prefill(request) -> bool:

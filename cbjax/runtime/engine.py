@@ -30,6 +30,7 @@ from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
                                          prefill_buckets)
+from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
 from cbjax.scheduling.plan import Row
@@ -122,6 +123,7 @@ class Engine:
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
         self._programs, self._slot_decodes = {}, {}
+        self.host_kv = HostKV()  # the KV cache's host tier: swapped-out sequences, prefix pages
         self.reset()
 
     def _configure(self, model, config: EngineConfig, tensor_parallel: int = 1) -> None:
@@ -324,6 +326,10 @@ class Engine:
         (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
         src, dst = step.copy_pairs(copies)
         self.cache = programs.copy_kv(self.cache, self.put(src), self.put(dst))
+
+    def move_kv(self, ops: list) -> None:
+        """Run a round's moves between the cache and its host tier (`HostKV.apply`)."""
+        self.host_kv.apply(self, ops)
 
     def deactivate(self, slot: int) -> None:
         self.state = programs.deactivate(self.state, np.int32(slot))

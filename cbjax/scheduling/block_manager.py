@@ -13,6 +13,10 @@ then cached ones, least recently freed first, and a sequence's pages are freed l
 page first, so the tail of a prefix goes before its head (the head is what other
 prompts share). Pages filled during decode are registered too, so a follow-up
 prompt that repeats prompt + answer hits them.
+
+With a host tier (host_tier.py), a cached page about to be reused is first copied to host
+memory, and a prompt's hash chain goes on there past the device's hits: those pages are
+loaded back into fresh device pages instead of being prefilled.
 """
 
 from __future__ import annotations
@@ -20,19 +24,27 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from cbjax.scheduling.host_tier import HostTier
+
 
 @dataclasses.dataclass
 class PrefixStats:
     queries: int = 0  # full prompt pages looked up
-    hits: int = 0
+    hits: int = 0  # found in device pages
+    host_hits: int = 0  # found in the host tier (loaded back)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hits / self.queries if self.queries else 0.0
+
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
+                 host: HostTier | None = None):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -47,6 +59,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # prefix key -> page
         self._seq_keys: dict[str, list[int]] = {}  # sequence id -> keys of its computed full pages
         self.stats = PrefixStats()
+        self.host = host if enable_prefix_caching else None  # prefix pages behind the device's
 
     # ------------------------------------------------------------ queries
     def pages_needed(self, num_tokens: int) -> int:
@@ -70,23 +83,27 @@ class BlockManager:
             keys.append(key)
         return keys
 
-    def _cached_prefix(self, tokens: list[int]) -> list[int]:
-        """The cached pages a prompt can reuse: whole pages, and never one holding its last
-        token, which must be computed to produce the first output token."""
+    def _cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """The cached pages a prompt can reuse, on the device and then (their keys) in the host
+        tier: whole pages, and never one holding its last token, which must be computed to
+        produce the first output token."""
         if not self.enable_prefix_caching:
-            return []
-        pages = []
+            return [], []
+        pages, host_keys = [], []
         for key in self._keys(tokens[:len(tokens) - 1]):
             page = self.cached.get(key)
-            if page is None:
+            if page is not None and not host_keys:
+                pages.append(page)
+            elif self.host is not None and self.host.has_page(key):
+                host_keys.append(key)
+            else:
                 break
-            pages.append(page)
-        return pages
+        return pages, host_keys
 
-    def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0) -> bool:
+    def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0, lookup: bool = True) -> bool:
         """Whether `tokens` (grown to `num_tokens` positions, if more) fit in the free pages
-        while `reserved` of them stay free for others."""
-        cached = self._cached_prefix(tokens)
+        while `reserved` of them stay free for others (`lookup`: reusing cached prefix pages)."""
+        cached = self._cached_prefix(tokens)[0] if lookup else []
         fresh = self.pages_needed(max(len(tokens), num_tokens)) - len(cached)
         revived = sum(1 for p in cached if self.ref_counts[p] == 0)  # cached but free: leaves the free list
         return fresh + revived + reserved <= self.num_free
@@ -100,36 +117,48 @@ class BlockManager:
         key = self.page_key.pop(page, None)
         if key is not None and self.cached.get(key) == page:
             del self.cached[key]
+            if self.host is not None:
+                self.host.page_out(key, page)
         self.ref_counts[page] = 1
         return page
 
-    def allocate(self, seq_id: str, tokens: list[int]) -> int:
+    def allocate(self, seq_id: str, tokens: list[int], lookup: bool = True) -> int:
         """Pages for a prompt; returns how many leading tokens are already in the cache
         (whole cached pages, and never the last prompt token, which must be computed to
-        produce the first output token)."""
+        produce the first output token). Pages hit in the host tier are loaded back into
+        fresh ones. `lookup=False`: fresh pages only (a swapped-in sequence brings its own)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
         if not tokens:
             raise ValueError("cannot allocate pages for an empty sequence")
-        if not self.can_allocate(tokens):
+        if not self.can_allocate(tokens, lookup=lookup):
             raise MemoryError(f"not enough free pages for {len(tokens)} tokens")
-        cached = self._cached_prefix(tokens)
-        if self.enable_prefix_caching:
+        cached, host_keys = self._cached_prefix(tokens) if lookup else ([], [])
+        if self.enable_prefix_caching and lookup:
             self.stats.queries += len(tokens) // self.page_size
             self.stats.hits += len(cached)
+            self.stats.host_hits += len(host_keys)
         table = []
         for page in cached:
             if self.ref_counts[page] == 0:
                 del self._free_cached[page]
             self.ref_counts[page] += 1
             table.append(page)
+        for key in host_keys:  # out of the host tier before any eviction below could drop them
+            self.host.claim_page(key)
+        for key in host_keys:
+            page = self._take_free()
+            self.host.page_in(key, page)
+            self.cached[key] = page
+            self.page_key[page] = key
+            table.append(page)
         if self.enable_prefix_caching:
-            self._seq_keys[seq_id] = [self.page_key[p] for p in cached]
-        for _ in range(self.pages_needed(len(tokens)) - len(cached)):
+            self._seq_keys[seq_id] = [self.page_key[p] for p in table]
+        for _ in range(self.pages_needed(len(tokens)) - len(table)):
             table.append(self._take_free())
         self.tables[seq_id] = table
         self.lengths[seq_id] = len(tokens)
-        return len(cached) * self.page_size
+        return (len(cached) + len(host_keys)) * self.page_size
 
     def _fork_layout(self, src_id: str, shared: int) -> tuple[list[int], int]:
         """The pages a fork takes by reference (the full pages of the first `shared` tokens) and

@@ -11,6 +11,7 @@ POLICIES = ("static", "dynamic", "continuous")
 # source note 004's score, highest first; sjf: shortest predicted remaining output first.
 ORDERINGS = ("fcfs", "priority", "score", "sjf")
 MERGE_MODES = ("prefill_first", "fused", "chunked")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,9 @@ class SchedulerConfig:
     # decodes first, then prompt chunks, within `max_num_batched_tokens` tokens per step).
     merge_mode: str = "prefill_first"
     max_num_batched_tokens: int | None = None
+    # What a preempted decoding request keeps: nothing ("recompute": its tokens are prefilled
+    # again, vLLM's default) or its KV and state, in the host tier ("swap").
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -64,6 +68,8 @@ class SchedulerConfig:
             self.max_prefill_tokens = checks.integer("max_prefill_tokens (or None)", self.max_prefill_tokens, 1)
         if not isinstance(self.length_aware, bool):
             raise ValueError(f"length_aware must be a bool, got {self.length_aware!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.merge_mode not in MERGE_MODES:
             raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
         if self.max_num_batched_tokens is not None:

@@ -63,6 +63,18 @@ class PageReservations:
         r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
+    def take_swapped(self, r: Request, reserved: int) -> int | None:
+        """As `take`, for a swapped-out request coming back: fresh pages for its cached positions
+        (all but its newest token; its own KV is written there, shared prefix pages are not
+        reused) and its next decode call."""
+        cached = (r.prompt_token_ids + r.output_token_ids)[:r.num_tokens - 1]
+        first_decode = self.decode_need(r, r.num_tokens)
+        if not self.pages.can_allocate(cached, first_decode, reserved, lookup=False):
+            return None
+        self.pages.allocate(r.request_id, cached, lookup=False)
+        self.pages.register(r.request_id, cached, len(cached))
+        return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
+
     def take_fork(self, r: Request, shared: int, reserved: int, copies: list) -> int | None:
         """As `take`, for a fork of `r.fork_of`'s first `shared` tokens: their full pages by
         reference, the partial one copied (appended to `copies` as (source, destination))."""

@@ -73,6 +73,9 @@ class Plan:
     # KV to copy before the round's steps, (source, destination): pages of the paged cache, or
     # whole slots of the slot cache (forks of a sibling's prompt, n > 1).
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Moves between the device cache and its host tier, in order (host_tier.KVOp), run after
+    # the preempted slots are deactivated and before the copies and the steps.
+    kv_ops: list = dataclasses.field(default_factory=list)
 
     @property
     def idle(self) -> bool:

@@ -23,6 +23,24 @@ from cbjax.request import Request, RequestState
 from cbjax.scheduling.plan import Plan, Row
 
 
+def prefill_chunks(sched) -> list[Row]:
+    """prefill_first: the slots' pending prompt chunks, most important first, within the
+    round's `max_prefill_tokens`."""
+    budget = sched.config.max_prefill_tokens
+    chunks = []
+    pending = sorted((r for r in sched.slots if r is not None and r.state == RequestState.PREFILLING),
+                     key=sched.order_key)
+    for r in pending:
+        remaining = r.prefill_len - r.num_prefilled
+        length = remaining if budget is None else min(remaining, budget)
+        if length <= 0:
+            break
+        chunks.append(Row.chunk(r, r.num_prefilled, length))
+        if budget is not None:
+            budget -= length
+    return chunks
+
+
 def admit(sched, now: float) -> tuple[list[Request], float | None]:
     cfg = sched.config
     if not sched.waiting or not (sched.free_slots or sched.rank_preemption):
@@ -90,7 +108,7 @@ def _admit_continuous(sched, ordered: list[Request]) -> list[Request]:
             if budget <= 0:
                 break
             taken.append(r)
-            budget -= r.prefill_len
+            budget -= 1 if r.swapped else r.prefill_len
         admitted = taken
     return admitted
 
@@ -127,6 +145,9 @@ def schedule_mixed(sched, now: float) -> Plan:
 
     def take(r: Request) -> bool:
         nonlocal budget
+        if r.state == RequestState.RUNNING:  # swapped back in: a decode row, no prompt
+            budget -= 1
+            return True
         n = r.prefill_len - r.num_prefilled
         if chunked:
             n = min(n, budget)
@@ -146,7 +167,7 @@ def schedule_mixed(sched, now: float) -> Plan:
     reserved = sched.reservations.pages_to_grow(sched.running) if sched.pages is not None and admitted else 0
     for r in admitted:
         fits_alone = not chunks and not sched.running
-        if budget <= 0 or (not chunked and r.prefill_len > budget and not fits_alone):
+        if budget <= 0 or (not chunked and not r.swapped and r.prefill_len > budget and not fits_alone):
             break
         if sched.pages is not None:
             reserved = sched.take_pages(r, reserved)
@@ -158,5 +179,4 @@ def schedule_mixed(sched, now: float) -> Plan:
         sched.reserve_decode_pages(chunks)
     chunks = [c for c in chunks if c.request.slot is not None]
     decode = any(r.state == RequestState.RUNNING for r in sched.running)
-    return Plan(chunks, decode, wake_time=wake if not chunks and not decode else None,
-                preempted_slots=sched.take_preempted(), mixed=True, copies=sched.take_copies())
+    return sched.plan(chunks, decode, wake, mixed=True)

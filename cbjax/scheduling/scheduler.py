@@ -15,16 +15,20 @@ from cbjax.request import FinishReason, Request, RequestState
 from cbjax.scheduling import forks, ordering
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
+from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.page_reservation import PageReservations
-from cbjax.scheduling.policies import admit, schedule_mixed
+from cbjax.scheduling.policies import admit, prefill_chunks, schedule_mixed
 from cbjax.scheduling.plan import Plan, Row
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, stop_tokens: set[int] | frozenset = frozenset(),
-                 max_seq_len: int | None = None, pages: BlockManager | None = None):
+                 max_seq_len: int | None = None, pages: BlockManager | None = None, host: HostTier | None = None):
         self.config = config
         self.pages = pages  # the paged KV cache's allocator, or None for the slot cache
+        self.host = host  # the KV cache's host tier (swapped-out requests, prefix pages), or None
+        if config.preemption_mode == "swap" and host is None:
+            raise ValueError("preemption_mode='swap' needs a host tier (host_kv_cache_bytes > 0)")
         self.reservations = None if pages is None else PageReservations(pages, config.decode_steps, max_seq_len)
         self.num_preemptions = 0
         self.eos_tokens = frozenset(stop_tokens)
@@ -90,19 +94,22 @@ class Scheduler:
         return forks.startable(self.waiting) if self.forks_seen else self.waiting
 
     def take_pages(self, r: Request, reserved: int) -> int | None:
-        """Paged: a newcomer's pages (a fork's by reference where it can); as `PageReservations.take`."""
+        """Paged: a newcomer's pages (a fork's by reference where it can, a swapped-out one's for
+        its own cached positions); as `PageReservations.take`."""
+        if r.swapped:
+            return self.reservations.take_swapped(r, reserved)
         shared = forks.fork_point(r)
         if shared is None:
             return self.reservations.take(r, reserved)
         return self.reservations.take_fork(r, shared, reserved, self.copies)
 
-    def take_copies(self) -> list[tuple[int, int]]:
+    def plan(self, prefills: list[Row], decode: bool, wake: float | None, mixed: bool = False) -> Plan:
+        """The round's plan, taking the device work recorded while scheduling it."""
+        preempted, self.preempted_slots = self.preempted_slots, []
         copies, self.copies = self.copies, []
-        return copies
-
-    def take_preempted(self) -> list[int]:
-        slots, self.preempted_slots = self.preempted_slots, []
-        return slots
+        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None, mixed=mixed,
+                    preempted_slots=preempted, copies=copies,
+                    kv_ops=self.host.take_ops() if self.host is not None else [])
 
     def lowest_holder(self) -> Request:
         """The least important request holding a slot: the first to preempt."""
@@ -124,42 +131,29 @@ class Scheduler:
                     self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
                     break
             self.place(r, now)
-        prefills = self._prefill_chunks()
+        prefills = prefill_chunks(self)
         if self.pages is not None:
             self.reserve_decode_pages(prefills)
         prefills = [c for c in prefills if c.request.slot is not None]
-        decode = self._should_decode(prefills)
-        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None,
-                    preempted_slots=self.take_preempted(), copies=self.take_copies())
+        return self.plan(prefills, self._should_decode(prefills), wake)
 
     def place(self, r: Request, now: float) -> None:
-        """Give a waiting request a free slot: it starts prefilling."""
+        """Give a waiting request a free slot: it starts prefilling (a swapped-out one decodes
+        on, its KV and state restored)."""
         slot = self.free_slots[0]
-        if self.pages is None and (shared := forks.fork_point(r)) is not None:
+        if self.pages is None and not r.swapped and (shared := forks.fork_point(r)) is not None:
             self.copies.append((r.fork_of.slot, slot))  # the slot cache copies the sibling's slot
             r.num_prefilled = shared
         self.slots[slot] = r
         r.slot = slot
         r.state = RequestState.PREFILLING
+        if r.swapped:
+            self.host.swap_in(r.request_id, slot, None if self.pages is None else self.pages.table(r.request_id))
+            r.swapped, r.state, r.num_prefilled = False, RequestState.RUNNING, r.num_tokens - 1
         r.placed_at = r.num_prefilled
         r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
         self.waiting.remove(r)
         self._requeued.discard(r.request_id)
-
-    def _prefill_chunks(self) -> list[Row]:
-        budget = self.config.max_prefill_tokens
-        chunks = []
-        pending = sorted((r for r in self.slots if r is not None and r.state == RequestState.PREFILLING),
-                         key=self.order_key)
-        for r in pending:
-            remaining = r.prefill_len - r.num_prefilled
-            length = remaining if budget is None else min(remaining, budget)
-            if length <= 0:
-                break
-            chunks.append(Row.chunk(r, r.num_prefilled, length))
-            if budget is not None:
-                budget -= length
-        return chunks
 
     def reserve_decode_pages(self, prefills: list[Row]) -> None:
         """Pages for the coming decode call of every decoding request. When the pool runs
@@ -171,8 +165,15 @@ class Scheduler:
         self.reservations.grow(decoding, self.order_key, self.lowest_holder, self.preempt)
 
     def preempt(self, r: Request) -> int:
-        """Take `r`'s slot (and pages); it waits again and recomputes its tokens when readmitted."""
+        """Take `r`'s slot (and pages); it waits again and, when readmitted, recomputes its
+        tokens, or (`preemption_mode="swap"`, a decoding request, room in the host tier) gets
+        its KV and state back from host memory."""
         slot = r.slot
+        if self.config.preemption_mode == "swap" and r.state == RequestState.RUNNING:
+            pages = None if self.pages is None else self.pages.table(r.request_id)
+            r.swapped = self.host.swap_out(r.request_id, slot, r.num_tokens - 1, pages)
+            if r.swapped:
+                r.fork_of = None  # it brings its own KV back: no sibling to copy
         if self.pages is not None:
             self.pages.free(r.request_id)
         self.preempted_slots.append(slot)
@@ -263,6 +264,9 @@ class Scheduler:
         r.finish_reason = reason
         r.error = error
         r.metrics.finish_time = now
+        if r.swapped:
+            self.host.forget(r.request_id)
+            r.swapped = False
         if self.pages is not None and r.request_id in self.pages.tables:
             self.pages.free(r.request_id)
         if r.slot is not None and self.slots[r.slot] is r:

@@ -15,7 +15,7 @@ import json
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, gemm_inner_dim,
+from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, Link, gemm_inner_dim,
                                       kv_bytes_per_token, matmul_params, weight_bytes)
 
 KINDS = ("prefill", "decode", "mixed")
@@ -65,6 +65,7 @@ class RooflineCost:
         self.config = config
         self.tensor_parallel = tensor_parallel
         self.link = LINKS[accelerator.link]
+        self.host_link = LINKS[accelerator.host_link]
         self._matmul_flops_per_token = 2.0 * matmul_params(config)
         self._inner_dim = gemm_inner_dim(config, tensor_parallel)
         self._attention_flops_per_pair = 4.0 * config.num_layers * config.num_heads * config.head_dim
@@ -106,6 +107,9 @@ class CalibratedCost:
     def __init__(self, coefficients: dict[str, dict[str, float]], info: dict | None = None):
         self.coefficients = coefficients
         self.info = info or {}
+        # The host tier on a CPU: a copy within host memory, at the bandwidth the calibration
+        # measured (else a default a 2-core machine reaches), and a call's fixed cost.
+        self.host_link = Link("host memory copy (this CPU)", self.info.get("host_copy_bytes_per_s", 4e9), 50e-6)
         self._vectors = {k: np.array([coefficients[k][f] for f in FEATURES]) for k in KINDS}
 
     def seconds(self, call: Call) -> float:

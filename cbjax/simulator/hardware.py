@@ -49,6 +49,12 @@ LINKS: dict[str, Link] = {
     "pcie5": Link("PCIe 5.0 x16", 64 * GB, 10 * US),
     "ici-v5e": Link("TPU v5e ICI (1,600 Gbit/s per chip)", 200 * GB, 5 * US),
     "dcn": Link("Data-center network, 200 Gbit/s (25 GB/s) per host", 25 * GB, 50 * US),
+    # Device <-> host memory (the KV cache's host tier): what a pinned-memory copy reaches, as
+    # NVIDIA's bandwidthTest / nvbandwidth report it (about 80% of the bus's peak), and the
+    # Grace Hopper chip-to-chip link.
+    "pcie4-host": Link("PCIe 4.0 x16 to pinned host memory (~25 GB/s)", 25 * GB, 10 * US),
+    "pcie5-host": Link("PCIe 5.0 x16 to pinned host memory (~53 GB/s)", 53 * GB, 10 * US),
+    "nvlink-c2c": Link("NVLink-C2C (GH200, 900 GB/s both ways)", 450 * GB, 5 * US),
 }
 
 
@@ -87,6 +93,7 @@ class Accelerator:
     link: str = "pcie4"
     usable_memory_fraction: float = 0.9  # vLLM's gpu_memory_utilization, TRT-LLM's free-memory fraction
     efficiency: Efficiency = Efficiency()
+    host_link: str = "pcie4-host"  # to host memory: the KV cache's host tier (swap, prefix pages)
 
     def kv_budget(self, weight_bytes: float, reserve_fraction: float | None = None, devices: int = 1) -> int:
         """Bytes left for the KV cache on `devices` of these after the weights (sharded
@@ -113,8 +120,10 @@ H100_ENGINE = Efficiency(compute=0.588, half_tokens=72.3, half_inner=523.0, band
                          pass_overhead_s=103 * US, prefill_overhead_s=1.33e-3, all_reduce_overhead_s=10.6 * US)
 
 ACCELERATORS: dict[str, Accelerator] = {
-    "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
-    "h200": Accelerator("H200 141GB", 4.8e12, 989e12, 141 * GB, 1979e12, "nvlink4", efficiency=H100_ENGINE),
+    "h100": Accelerator("H100 SXM 80GB", 3.35e12, 989e12, 80 * GiB, 1979e12, "nvlink4", efficiency=H100_ENGINE,
+                        host_link="pcie5-host"),
+    "h200": Accelerator("H200 141GB", 4.8e12, 989e12, 141 * GB, 1979e12, "nvlink4", efficiency=H100_ENGINE,
+                        host_link="pcie5-host"),
     "a100-40gb": Accelerator("A100 SXM 40GB", 1.555e12, 312e12, 40 * GiB, 0.0, "nvlink3", efficiency=A100_ENGINE),
     "a100-80gb": Accelerator("A100 SXM 80GB", 2.039e12, 312e12, 80 * GiB, 0.0, "nvlink3", efficiency=A100_ENGINE),
     "tpu-v5e": Accelerator("TPU v5e", 0.819e12, 197e12, 16 * GiB, 394e12, "ici-v5e"),

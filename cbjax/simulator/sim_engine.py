@@ -16,7 +16,8 @@ from cbjax.runtime.engine import Engine, EngineConfig
 from cbjax.runtime.step import row_bucket
 from cbjax.scheduling.plan import Row
 from cbjax.request import SamplingParams
-from cbjax.simulator.cost_model import Call
+from cbjax.simulator.cost_model import Call, kv_transfer_cost
+from cbjax.simulator.hardware import LINKS
 
 
 def causal_pairs(start: int, n: int) -> int:
@@ -58,7 +59,8 @@ class SimulatedEngine(Engine):
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
     supports_structured_output = False  # its tokens are fillers, no grammar could follow them
 
-    def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None):
+    def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None,
+                 dtype: str = "float32"):
         # The platform it stands for (its default step budget): a roofline's accelerator, else
         # this CPU (a calibration measured here).
         self.platform = platform or ("gpu" if hasattr(cost, "accelerator") else "cpu")
@@ -72,6 +74,9 @@ class SimulatedEngine(Engine):
         # token's keys) up to the attended-length bucket.
         self.reads_live_pages = self.attention == "pallas"
         self.busy_s = 0.0  # simulated device time (vs the clock, which also counts idle waits)
+        self.kv_bytes_per_token = kv_transfer_cost(cost, model.config, dtype)[1]  # at the modelled KV dtype
+        self.host_s = 0.0  # simulated time of KV moves to and from host memory (within busy_s)
+        self.swapped: dict[object, tuple] = {}  # swapped-out sequences' slot counters
         self.reset()
 
     def reset(self) -> None:
@@ -81,6 +86,32 @@ class SimulatedEngine(Engine):
         self.generated = np.zeros(s, np.int64)
         self.max_tokens = np.zeros(s, np.int64)
         self.filler = np.zeros(s, np.int64)
+
+    def move_kv(self, ops) -> None:
+        """The host tier's moves: no data, a swapped sequence's slot counters kept aside, and
+        the bytes (its cached positions, a prefix page's) charged over the host link."""
+        per_token = self.kv_bytes_per_token
+        moved = 0
+        for op in ops:
+            if op.kind == "seq_out":
+                s = op.slot
+                self.swapped[op.key] = (op.length, self.generated[s], self.max_tokens[s], self.filler[s])
+                moved += op.length * per_token
+            elif op.kind == "seq_in":
+                length, generated, max_tokens, filler = self.swapped.pop(op.key)
+                s = op.slot
+                self.active[s], self.length[s], self.generated[s] = True, length, generated
+                self.max_tokens[s], self.filler[s] = max_tokens, filler
+                moved += length * per_token
+            elif op.kind == "seq_drop":
+                del self.swapped[op.key]
+            elif op.kind in ("page_out", "page_in"):
+                moved += self.config.page_size * per_token
+        if moved:
+            seconds = getattr(self.cost, "host_link", LINKS["pcie4-host"]).transfer_seconds(moved)
+            self.host_s += seconds
+            self.busy_s += seconds
+            self.clock.advance(seconds)
 
     def copy_kv(self, copies) -> None:
         pass  # a fork's copy is a few pages: not charged

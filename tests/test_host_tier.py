@@ -1,0 +1,188 @@
+"""The KV cache's host tier: swap on preemption (token-exact with a run never preempted, for
+every family, both cache layouts, both preemption causes, with and without prefix caching),
+host memory behind the prefix cache, the byte bound, and the knobs' errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.scheduling.host_tier import HostTier
+from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
+
+MAX_SEQ_LEN = 64
+NUM_SLOTS = 4
+
+
+def workload(vocab: int, seed: int = 0, n: int = 10):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, size=int(k)).tolist() for k in rng.integers(6, 28, size=n)]
+    max_tokens = [int(k) for k in rng.integers(16, 32, size=n)]
+    priorities = [int(p) for p in rng.integers(0, 3, size=n)]
+    return prompts, max_tokens, priorities
+
+
+def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tuple[list[list[int]], int]:
+    """Requests arriving a few rounds apart (later ones outrank earlier ones sometimes: priority
+    preemption); checks the bound on host bytes after every round. Returns the outputs in
+    prompt order and the most host bytes seen."""
+    ids, done, most = [], {}, 0
+    host = llm.scheduler.host
+
+    def step():
+        nonlocal most
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+        if host is not None:
+            stored = llm.engine.host_kv.stored_bytes
+            assert stored == host.used <= host.capacity
+            most = max(most, stored)
+
+    for p, m, prio in zip(prompts, max_tokens, priorities):
+        ids.append(llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio))
+        for _ in range(2 if stagger else 0):
+            step()
+    while llm.has_unfinished_requests():
+        step()
+    return [done[i].token_ids for i in ids], most
+
+
+def assert_drained(llm: LLM) -> None:
+    assert llm.scheduler.free_slots == list(range(llm.scheduler.config.num_slots))
+    if llm.pages is not None:
+        assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+    host = llm.scheduler.host
+    if host is not None:
+        assert not host.sequences and not llm.engine.host_kv.sequences  # every swapped sequence came back
+        assert llm.engine.host_kv.stored_bytes == host.used  # what is left: prefix pages only
+        assert set(llm.engine.host_kv.pages) == set(host.prefix)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = save_hf_model(make_hf_model(request.param), str(tmp_path_factory.mktemp(request.param)))
+    llm = LLM(path, num_slots=8, max_seq_len=MAX_SEQ_LEN)
+    prompts, max_tokens, priorities = workload(llm.model.config.vocab_size)
+    expected, _ = run(llm, prompts, max_tokens, [0] * len(prompts), stagger=False)
+    assert llm.scheduler.num_preemptions == 0
+    return path, (prompts, max_tokens, priorities), expected
+
+
+SWAP = dict(preemption_mode="swap", host_kv_cache_bytes=1 << 24)
+CASES = {
+    # A higher-priority arrival takes a running request's slot: it is swapped out and back.
+    "slots-priority": dict(ordering="priority"),
+    # 12 pages of 8 tokens for 4 slots of up to 64 tokens: the pool runs dry.
+    "paged-pool-prefix": dict(kv_cache="paged", page_size=8, num_pages=12, enable_prefix_caching=True,
+                              decode_steps=2),
+    "paged-priority-chunked": dict(kv_cache="paged", page_size=8, num_pages=16, ordering="priority",
+                                   merge_mode="chunked", max_num_batched_tokens=24),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_swapped_requests_resume_token_exact(family, case):
+    path, (prompts, max_tokens, priorities), expected = family
+    llm = LLM(path, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **SWAP, **CASES[case])
+    outputs, _ = run(llm, prompts, max_tokens, priorities)
+    assert outputs == expected
+    stats = llm.scheduler.host.stats
+    assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and stats.swap_fallbacks == 0
+    assert_drained(llm)
+
+
+def test_a_full_host_pool_falls_back_to_recompute_and_counts_it(tmp_path):
+    """Four running requests, then three that outrank them at once: three victims, room in host
+    memory for one or two of them; the rest recompute (counted), every output unchanged."""
+    path = save_hf_model(make_hf_model("llama"), str(tmp_path / "llama"))
+    reference = LLM(path, num_slots=8, max_seq_len=MAX_SEQ_LEN)
+    prompts, max_tokens, _ = workload(reference.model.config.vocab_size, seed=3, n=7)
+    priorities = [2] * 4 + [0] * 3
+    expected, _ = run(reference, prompts, max_tokens, [0] * len(prompts), stagger=False)
+    kwargs = dict(num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, ordering="priority", preemption_mode="swap")
+    sizing = LLM(path, **kwargs, host_kv_cache_bytes=1 << 24).scheduler.host
+    one_sequence = max(sizing.sequence_bytes(len(p) + m) for p, m in zip(prompts, max_tokens))
+    llm = LLM(path, **kwargs, host_kv_cache_bytes=one_sequence + 1)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio)
+           for p, m, prio in list(zip(prompts, max_tokens, priorities))[:4]]
+    done = {}
+    for _ in range(6):
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    ids += [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio)
+            for p, m, prio in list(zip(prompts, max_tokens, priorities))[4:]]
+    most = 0
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+        assert llm.engine.host_kv.stored_bytes == llm.scheduler.host.used <= one_sequence + 1
+        most = max(most, llm.scheduler.host.used)
+    assert [done[i].token_ids for i in ids] == expected
+    stats = llm.scheduler.host.stats
+    assert stats.swaps_out >= 1 and stats.swap_fallbacks >= 1
+    assert stats.swaps_out + stats.swap_fallbacks == llm.scheduler.num_preemptions
+    assert 0 < most <= one_sequence + 1
+    assert_drained(llm)
+
+
+def test_prefix_pages_evicted_to_host_are_loaded_back(tmp_path):
+    """Conversations that come back after their pages were reused on the device: the host tier
+    gives their prefix back (hits counted per tier), the outputs unchanged."""
+    path = save_hf_model(make_hf_model("qwen3"), str(tmp_path / "qwen3"))
+    rng = np.random.default_rng(7)
+    first = [rng.integers(3, 150, size=int(n)).tolist() for n in (40, 33, 45, 38)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    # 16 pages: each turn evicts the others' pages from the device.
+    kwargs = dict(num_slots=1, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8, num_pages=16,
+                  enable_prefix_caching=True)
+    device_only = LLM(path, **kwargs)
+    tiered = LLM(path, **kwargs, host_kv_cache_bytes=1 << 24)
+    outs = {}
+    for name, llm in (("device", device_only), ("tiered", tiered)):
+        answers = llm.generate(first, params, use_tqdm=False)
+        second = [p + a.token_ids + [5, 6, 7] for p, a in zip(first, answers)]
+        outs[name] = [o.token_ids for o in answers + llm.generate(second, params, use_tqdm=False)]
+        assert_drained(llm) if llm.scheduler.host is not None else None
+    assert outs["tiered"] == outs["device"]
+    device_stats, tiered_stats = device_only.pages.stats, tiered.pages.stats
+    assert device_stats.host_hits == 0
+    assert tiered_stats.host_hits >= 16  # every second turn found its first turn's full pages
+    assert tiered_stats.hits + tiered_stats.host_hits > device_stats.hits
+    host = tiered.scheduler.host.stats
+    assert host.pages_in == tiered_stats.host_hits and host.pages_out >= host.pages_in
+
+
+def test_host_tier_accounting_and_lru():
+    tier = HostTier(capacity=1000, page_bytes=100, sequence_bytes=lambda n: 10 * n)
+    for key in range(10):
+        tier.page_out(key, page=key)
+    assert tier.used == 1000 and list(tier.prefix) == list(range(10))
+    tier.page_out(3, page=3)  # already kept: most recently used now
+    assert tier.swap_out("a", slot=0, length=25, pages=None)  # 250 bytes: three prefix pages go, LRU first
+    assert list(tier.prefix)[:2] == [4, 5] and 3 in tier.prefix and tier.used == 950
+    assert not tier.swap_out("b", slot=1, length=80, pages=None)  # 800 more: only 750 can be freed
+    assert tier.stats.swap_fallbacks == 1 and "b" not in tier.sequences
+    tier.claim_page(3)
+    tier.page_in(3, page=9)
+    tier.swap_in("a", slot=2, pages=None)
+    assert tier.used == 600 and [op.kind for op in tier.take_ops()][-2:] == ["page_in", "seq_in"]
+    with pytest.raises(ValueError, match="smaller than one page"):
+        HostTier(capacity=99, page_bytes=100, sequence_bytes=lambda n: n)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(preemption_mode="swap"), "host_kv_cache_bytes > 0"),
+    (dict(preemption_mode="swap", host_kv_cache_bytes=1 << 20, pipeline_stages=2), "pipeline"),
+    (dict(host_kv_cache_bytes=1 << 20), "nothing to hold"),
+    (dict(host_kv_cache_bytes=1 << 20, kv_cache="paged"), "nothing to hold"),
+    (dict(preemption_mode="evict"), "preemption_mode"),
+    (dict(host_kv_cache_bytes=-1, preemption_mode="swap"), "host_kv_cache_bytes"),
+])
+def test_bad_host_tier_settings_name_the_knob(kwargs, match):
+    from cbjax.core.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kwargs)
+
+
+def test_a_host_pool_smaller_than_one_page_is_refused():
+    with pytest.raises(ValueError, match="host_kv_cache_bytes=100 is smaller than one page"):
+        LLM("tiny-llama", kv_cache="paged", page_size=8, enable_prefix_caching=True, host_kv_cache_bytes=100)
