@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from cbjax import LLM, SamplingParams
 from cbjax.scheduling.host_tier import HostTier
@@ -39,7 +40,7 @@ def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tupl
             most = max(most, stored)
 
     for p, m, prio in zip(prompts, max_tokens, priorities):
-        ids.append(llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio))
+        ids.append(llm.add_request(p, SamplingParams(max_tokens=m), priority=prio))
         for _ in range(2 if stagger else 0):
             step()
     while llm.has_unfinished_requests():
@@ -58,34 +59,47 @@ def assert_drained(llm: LLM) -> None:
         assert set(llm.engine.host_kv.pages) == set(host.prefix)
 
 
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    path = save_hf_model(make_hf_model(request.param), str(tmp_path_factory.mktemp(request.param)))
-    llm = LLM(path, num_slots=8, max_seq_len=MAX_SEQ_LEN)
-    prompts, max_tokens, priorities = workload(llm.model.config.vocab_size)
-    expected, _ = run(llm, prompts, max_tokens, [0] * len(prompts), stagger=False)
-    assert llm.scheduler.num_preemptions == 0
-    return path, (prompts, max_tokens, priorities), expected
+    """A family's tiny model and the unconstrained answer (transformers' greedy tokens, which
+    an engine never preempted gives too: tests/test_engine_parity.py)."""
+    hf = make_hf_model(request.param)
+    path = save_hf_model(hf, str(tmp_path_factory.mktemp(request.param)))
+    prompts, max_tokens, priorities = workload(hf.config.vocab_size)
+    expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    return request.param, path, (prompts, max_tokens, priorities), expected
 
 
 SWAP = dict(preemption_mode="swap", host_kv_cache_bytes=1 << 24)
+# Each family's mixed-step mode, in turn (a swapped-in request re-enters a mixed step as a decode row).
+MERGE = {"prefill_first": dict(), "chunked": dict(merge_mode="chunked", max_num_batched_tokens=24),
+         "fused": dict(merge_mode="fused", max_num_batched_tokens=40)}
 CASES = {
     # A higher-priority arrival takes a running request's slot: it is swapped out and back.
     "slots-priority": dict(ordering="priority"),
-    # 12 pages of 8 tokens for 4 slots of up to 64 tokens: the pool runs dry.
-    "paged-pool-prefix": dict(kv_cache="paged", page_size=8, num_pages=12, enable_prefix_caching=True,
-                              decode_steps=2),
-    "paged-priority-chunked": dict(kv_cache="paged", page_size=8, num_pages=16, ordering="priority",
-                                   merge_mode="chunked", max_num_batched_tokens=24),
+    # 12 pages of 8 tokens for 4 slots of up to 64 tokens: the pool runs dry too.
+    "paged-pool-prefix-priority": dict(ordering="priority", kv_cache="paged", page_size=8, num_pages=12,
+                                       enable_prefix_caching=True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_swapped_requests_resume_token_exact(family, case):
-    path, (prompts, max_tokens, priorities), expected = family
-    llm = LLM(path, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **SWAP, **CASES[case])
+    name, path, (prompts, max_tokens, priorities), expected = family
+    merge = sorted(MERGE)[sorted(FAMILIES).index(name) % len(MERGE)]
+    options = {**CASES[case], **MERGE[merge]}
+    if merge == "prefill_first" and "paged" in case:
+        options["decode_steps"] = 2
+    llm = LLM(path, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **SWAP, **options)
     outputs, _ = run(llm, prompts, max_tokens, priorities)
-    assert outputs == expected
+    assert outputs == expected, (case, merge)
     stats = llm.scheduler.host.stats
     assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and stats.swap_fallbacks == 0
     assert_drained(llm)
@@ -103,12 +117,12 @@ def test_a_full_host_pool_falls_back_to_recompute_and_counts_it(tmp_path):
     sizing = LLM(path, **kwargs, host_kv_cache_bytes=1 << 24).scheduler.host
     one_sequence = max(sizing.sequence_bytes(len(p) + m) for p, m in zip(prompts, max_tokens))
     llm = LLM(path, **kwargs, host_kv_cache_bytes=one_sequence + 1)
-    ids = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=m), priority=prio)
            for p, m, prio in list(zip(prompts, max_tokens, priorities))[:4]]
     done = {}
     for _ in range(6):
         done.update((o.request_id, o) for o in llm.step() if o.finished)
-    ids += [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True), priority=prio)
+    ids += [llm.add_request(p, SamplingParams(max_tokens=m), priority=prio)
             for p, m, prio in list(zip(prompts, max_tokens, priorities))[4:]]
     most = 0
     while llm.has_unfinished_requests():

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.scheduling.block_manager import BlockManager
+from cbjax.scheduling.host_tier import HostTier
 from cbjax.request import Request, RequestState, SamplingParams
 from cbjax.scheduling.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 MAX_SEQ_LEN = 48
 TICK = 0.001  # fake seconds per engine round
+TALLY = collections.Counter()  # what the host-tier property exercised, over its examples
 
 
 @dataclasses.dataclass
@@ -40,6 +43,7 @@ class FakeEngine:
         self.lengths = [0] * num_slots
         self.max_tokens = [0] * num_slots
         self.steps = steps
+        self.swapped = {}
 
     def _done(self, slot, token):
         return token == EOS or self.generated[slot] >= self.max_tokens[slot] or self.lengths[slot] >= MAX_SEQ_LEN
@@ -54,6 +58,19 @@ class FakeEngine:
         token = fake_token(spec, before)
         self.active[slot] = not self._done(slot, token)
         return token
+
+    def move_kv(self, ops):
+        """A swapped-out slot's counters kept aside and restored (prefix pages carry no data here)."""
+        for op in ops:
+            if op.kind == "seq_out":
+                self.swapped[op.key] = (self.specs[op.slot], self.generated[op.slot], self.lengths[op.slot],
+                                        self.max_tokens[op.slot])
+            elif op.kind == "seq_in":
+                s = op.slot
+                self.specs[s], self.generated[s], self.lengths[s], self.max_tokens[s] = self.swapped.pop(op.key)
+                self.active[s] = True
+            elif op.kind == "seq_drop":
+                del self.swapped[op.key]
 
     def decode(self):
         out = []
@@ -96,8 +113,9 @@ specs = st.lists(
     min_size=1, max_size=25)
 
 
-def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: BlockManager | None = None):
-    sched = Scheduler(config, {EOS}, MAX_SEQ_LEN, pages=pages)
+def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: BlockManager | None = None,
+        host: HostTier | None = None):
+    sched = Scheduler(config, {EOS}, MAX_SEQ_LEN, pages=pages, host=host)
     engine = FakeEngine(config.num_slots, config.decode_steps)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     requests: list[Request] = [None] * len(workload)  # type: ignore[list-item]
@@ -132,6 +150,7 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
         now += TICK
         for slot in plan.preempted_slots:
             engine.active[slot] = False
+        engine.move_kv(plan.kv_ops)
         for chunk in plan.prefills:
             token = engine.prefill(chunk.slot, workload[int(chunk.request.request_id)], chunk.request, chunk.is_last)
             if sched.on_prefill(chunk, -1 if token is None else token, now):
@@ -269,3 +288,42 @@ def test_paged_scheduling_with_preemption_finishes_everything_and_frees_every_pa
         assert r.output_token_ids == [fake_token(spec, i) for i in range(len(r.output_token_ids))]
     assert pages.num_free == num_pages and not pages.tables
     assert sum(r.metrics.num_preemptions for r in requests) == sched.num_preemptions
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs.map(lambda c: dataclasses.replace(c, policy="continuous", num_slots=max(c.num_slots, 3))),
+       st.lists(st.builds(Spec, arrival=st.floats(0, 0.02), prompt_len=st.integers(4, 30),
+                          max_tokens=st.integers(8, 20), eos_at=st.one_of(st.none(), st.integers(0, 25)),
+                          priority=st.integers(0, 3)), min_size=8, max_size=25),
+       st.integers(MAX_SEQ_LEN // 4, 30), st.booleans(), st.booleans(), st.integers(1, 60))
+def test_swap_and_host_prefix_tier_lose_nothing(config, workload, num_pages, paged, prefix, host_pages):
+    """Swap on preemption with a host pool of 1-60 pages' worth (often too small: recompute
+    then, counted), slots or pages, prefix pages behind the device's: every request finishes
+    once with its full output (a swapped-in one goes on from its own next token), the pool's
+    bytes never pass its bound, and after the drain no device page, slot or swapped sequence
+    is held (cached prefix pages may stay, in either tier)."""
+    workload = [s for s in workload if s.prompt_len < MAX_SEQ_LEN]
+    config = dataclasses.replace(config, preemption_mode="swap")
+    host = HostTier(host_pages * 4 * 10, 4 * 10, lambda n: 10 * n + 7)  # 10 bytes a token, 7 a state row
+    pages = BlockManager(num_pages, 4, enable_prefix_caching=prefix, host=host) if paged else None
+    swaps = []
+
+    def check(sched, plan, now, admitted):
+        assert host.used <= host.capacity
+        swaps.extend(op for op in plan.kv_ops if op.kind in ("seq_out", "seq_in"))
+        if paged:
+            assert set(pages.tables) == {r.request_id for r in sched.slots if r is not None}
+
+    sched, requests, finish_events, _ = run(config, workload, check, pages=pages, host=host)
+    assert all(n == 1 for n in finish_events.values()) and len(finish_events) == len(workload)
+    for spec, r in zip(workload, requests):
+        assert r.output_token_ids == [fake_token(spec, i) for i in range(expected_output_len(spec))]
+        assert not r.swapped
+    assert not host.sequences and sum(op.kind == "seq_out" for op in swaps) == host.stats.swaps_out
+    assert host.stats.swaps_in == host.stats.swaps_out
+    assert host.stats.swaps_out + host.stats.swap_fallbacks <= sched.num_preemptions
+    assert sum(r.metrics.num_preemptions for r in requests) == sched.num_preemptions
+    assert host.used == len(host.prefix) * host.page_bytes
+    TALLY.update(swaps=host.stats.swaps_out, fallbacks=host.stats.swap_fallbacks, host_hits=host.stats.pages_in)
+    if paged:
+        assert pages.num_free == num_pages and not pages.tables
