@@ -94,8 +94,7 @@ class Scheduler:
         return forks.startable(self.waiting) if self.forks_seen else self.waiting
 
     def take_pages(self, r: Request, reserved: int) -> int | None:
-        """Paged: a newcomer's pages (a fork's by reference where it can, a swapped-out one's for
-        its own cached positions); as `PageReservations.take`."""
+        """Paged: a newcomer's pages (a fork's by reference, a swapped one's fresh); as `PageReservations.take`."""
         if r.swapped:
             return self.reservations.take_swapped(r, reserved)
         shared = forks.fork_point(r)
@@ -172,8 +171,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and r.state == RequestState.RUNNING:
             pages = None if self.pages is None else self.pages.table(r.request_id)
             r.swapped = self.host.swap_out(r.request_id, slot, r.num_tokens - 1, pages)
-            if r.swapped:
-                r.fork_of = None  # it brings its own KV back: no sibling to copy
+            r.fork_of = None if r.swapped else r.fork_of  # swapped, it brings its own KV back
         if self.pages is not None:
             self.pages.free(r.request_id)
         self.preempted_slots.append(slot)
