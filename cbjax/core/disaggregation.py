@@ -152,8 +152,7 @@ class DisaggregatedCore:
 
     def load(self) -> Load:
         loads = [c.load() for c in self.cores]
-        return Load(sum(x.running for x in loads), sum(x.waiting for x in loads),
-                    max(x.kv_cache_usage for x in loads), sum(x.num_preemptions for x in loads))
+        return dataclasses.replace(Load.combine(loads), kv_cache_usage=max(x.kv_cache_usage for x in loads))
 
     # --------------------------------------------------------------- round
     def run_round(self) -> list[Request]:

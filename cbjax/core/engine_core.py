@@ -34,6 +34,22 @@ class Load:
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
     num_preemptions: int = 0
+    # Since the start: full prompt pages looked up in the prefix cache, found on the device, found
+    # in the host tier; preemptions swapped out, and those that fell back to recompute (host full).
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_host_hits: int = 0
+    swaps_out: int = 0
+    swap_fallbacks: int = 0
+    host_kv_cache_usage: float = 0.0  # fraction of the host tier's bytes in use
+
+    @staticmethod
+    def combine(loads: list["Load"]) -> "Load":
+        """Several engines' loads as one: counts summed, usages averaged."""
+        fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)}
+        for name in ("kv_cache_usage", "host_kv_cache_usage"):
+            fields[name] /= max(len(loads), 1)
+        return Load(**fields)
 
 
 def add_logprobs(r: Request, columns) -> None:
@@ -48,6 +64,18 @@ def add_logprobs(r: Request, columns) -> None:
     for token, row in zip(r.output_token_ids[start:], columns):
         top = tuple((int(i), float(v)) for v, i in zip(row[1:1 + k], row[1 + width:1 + width + k]))
         r.logprobs.append(TokenLogprob(token, float(row[0]), top))
+
+
+def cache_counters(pages: BlockManager | None, host) -> dict:
+    """`Load`'s prefix-cache and host-tier counters."""
+    out = {}
+    if pages is not None:
+        stats = pages.stats
+        out.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_host_hits=stats.host_hits)
+    if host is not None:
+        out.update(swaps_out=host.stats.swaps_out, swap_fallbacks=host.stats.swap_fallbacks,
+                   host_kv_cache_usage=host.used / host.capacity)
+    return out
 
 
 def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
@@ -141,7 +169,7 @@ class EngineCore:
             usage = 1.0 - self.pages.num_free / self.pages.num_pages
         else:
             usage = running / len(sched.slots)
-        return Load(running, len(sched.waiting), usage, sched.num_preemptions)
+        return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(self.pages, sched.host))
 
     @contextlib.contextmanager
     def engine_swapped(self, engine):
@@ -319,6 +347,7 @@ class EngineCore:
     def _count_round(self, plan: Plan, t_recorded: float) -> None:
         self.stats.rounds += 1
         self.stats.prefill_chunks += len(plan.prefills)
+        self.stats.prefill_tokens += sum(c.length for c in plan.prefills)
         self.stats.process_s += time.perf_counter() - t_recorded
 
 

@@ -12,6 +12,7 @@ class StepStats:
     rounds: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (cached prefix pages and forks are not; recomputes are)
     schedule_s: float = 0.0  # Scheduler.schedule
     dispatch_s: float = 0.0  # enqueueing the jitted steps (async)
     device_wait_s: float = 0.0  # waiting for the round's one host copy

@@ -154,9 +154,7 @@ class Replicas:
 
     def load(self) -> Load:
         """What all replicas hold together (their KV usage: the mean)."""
-        loads = [r.load() for r in self.replicas]
-        return Load(sum(x.running for x in loads), sum(x.waiting for x in loads),
-                    sum(x.kv_cache_usage for x in loads) / len(loads), sum(x.num_preemptions for x in loads))
+        return Load.combine([r.load() for r in self.replicas])
 
     def warmup(self) -> int:
         return sum(r.warmup() for r in self.replicas)

@@ -38,6 +38,12 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc",
                               "Fraction of the KV cache in use (slots, or pages for the paged cache), 0 to 1.")
         self.preemptions = gauge("vllm:num_preemptions", "Preemptions since the server started.")
+        self.prefix_queries = gauge("cbjax:prefix_cache_queries", "Full prompt pages looked up in the prefix cache.")
+        self.prefix_hits = Gauge("cbjax:prefix_cache_hits", "Full prompt pages found cached, by tier (device pages, "
+                                 "or host memory and loaded back).", labels + ["tier"], registry=r)
+        self.swaps = gauge("cbjax:kv_swaps_out", "Preemptions whose KV was swapped to host memory.")
+        self.swap_fallbacks = gauge("cbjax:kv_swap_fallbacks", "Swap preemptions recomputed: host memory was full.")
+        self.host_kv_usage = gauge("cbjax:host_kv_cache_usage_perc", "Fraction of the KV host tier in use, 0 to 1.")
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests started.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
@@ -85,6 +91,12 @@ class ServerMetrics:
         self.waiting.set(load.waiting)
         self.kv_usage.set(load.kv_cache_usage)
         self.preemptions.set(load.num_preemptions)
+        self.prefix_queries.set(load.prefix_queries)
+        self.prefix_hits.labels(self.model_name, "device").set(load.prefix_hits)
+        self.prefix_hits.labels(self.model_name, "host").set(load.prefix_host_hits)
+        self.swaps.set(load.swaps_out)
+        self.swap_fallbacks.set(load.swap_fallbacks)
+        self.host_kv_usage.set(load.host_kv_cache_usage)
 
     def render(self, load: Load) -> bytes:
         self.set_load(load)
