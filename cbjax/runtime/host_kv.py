@@ -75,6 +75,27 @@ class HostKV:
             getattr(self, "_" + ops[i].kind)(engine, ops[i:j])
             i = j
 
+    def warmup(self, engine, pages: bool, swap: bool) -> int:
+        """Compile the moves' programs before any request (a swap or a page batch met first mid-run
+        would compile then): the page gather and scatter at every batch bucket, the sequence
+        gather and insert at every transfer length. Leaves the cache and state as it found them
+        (empty: the engine is reset)."""
+        count = 0
+        if pages and engine.cache.paged:
+            for n in sorted({bucket(k) for k in range(1, engine.config.num_pages + 1)}):
+                table = np.full(n, engine.cache.no_page, np.int32)
+                k, v = _gather_pages(engine.cache, engine.put(np.zeros(n, np.int32)))
+                engine.cache = _scatter_pages(engine.cache, k, v, engine.put(table))
+                count += 2
+        if swap:
+            unit = engine.cache.page_size if engine.cache.paged else 1
+            for padded in sorted({kv_transfer.padded_length(n, engine.max_len, unit) for n in range(1, engine.max_len)}):
+                seq = kv_transfer.get_sequence(engine, 0, padded, [0] * (-(-padded // unit)), padded)
+                kv_transfer.insert_sequence(engine, seq, 0, [])
+                count += 2
+        engine.reset()
+        return count
+
     # ------------------------------------------------------------ sequences
     def _seq_out(self, engine, ops) -> None:
         (op,) = ops

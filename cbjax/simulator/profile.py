@@ -55,6 +55,10 @@ class ShadowedEngine:
         self.shadow.deactivate(slot)
         self.real.deactivate(slot)
 
+    def move_kv(self, ops) -> None:
+        self.shadow.move_kv(ops)
+        self.real.move_kv(ops)
+
     def take_calls(self) -> list[Call]:
         calls, self.recorder.calls = self.recorder.calls, []
         return calls
@@ -82,6 +86,25 @@ def profile_rounds(llm, workload, check: bool = True) -> list[tuple[list[Call], 
             core.drain(False)
     llm.outputs_of(finished)
     return rounds
+
+
+def measure_host_copy(engine, num_pages: int = 64, repeats: int = 5) -> float:
+    """Bytes per second a paged engine moves between its cache and the host tier: `num_pages`
+    pages out and back in (one batch each way), the best of `repeats` round trips."""
+    from cbjax.scheduling.host_tier import KVOp
+
+    pages = min(num_pages, engine.config.num_pages)
+    out = [KVOp("page_out", ("probe", i), page=i) for i in range(pages)]
+    back = [KVOp("page_in", ("probe", i), page=i) for i in range(pages)]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first compiles
+        t0 = time.perf_counter()
+        engine.move_kv(out)
+        engine.move_kv(back)
+        jax.block_until_ready(engine.cache)
+        best = min(best, time.perf_counter() - t0)
+    page_bytes = sum(layer[:, 0].nbytes for layer in (*engine.cache.k, *engine.cache.v))
+    return 2 * pages * page_bytes / best
 
 
 def calibrate(rounds: list[tuple[list[Call], float]], info: dict | None = None) -> CalibratedCost:
