@@ -200,3 +200,18 @@ def test_bad_host_tier_settings_name_the_knob(kwargs, match):
 def test_a_host_pool_smaller_than_one_page_is_refused():
     with pytest.raises(ValueError, match="host_kv_cache_bytes=100 is smaller than one page"):
         LLM("tiny-llama", kv_cache="paged", page_size=8, enable_prefix_caching=True, host_kv_cache_bytes=100)
+
+
+def test_metrics_report_hits_per_tier_and_swaps():
+    from cbjax.core import Load
+    from cbjax.serve.prometheus import ServerMetrics
+
+    load = Load(running=1, prefix_queries=40, prefix_hits=10, prefix_host_hits=25, swaps_out=3, swap_fallbacks=1,
+                host_kv_cache_usage=0.5)
+    text = ServerMetrics("m").render(load).decode()
+    assert 'cbjax:prefix_cache_hits{model_name="m",tier="device"} 10.0' in text
+    assert 'cbjax:prefix_cache_hits{model_name="m",tier="host"} 25.0' in text
+    assert 'cbjax:kv_swaps_out{model_name="m"} 3.0' in text and 'cbjax:kv_swap_fallbacks{model_name="m"} 1.0' in text
+    assert 'cbjax:host_kv_cache_usage_perc{model_name="m"} 0.5' in text
+    both = Load.combine([load, load])
+    assert both.prefix_host_hits == 50 and both.host_kv_cache_usage == 0.5
