@@ -21,6 +21,7 @@ from absl import app, flags
 import common
 from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
+from cbjax.simulator.cost_model import CalibratedCost
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -39,10 +40,11 @@ flags.DEFINE_float("device_fraction", 0.1, "Device KV pages as a fraction of the
 flags.DEFINE_float("host_fraction", 1.25, "Host tier bytes as a fraction of the working set's.", lower_bound=1e-4)
 flags.DEFINE_list("rows", ["none", "device", "device+host"], "Rows: no prefix cache, device-only prefix caching, "
                   "and prefix caching with the host tier.")
-flags.DEFINE_string("calibration", "profile", "The simulator's cost model for the predicted rows: profile (fit now, "
-                    "on this machine, from the rounds of a synthetic workload without shared prefixes through the "
-                    "same engine configuration, and its measured host-copy bandwidth), a calibration .json file, an "
-                    "accelerator; empty: measure only.")
+flags.DEFINE_string("calibration", "replay", "The simulator's cost model for the predicted rows: replay (fit on the "
+                    "rounds of the first measured row's own replay, with this engine's measured host-copy bandwidth: "
+                    "the other rows are then predicted from it), profile (fit on a synthetic workload without shared "
+                    "prefixes through the same engine), a calibration .json file, or an accelerator; empty: measure "
+                    "only.")
 flags.DEFINE_integer("calibration_requests", 48, "--calibration=profile: requests profiled.", lower_bound=1)
 flags.DEFINE_bool("measure", True, "Run the rows on this machine (else predicted only).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
@@ -124,8 +126,17 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
 
     from cbjax import LLM
 
+    from cbjax.simulator import profile
+
     llm = LLM(model, **dataclasses.asdict(args), **({"simulate": simulate} if simulate else {}))
-    result = common.run_replay(llm, workload, desc=label)
+    llm.warmup()
+    rounds = []
+    if simulate:
+        result = common.measure_replay(llm, workload, desc=label)
+    else:  # shadowed (no decode call runs ahead), its rounds recorded for a calibration
+        with profile.recorded_rounds(llm) as rounds:
+            result = common.measure_replay(llm, workload, desc=label)
+        result["host_copy"] = profile.measure_host_copy(llm.engine)
     stats, pages = llm.stats, llm.pages.stats
     result.update(prefill_tokens=stats.prefill_tokens, prompt_tokens=sum(len(w.prompt) for w in workload),
                   device_hit_rate=pages.hit_rate, host_hit_rate=pages.host_hit_rate, device_hits=pages.hits,
@@ -138,7 +149,7 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
         result.pop(key, None)
     del llm
     common.release_programs()
-    return result
+    return result, rounds
 
 
 def main(argv):
@@ -166,11 +177,21 @@ def main(argv):
         cost, setup["calibration"] = profiled_cost(model, row_args("device", num_pages, host_bytes))
     results = {}
     for row in FLAGS.rows:
-        args = row_args(row, num_pages, host_bytes)
         if FLAGS.measure:
-            results[f"{row}, measured"] = run_row(model, workload, args, None, f"{row} (measured)")
-        if cost:
-            results[f"{row}, simulated"] = run_row(model, workload, args, cost, f"{row} (simulated)")
+            results[f"{row}, measured"], rounds = run_row(model, workload, row_args(row, num_pages, host_bytes), None,
+                                                          f"{row} (measured)")
+            if cost == "replay":
+                cost = CalibratedCost.fit(rounds, {"calibrated_on": f"{row}, measured", "rounds": len(rounds),
+                                                   "host_copy_bytes_per_s": results[f"{row}, measured"]["host_copy"]})
+                setup["calibration"] = cost.describe()
+                print(f"calibrated on the {len(rounds)} rounds of {row} (median error "
+                      f"{cost.info['fit']['median_abs_rel_error']:.1%}); host copies "
+                      f"{cost.info['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
+    if cost == "replay":
+        raise app.UsageError("--calibration=replay needs --measure")
+    for row in FLAGS.rows if cost else ():
+        results[f"{row}, simulated"], _ = run_row(model, workload, row_args(row, num_pages, host_bytes), cost,
+                                                  f"{row} (simulated)")
     table = summarize(results, setup)
     common.write_json({"flags": common.script_flags(), "setup": setup, "results": results, "table": table},
                       os.path.join(FLAGS.output_dir, f"multi_turn_{FLAGS.workload}.json"))

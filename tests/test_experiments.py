@@ -448,3 +448,28 @@ def test_bench_startup_times_a_cold_and_a_cached_launch(tmp_path):
     launches = json.loads(out.read_text())["launches"]
     assert len(launches) == 2 and all(run["health_s"] > 0 and run["programs"] == 10 for run in launches)
     assert any((tmp_path / "cache").iterdir()), "the first launch left its programs in the cache"
+
+
+def test_host_tier_studies_write_their_tables(tmp_path):
+    """multi_turn: Mooncake conversations scaled to the tiny model, each row measured and predicted
+    by a cost model profiled on the spot; swap_vs_recompute: one page size measured and simulated."""
+    run_script("multi_turn.py", "--model=tiny-llama", "--num_requests=40", "--rate=40", "--length_scale=0.03",
+               "--page_size=8", "--num_slots=4", "--max_seq_len=256", "--max_num_batched_tokens=64",
+               "--calibration_requests=8", "--rows=device,device+host", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "multi_turn_mooncake.json").read_text())
+    assert set(result["results"]) == {f"{r}, {w}" for r in ("device", "device+host") for w in ("measured", "simulated")}
+    setup = result["setup"]
+    assert setup["device_pages"] >= 1 and 0 < setup["reusable_pages"] < setup["prompt_pages"]
+    for label, row in result["results"].items():
+        assert row["completed"] == 40 and row["prefill_tokens"] <= row["prompt_tokens"]
+        if label.startswith("device+host"):
+            assert row["host"]["pages_out"] > 0
+        else:
+            assert row["host_hits"] == 0
+    assert "host_copy_bytes_per_s" in setup["calibration"] and (tmp_path / "multi_turn_mooncake.png").exists()
+    run_script("swap_vs_recompute.py", "--model=tiny-llama", "--page_sizes=8", "--seq_lens=16,40", "--repeats=1",
+               "--sim_seq_lens=256", f"--output_dir={tmp_path}")
+    study = json.loads((tmp_path / "swap_vs_recompute.json").read_text())["results"]
+    assert set(study) == {"measured, page 8", "h100 llama3-8b simulated, page 8", "h100 per-page copies, page 8"}
+    for cells in study.values():
+        assert all(c["swap_out_s"] > 0 and c["swap_in_s"] > 0 and c["recompute_s"] > 0 for c in cells.values())

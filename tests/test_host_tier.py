@@ -35,7 +35,7 @@ def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tupl
         nonlocal most
         done.update((o.request_id, o) for o in llm.step() if o.finished)
         if host is not None:
-            stored = llm.engine.host_kv.stored_bytes
+            stored = llm.engine.host_kv.stored_bytes if hasattr(llm.engine, "host_kv") else host.used
             assert stored == host.used <= host.capacity
             most = max(most, stored)
 
@@ -215,3 +215,23 @@ def test_metrics_report_hits_per_tier_and_swaps():
     assert 'cbjax:host_kv_cache_usage_perc{model_name="m"} 0.5' in text
     both = Load.combine([load, load])
     assert both.prefix_host_hits == 50 and both.host_kv_cache_usage == 0.5
+
+
+def test_the_simulator_charges_swaps_and_host_pages_over_the_host_link():
+    """The same scheduler and host tier on the simulator: the swapped requests come back with
+    their counters (every output its full length), and the moves cost simulated time."""
+    prompts, max_tokens, priorities = workload(500, seed=4, n=12)
+    kwargs = dict(num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8, num_pages=12,
+                  ordering="priority", enable_prefix_caching=True)
+    swap = LLM("tiny-llama", simulate="h100", preemption_mode="swap", host_kv_cache_bytes=1 << 24, **kwargs)
+    outputs, _ = run(swap, prompts, max_tokens, priorities)
+    assert [len(o) for o in outputs] == max_tokens  # fillers never stop early
+    stats = swap.scheduler.host.stats
+    assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and swap.engine.host_s > 0
+    assert not swap.engine.swapped
+    assert swap.pages.num_free == swap.pages.num_pages
+    # Disaggregated: the prefill instances keep the host tier behind their prefix caches.
+    split = LLM("tiny-llama", simulate="h100", prefill_instances=1, decode_instances=1, kv_cache="paged",
+                enable_prefix_caching=True, host_kv_cache_bytes=1 << 24, max_seq_len=MAX_SEQ_LEN)
+    assert [len(o.token_ids) for o in split.generate(prompts[:3], SamplingParams(max_tokens=4, ignore_eos=True),
+                                                     use_tqdm=False)] == [4, 4, 4]

@@ -322,7 +322,8 @@ def build_disaggregated(model: str | Model, args: EngineArgs, *, clock: Callable
     for (role, tp), group in zip(sides, groups):
         lane = shared if simulate is None else simulator.LaneClock(shared())
         instance = dataclasses.replace(args, prefill_instances=0, tensor_parallel=tp, kv_link=None,
-                                       enable_prefix_caching=args.enable_prefix_caching and role == "prefill")
+                                       enable_prefix_caching=args.enable_prefix_caching and role == "prefill",
+                                       host_kv_cache_bytes=args.host_kv_cache_bytes if role == "prefill" else 0)
         cores.append(build_core(model, instance, clock=lane, simulate=simulate, devices=group, role=role)[1])
     prefill, decode = cores[:args.prefill_instances], cores[args.prefill_instances:]
     transfer_seconds, per_token = None, 0

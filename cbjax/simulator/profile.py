@@ -8,6 +8,7 @@ against the device's: the simulator's state mirror is tested on every profiled c
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import jax
@@ -105,6 +106,32 @@ def measure_host_copy(engine, num_pages: int = 64, repeats: int = 5) -> float:
         best = min(best, time.perf_counter() - t0)
     page_bytes = sum(layer[:, 0].nbytes for layer in (*engine.cache.k, *engine.cache.v))
     return 2 * pages * page_bytes / best
+
+
+@contextlib.contextmanager
+def recorded_rounds(llm, check: bool = False):
+    """Record every round `llm` runs inside the block, its calls (as the simulator would charge
+    them) with its wall seconds, into the list it yields: a calibration taken from a real run
+    (a replay on the wall clock) rather than from a profile. The engine is shadowed meanwhile,
+    so no decode call runs ahead (`ShadowedEngine.can_run_ahead`)."""
+    core = llm.core
+    rounds: list[tuple[list[Call], float]] = []
+    run_round = core.run_round
+    with core.engine_swapped(ShadowedEngine(core.engine, check)) as shadowed:
+        def timed_round():
+            t0 = time.perf_counter()
+            touched = run_round()
+            seconds = time.perf_counter() - t0
+            calls = shadowed.take_calls()
+            if calls:
+                rounds.append((calls, seconds))
+            return touched
+
+        core.run_round = timed_round
+        try:
+            yield rounds
+        finally:
+            del core.run_round
 
 
 def calibrate(rounds: list[tuple[list[Call], float]], info: dict | None = None) -> CalibratedCost:
