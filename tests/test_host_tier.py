@@ -235,3 +235,18 @@ def test_the_simulator_charges_swaps_and_host_pages_over_the_host_link():
                 enable_prefix_caching=True, host_kv_cache_bytes=1 << 24, max_seq_len=MAX_SEQ_LEN)
     assert [len(o.token_ids) for o in split.generate(prompts[:3], SamplingParams(max_tokens=4, ignore_eos=True),
                                                      use_tqdm=False)] == [4, 4, 4]
+
+
+def test_paged_swaps_without_prefix_caching_under_pool_pressure(tmp_path):
+    """The page pool alone forces the preemptions (fcfs, no prefix cache): swapped requests come
+    back token-exact into fresh pages."""
+    hf = make_hf_model("llama")
+    path = save_hf_model(hf, str(tmp_path / "llama"))
+    prompts, max_tokens, _ = workload(hf.config.vocab_size, seed=11)
+    expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    llm = LLM(path, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8, num_pages=12,
+              decode_steps=2, **SWAP)
+    outputs, _ = run(llm, prompts, max_tokens, [0] * len(prompts))
+    assert outputs == expected
+    assert llm.scheduler.host.stats.swaps_out > 0 and llm.scheduler.host.stats.swap_fallbacks == 0
+    assert_drained(llm)
