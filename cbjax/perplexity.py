@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.loading import Model
+from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
 
@@ -23,7 +24,7 @@ def windows(token_ids: list[int], window: int) -> list[list[int]]:
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _window_nll(params, config, tokens, length):
-    cache = SlotCache.init(config, 1, tokens.shape[0], jax.tree.leaves(params)[0].dtype)
+    cache = SlotCache.init(config, 1, tokens.shape[0], quant.activation_dtype(params))
     logits, _ = forward(params, config, cache, tokens[None], jnp.zeros((1,), jnp.int32), num_valid=length[None])
     logp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]

@@ -4,6 +4,7 @@ scheduler and the page allocator to it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -12,6 +13,7 @@ import jax
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, load_model
+from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache, kv_capacity
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
@@ -53,6 +55,9 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         if clock is time.perf_counter:
             clock = simulator.SimClock()
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype)
+    if args.quantization != "none" and simulate is None:
+        model = quantized(model, args.quantization, (list(mesh.devices.flat) if mesh is not None
+                                                     else list(devices or jax.devices()))[0])
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
         # The simulated KV dtype follows the cost model's rule: kv_dtype, else the weights', else dtype.
@@ -82,6 +87,18 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
 
         core.predict_len = LengthPredictor.load(args.length_predictor, model)
     return model, core
+
+
+def quantized(model: Model, mode: str, device) -> Model:
+    """`model` with its matmul weights quantized to `mode` (cbjax/models/quant.py), refused
+    where `device` cannot run it."""
+    if mode == "fp8" and quant.fp8_refusal(device):
+        raise ValueError(quant.fp8_refusal(device))
+    already = quant.quantization_of(model.params)
+    if already not in ("none", mode):
+        raise ValueError(f"quantization={mode!r}: the model's weights are already {already}-quantized")
+    params = quant.quantize_params(model.params, mode, model.config.tie_embeddings)
+    return dataclasses.replace(model, params=params)
 
 
 def host_tier(engine, args: EngineArgs, simulate=None) -> HostTier:

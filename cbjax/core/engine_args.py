@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from cbjax import checks
+from cbjax.models.quant import QUANTIZATIONS
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 from cbjax.scheduling.config import PREEMPTION_MODES
@@ -73,6 +74,9 @@ class EngineArgs:
                                  "up to it); default 1 on a CPU, 16 on an accelerator, where a step that small "
                                  "costs one read of the weights whatever its rows.", lower=1)
     dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
+    quantization: str = _knob("none", "Weight-only quantization of every matmul's weights at load: none, int8 "
+                              "(per output channel) or fp8 (e4m3 per output channel; GPUs with fp8 dots).",
+                              QUANTIZATIONS)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
     kv_cache_bytes: int = _knob(None, "KV-cache memory budget in bytes; sizes num_slots (slots) or num_pages "
@@ -119,6 +123,8 @@ class EngineArgs:
                                            else self.max_seq_len + self.num_slots)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         # Both configs check their knobs before any model loads, so a bad one fails fast.
         self.scheduler_config()
         self.engine_config()

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax.models.quant import QuantizedWeight
+
 META_FILE = "length_predictor.json"
 PARAMS_DIR = "params"
 FEATURES = "mean_input_embedding+log_prompt_len"
@@ -42,7 +44,9 @@ class LengthMLP(nn.Module):
 
 def embedding_table(model) -> np.ndarray:
     """The serving model's input embeddings on the host (its own dtype, rows gathered later)."""
-    return np.asarray(jax.device_get(model.params["embed"]))
+    embed = model.params["embed"]
+    return np.asarray(jax.device_get(embed.dequantize(embed.scale.dtype) if isinstance(embed, QuantizedWeight)
+                                     else embed))
 
 
 def prompt_features(embed: np.ndarray, prompts) -> np.ndarray:

@@ -28,6 +28,7 @@ from cbjax.config import ModelConfig
 from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache
+from cbjax.models.quant import activation_dtype, embedding_rows
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
@@ -171,7 +172,7 @@ def forward(
     positions = starts[:, None] + offsets
 
     if embed:
-        x = params["embed"][tokens]
+        x = embedding_rows(params["embed"], tokens, activation_dtype(params))
         if config.position_embedding == "learned":
             pos_table = params["pos_embed"]
             x = x + pos_table[jnp.clip(positions, 0, pos_table.shape[0] - 1)]

@@ -125,7 +125,7 @@ def _require() -> None:
 def fits(x: jax.Array, w: jax.Array) -> bool:
     """Whether `x @ w.T` is the kernel's: f32, a 2-D weight, at most MAX_ROWS rows."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
+    return (x.dtype == jnp.float32 and isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 2
             and 0 < rows <= MAX_ROWS and available())
 
 
@@ -176,7 +176,7 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
         return rows
     return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
             and "bias" not in p["attn_norm"] and "bias" not in p["mlp_norm"] and not any(n in p for n in _BIASES)
-            and all(p[n].dtype == jnp.float32 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
+            and all(getattr(p[n], "dtype", None) == jnp.float32 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
 
 
 def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin,

@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from cbjax import grammar
+from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache
-from cbjax.models.ops import XLA
+from cbjax.models.ops import XLA, XLA_QUANT_GEMV
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
@@ -46,9 +47,10 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
     if choice == "off":
         return False
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    embed = params["embed"]
+    dtype, quantization = quant.activation_dtype(params), quant.quantization_of(params)
     why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
-               else f"the weights are {embed.dtype}, the kernel is f32" if embed.dtype != np.float32
+               else f"the weights are {dtype}, the kernel is f32" if dtype != np.float32
+               else f"the weights are {quantization}-quantized, the kernel is f32" if quantization != "none"
                else cpu_kernels.build_error())
     if why_not is None:
         return True
@@ -60,12 +62,19 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
 
+def xla_ops(params, platform: str):
+    """XLA's operations; for quantized weights on an accelerator, small matrix products as
+    reductions (`quant.dense`) unless `$CBJAX_QUANT_GEMV` is 0."""
+    gemv = os.environ.get("CBJAX_QUANT_GEMV", "0") != "0"
+    return XLA_QUANT_GEMV if gemv and platform in ACCELERATORS and quant.quantization_of(params) != "none" else XLA
+
+
 def kernel_refusal(model, config: EngineConfig) -> str | None:
     """Why the Pallas kernels cannot compile for this model and engine (naming the knob), or
     None: checked when the engine is built rather than when a program lowers on the device."""
     mc = model.config
-    leaves = jax.tree.leaves(model.params)
-    dtype = leaves[0].dtype if leaves else jax.numpy.bfloat16  # a simulated model: the accelerator's 16 bits
+    # a simulated model has no params: the accelerator's 16 bits
+    dtype = quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16
     if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
         return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
                 f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
@@ -116,7 +125,8 @@ class Engine:
         else:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
-        self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
+        self.ops = (cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh)
+                    else xla_ops(self.params, self.platform))
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
                      and cpu_kernels.layer_addresses(self.params, mc))
@@ -306,7 +316,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every sequence: all slots free and inactive."""
         self.cache, self.state = init_cache_and_state(self.model.config, self.config,
-                                                      jax.tree.leaves(self.params)[0].dtype, self.mesh)
+                                                      quant.activation_dtype(self.params), self.mesh)
         self._tables = None
 
     def set_block_tables(self, tables: np.ndarray) -> None:

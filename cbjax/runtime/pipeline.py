@@ -30,6 +30,7 @@ from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.step import resolve, run_layers, sample_rows
+from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.scheduling.plan import Row
 
@@ -127,7 +128,7 @@ class PipelineEngine(Engine):
                                    sliding_windows=self.model.config.sliding_windows[self.bounds[s]:self.bounds[s + 1]])
 
     def reset(self) -> None:
-        dtype = jax.tree.leaves(self.params)[0].dtype
+        dtype = quant.activation_dtype(self.params)
         c = self.config
         self.caches = [jax.device_put(SlotCache.init(self._stage_config(s), c.num_slots, self.max_len, dtype), d)
                        for s, d in enumerate(self.devices)]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.models import forward
+from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import TokenLogprob
@@ -64,7 +65,7 @@ class PromptScorer:
         self.params, self.config, self.ids, self.k = params, config, list(ids), k
         self.k_max = max(k, k_max or 0)
         self.ops, self.history_block = ops, history_block  # the engine's (cpu_kernels.py, its history read)
-        self.cache = SlotCache.init(config, 1, max_len + largest_chunk, jax.tree.leaves(params)[0].dtype)
+        self.cache = SlotCache.init(config, 1, max_len + largest_chunk, quant.activation_dtype(params))
         self.start = 0
         self.columns: list[np.ndarray] = []
 

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cbjax import checks
 from cbjax.config import ModelConfig
+from cbjax.models.quant import QuantizedWeight
 
 AXIS = "tp"
 
@@ -66,12 +67,14 @@ def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     """A PartitionSpec per leaf of `params` (the layout in cbjax/models/params.py)."""
     split_kv = kv_heads_split(config, mesh)
 
-    def spec(name: str, leaf) -> P:
+    def spec(name: str, leaf):
         axes = [None] * leaf.ndim
         if name in _COLUMN or (split_kv and name in _KV):
             axes[0] = AXIS
         elif name in _ROW:
             axes[-1] = AXIS
+        if isinstance(leaf, QuantizedWeight):  # a scale per output row: split as the rows are
+            return QuantizedWeight(P(*axes), P(axes[0]))
         return P(*axes)
 
     layers = [{name: spec(name, leaf) if not isinstance(leaf, dict) else jax.tree.map(lambda x: P(), leaf)

@@ -1,0 +1,142 @@
+"""Weight-only quantization: a matrix kept as 8-bit values and one float32 scale per output row.
+
+`QuantizedWeight` stands where a `[out, in]` matrix of the params pytree stood
+(cbjax/models/params.py): row i is `values[i] * scale[i]`, symmetric, scaled so that the
+row's largest magnitude maps to the format's largest value (127 for int8, 448 for fp8
+e4m3). Norms, biases and the input embedding stay in the model's dtype; a tied embedding is
+the LM head too, so it is quantized and its gathered rows are dequantized
+(`embedding_rows`).
+
+Decode streams every weight once per step, so a step's time is its bytes: int8 and fp8
+weights halve bf16's. The matmul reads the 8-bit operand and widens it inside the dot
+(`dense`), which XLA fuses on a GPU; the scale multiplies the f32 accumulator once per
+output, not every weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZATIONS = ("none", "int8", "fp8")
+# The matrices quantized: every matmul of a layer and the LM head (cbjax/models/params.py).
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+_FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedWeight:
+    values: jax.Array  # [out, in] int8 or float8_e4m3fn
+    scale: jax.Array  # [out] float32
+
+    @property
+    def shape(self) -> tuple:
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.values.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+
+
+def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
+    """`w [out, in]` as `mode` values with a scale per output row (all-zero rows get scale 1)."""
+    dtype, top = _FORMATS[mode]
+    wf = jnp.asarray(w, jnp.float32)
+    peak = jnp.max(jnp.abs(wf), axis=1)
+    scale = jnp.where(peak > 0, peak / top, 1.0)
+    scaled = wf / scale[:, None]
+    values = jnp.clip(jnp.round(scaled), -top, top).astype(dtype) if mode == "int8" else scaled.astype(dtype)
+    return QuantizedWeight(values, scale.astype(jnp.float32))
+
+
+_quantize_jit = jax.jit(quantize, static_argnums=1)
+
+
+def quantize_params(params: dict, mode: str, tied_embeddings: bool) -> dict:
+    """The params pytree with its matrices (and a tied embedding, the LM head) quantized to
+    `mode`; "none" returns it as it is. Each tensor is quantized where it lives, one at a time."""
+    if mode == "none":
+        return params
+    if mode not in _FORMATS:
+        raise ValueError(f"quantization={mode!r}: expected one of {', '.join(QUANTIZATIONS)}")
+
+    def matrices(tree: dict, names) -> dict:
+        return {k: _quantize_jit(v, mode) if k in names and not isinstance(v, QuantizedWeight) else v
+                for k, v in tree.items()}
+
+    out = matrices({k: v for k, v in params.items() if k != "layers"},
+                   MATRICES + (("embed",) if tied_embeddings else ()))
+    out["layers"] = [matrices(layer, MATRICES) for layer in params["layers"]]
+    return out
+
+
+def quantization_of(params: dict) -> str:
+    """"int8", "fp8" or "none": what `quantize_params` made of these params."""
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(leaf, QuantizedWeight):
+            return "int8" if leaf.values.dtype == jnp.int8 else "fp8"
+    return "none"
+
+
+def activation_dtype(params: dict):
+    """The model's own dtype (its activations', its KV cache's by default): its first tensor
+    that is not quantized (a norm's scale at least; a pipeline stage's too)."""
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if not isinstance(leaf, QuantizedWeight):
+            return leaf.dtype
+    raise ValueError("params hold no unquantized tensor to take the model's dtype from")
+
+
+def weight_bytes(params) -> int:
+    """Bytes the params hold (values and scales of quantized matrices)."""
+    return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(params)))
+
+
+def embedding_rows(embed, tokens: jax.Array, dtype) -> jax.Array:
+    """`embed[tokens]` in `dtype`, dequantizing only the gathered rows of a quantized table."""
+    if isinstance(embed, QuantizedWeight):
+        return (embed.values[tokens].astype(jnp.float32) * embed.scale[tokens][..., None]).astype(dtype)
+    return embed[tokens]
+
+
+def dense(x: jax.Array, w: QuantizedWeight, gemv_rows: int = 0) -> jax.Array:
+    """`x @ w.T` for a quantized `w`, in x's dtype. The 8-bit values are widened to x's dtype
+    inside the product (exact: every int8 and e4m3 value is a bf16) and the f32 result scaled
+    per output. With at most `gemv_rows` rows the product is written as a multiply and a
+    reduction over `in` instead of a dot: a memory-bound matrix-vector product that XLA fuses
+    into one pass over the 8-bit weight, where a dot may first write the widened copy."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= gemv_rows:
+        y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.values.astype(jnp.float32), axis=-1)
+    else:
+        operand = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+        y = jnp.einsum("...d,od->...o", x, w.values.astype(operand), preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(x.dtype)
+
+
+def fp8_refusal(device) -> str | None:
+    """Why `device` cannot run fp8 weights (naming the knob), or None: fp8 needs fp8 dots, an
+    NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell)."""
+    if device.platform in ("gpu", "cuda"):
+        capability = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(p) for p in str(capability).split(".")[:2])
+        except ValueError:
+            return f"quantization='fp8': cannot read the compute capability of {device.device_kind}"
+        if (major, minor) >= (8, 9):
+            return None
+        return (f"quantization='fp8' needs fp8 dots (compute capability 8.9+), {device.device_kind} has "
+                f"{capability}: use quantization='int8'")
+    return (f"quantization='fp8' needs a backend with fp8 dots (an NVIDIA GPU of compute capability 8.9+); "
+            f"this is {device.platform} ({device.device_kind}): use quantization='int8'")

@@ -1,0 +1,145 @@
+"""bench_device.py's quantization sections: what int8 and fp8 weights buy a decode step.
+
+- quant_matmul: one layer's matmul shapes of a Llama-3-8B (and its LM head) at 1, 16 and 64
+  rows, bf16 against each way of multiplying by 8-bit weights (`cbjax.models.quant.dense`:
+  widened inside a dot, or a multiply-reduce for few rows; fp8 also as a native fp8 x fp8 dot
+  with the activations scaled per row), each checked against the dequantized f32 product;
+  time and weight bytes per second against the copy bandwidth.
+- quant_8b: the Llama-3-8B-shaped engine (slots/auto, the default) decoding at each batch
+  with bf16, int8 and fp8 weights, each 8-bit one with its matrix-vector products as dots and
+  as reductions (`$CBJAX_QUANT_GEMV`): ms per step, against the bf16 step of the same run and
+  against (weight bytes + live KV bytes) / copy bandwidth. A quantization the device refuses
+  (fp8 without fp8 dots) is reported as refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, device_model,
+                           roofline_ms, timed_ms)
+
+# (quantization, matrix-vector products as reductions), the bf16 baseline first
+QUANT_ENGINES = (("none", False), ("int8", False), ("int8", True), ("fp8", False), ("fp8", True))
+
+
+def _native_fp8(x, w):
+    """fp8 x fp8 -> f32 dot: x scaled per row into e4m3, the weight's own e4m3 values."""
+    import jax
+    import jax.numpy as jnp
+
+    peak = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    x_scale = jnp.where(peak > 0, peak / 448.0, 1.0)
+    x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(x8, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * x_scale * w.scale).astype(x.dtype)
+
+
+def quant_matmul(copy_GBps: float) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cbjax.models import quant
+
+    shape = LLAMA3_8B if not FLAGS.tiny else TINY
+    d, inter = shape["hidden_size"], shape["intermediate_size"]
+    cases = {"w_up": (inter, d), "w_down": (d, inter), "wq": (d, d), "lm_head": (shape["vocab_size"], d)}
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    key = jax.random.key(0)
+    rows_out = []
+    for name, (out_dim, in_dim) in cases.items():
+        w = (jax.random.normal(key, (out_dim, in_dim), jnp.float32) * 0.02).astype(dtype)
+        forms = {"bf16 dot": (lambda x, w=w: jnp.einsum("bd,od->bo", x, w), w.nbytes, None)}
+        for mode in ("int8", "fp8"):
+            if mode == "fp8" and quant.fp8_refusal(jax.devices()[0]):
+                continue
+            qw = quant.quantize(w, mode)
+            exact = qw.dequantize(jnp.float32)
+            forms[f"{mode} dot"] = (lambda x, qw=qw: quant.dense(x, qw, 0), qw.nbytes, exact)
+            forms[f"{mode} reduce"] = (lambda x, qw=qw: quant.dense(x, qw, 1 << 20), qw.nbytes, exact)
+            if mode == "fp8":
+                forms["fp8 native"] = (lambda x, qw=qw: _native_fp8(x, qw), qw.nbytes, exact)
+        for rows in batches() if FLAGS.tiny else (1, 16, 64):
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, in_dim), jnp.float32).astype(dtype)
+            for form, (fn, nbytes, exact) in forms.items():
+                row = {"matrix": name, "shape": [out_dim, in_dim], "rows": rows, "form": form}
+                try:
+                    f = jax.jit(fn)
+                    ms = timed_ms(f, x, reps=20)
+                except Exception as e:  # a form this backend cannot lower
+                    rows_out.append({**row, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                row.update(ms=ms, GBps=nbytes / ms / 1e6, of_copy=nbytes / ms / 1e6 / copy_GBps)
+                if name == "w_up" and rows == 1 and form != "bf16 dot":  # what XLA made of it
+                    row["hlo"] = f.lower(x).compile().as_text()[-6000:]
+                if exact is not None:
+                    want = np.asarray(x.astype(jnp.float32) @ exact.T)
+                    got = np.asarray(f(x), np.float32)
+                    row["rel_error"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+                rows_out.append(row)
+        del w
+    return rows_out
+
+
+def quant_8b(copy_GBps: float, deadline: float) -> dict:
+    import dataclasses
+
+    import jax
+
+    from cbjax.models import quant
+
+    model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
+    prompt_len, warm, timed = (FLAGS.prompt_len, 8, FLAGS.timed_steps) if not FLAGS.tiny else (16, 2, 4)
+    max_seq_len = budget(prompt_len, warm, timed, 1)
+    rows, skipped = [], []
+    for mode, gemv in QUANT_ENGINES:
+        name = mode + (" reduce" if gemv else "")
+        if time.perf_counter() > deadline:
+            skipped.append(name)
+            continue
+        refusal = quant.fp8_refusal(jax.devices()[0]) if mode == "fp8" else None
+        if refusal:
+            rows.append({"engine": name, "refused": refusal})
+            continue
+        os.environ["CBJAX_QUANT_GEMV"] = "1" if gemv else "0"
+        try:
+            llm, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
+                                        max_step_tokens=256 if not FLAGS.tiny else 32)
+        finally:
+            os.environ.pop("CBJAX_QUANT_GEMV")
+        weights = quant.weight_bytes(llm.engine.params)
+        quantized = dataclasses.replace(model, params=llm.engine.params)
+        row = {"engine": name, "startup_s": startup, "weights_GB": weights / 1e9, "ops": repr(llm.engine.ops),
+               "steps": {}}
+        for batch in batches():
+            ms = decode_ms(llm, batch, prompt_len, warm, timed)
+            floor = roofline_ms(quantized, batch, prompt_len + warm + timed // 2, copy_GBps)
+            row["steps"][batch] = {"ms": ms, "roofline_ms": floor, "of_roofline": floor / ms}
+            if rows and "steps" in rows[0]:
+                row["steps"][batch]["vs_bf16"] = rows[0]["steps"][batch]["ms"] / ms
+        rows.append(row)
+        del llm, quantized
+    return {"rows": rows, "skipped": skipped}
+
+
+def table_lines(results: dict, line) -> None:
+    """The quantization sections' lines of bench_device's table."""
+    for r in results.get("quant_matmul", []):
+        case = f"{r['matrix']} x{r['rows']} {r['form']}"
+        figure = (f"{1e3 * r['ms']:.0f} us {r['GBps']:.0f} GB/s ({100 * r['of_copy']:.0f}% of copy)"
+                  + (f" err {r['rel_error']:.0e}" if "rel_error" in r else "") if "ms" in r else "error")
+        line("quant_mm", case, figure)
+    decode = results.get("quant_8b", {})
+    for row in decode.get("rows", []):
+        if "refused" in row:
+            line("quant_8b", row["engine"], "refused (see JSON)")
+            continue
+        line("quant_8b", f"{row['engine']} weights, start-up", f"{row['weights_GB']:.1f} GB, {row['startup_s']:.0f} s")
+        for batch, s in row["steps"].items():
+            vs = f", {s['vs_bf16']:.2f}x bf16" if "vs_bf16" in s else ""
+            line("quant_8b", f"{row['engine']} batch {batch}",
+                 f"{s['ms']:.2f} ms ({100 * s['of_roofline']:.0f}% of roofline{vs})")
+    for name in decode.get("skipped", []):
+        line("quant_8b", name, "skipped (past --budget_s)")
