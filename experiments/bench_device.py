@@ -357,6 +357,7 @@ def main(argv):
     deadline = start + FLAGS.budget_s
     sections = [s for s in SECTIONS if s in FLAGS.sections]
     results: dict = {"sections": sections, "tiny": FLAGS.tiny, "seconds": {}}
+    printed: set = set()
     # The peer first (SECTIONS' order), in its own process: JAX takes most of the device's
     # memory once it starts.
     for section in tqdm(sections, desc="sections"):
@@ -388,6 +389,13 @@ def main(argv):
             results[section + "_error"] = traceback.format_exc()[-2000:]
             print(f"{section} failed: {type(e).__name__}: {e}")
         results["seconds"][section] = time.perf_counter() - t0
+        # Each section's lines and the JSON so far as soon as it ends: a run stopped at its time
+        # limit (an 8B engine's autotuned compile can take minutes) still reports what it measured.
+        fresh = [x for x in table(results) if x not in printed]
+        printed.update(fresh)
+        tqdm.write("\n".join(fresh))
+        if FLAGS.output_json:
+            write_json(FLAGS.output_json, results)
     import jax
 
     results["device"] = {"platform": jax.default_backend(), "kind": jax.devices()[0].device_kind,
@@ -395,7 +403,7 @@ def main(argv):
     results["wall_s"] = time.perf_counter() - start
     print(f"{results['device']['kind']} ({results['device']['platform']}), JAX {jax.__version__}, "
           f"{results['wall_s']:.0f} s")
-    print("\n".join(table(results)))
+    print("\n".join(table(results)))  # the whole table again, in order
     if FLAGS.output_json:
         print(f"wrote {os.path.abspath(write_json(FLAGS.output_json, results))}")
 
