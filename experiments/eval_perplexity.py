@@ -21,7 +21,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .g
 flags.DEFINE_string("text", os.path.join(os.path.dirname(__file__), "data", "public_domain.txt"),
                     "Text file to score.")
 flags.DEFINE_integer("window", 256, "Tokens per independently scored window.", lower_bound=2)
-EngineArgs.define_flags(["dtype"])
+EngineArgs.define_flags(["dtype", "quantization"])
 flags.DEFINE_bool("transformers", True, "Also compute transformers' perplexity on the same windows.")
 flags.DEFINE_string("output_json", "results/eval_perplexity.json", "Where the result goes.")
 
@@ -64,6 +64,7 @@ def plot(per_window: dict[str, list[tuple[float, int]]], path: str) -> None:
 
 def main(argv):
     del argv
+    import jax
     import numpy as np
 
     from cbjax.loading import is_orbax_dir, load_model
@@ -72,6 +73,10 @@ def main(argv):
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    if FLAGS.quantization != "none":  # transformers' side stays unquantized: the difference is the quantization's
+        from cbjax.core.builder import quantized
+
+        model = quantized(model, FLAGS.quantization, jax.devices()[0])
     if model.tokenizer is None:
         raise app.UsageError(f"{FLAGS.model} has no tokenizer to turn the text into tokens")
     with open(FLAGS.text) as f:
@@ -80,7 +85,7 @@ def main(argv):
     per_window = {"cbjax": window_nlls(model, ids, FLAGS.window)}
     total, count = (sum(x) for x in zip(*per_window["cbjax"]))
     ours = float(np.exp(total / count))
-    result = {"model": FLAGS.model, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
+    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
               "window": FLAGS.window, "cbjax_ppl": ours}
     print(f"cbjax        perplexity {ours:.4f} over {count} predicted tokens ({len(ids)} tokens, "
           f"window {FLAGS.window})")

@@ -9,6 +9,7 @@ import jax
 
 from cbjax.config import ModelConfig
 from cbjax.loading.model import Model, as_dtype
+from cbjax.models import quant
 from cbjax.models.params import check_params
 
 ORBAX_CONFIG_FILE = "cbjax_config.json"
@@ -28,8 +29,8 @@ def save_orbax(model: Model, path: str) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, ORBAX_PARAMS_DIR), model.params, force=True)
     with open(os.path.join(path, ORBAX_CONFIG_FILE), "w") as f:
-        json.dump({"config": model.config.to_dict(), "source": model.source, "params_layout": PARAMS_LAYOUT},
-                  f, indent=1)
+        json.dump({"config": model.config.to_dict(), "source": model.source, "params_layout": PARAMS_LAYOUT,
+                   "quantization": quant.quantization_of(model.params)}, f, indent=1)
 
 
 def is_orbax_dir(path: str) -> bool:
@@ -55,11 +56,10 @@ def load_orbax(path: str, dtype=None) -> Model:
         stored = ckptr.metadata(params_dir)
         tree = getattr(stored, "item_metadata", stored)
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
-        params = ckptr.restore(params_dir, target)
+        params = quant.rebuild(ckptr.restore(params_dir, target))
     check_params(params, config, source=params_dir)
     if dtype is not None:
-        dt = as_dtype(dtype)
-        params = jax.tree.map(lambda x: x.astype(dt), params)
+        params = quant.cast(params, as_dtype(dtype))
     source = meta.get("source", "")
     tokenizer = None
     if source and os.path.exists(source):

@@ -116,9 +116,9 @@ def _lists(node):
 def check_params(params: dict, config: ModelConfig, source: str = "params") -> None:
     """Raise a ValueError naming the tensor when params don't match the config's shapes."""
     expected = flatten_shapes(param_shapes(config))
-    got = {
+    got = {  # a quantized matrix (cbjax/models/quant.py) counts as one tensor of its shape
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: hasattr(x, "dequantize"))
     }
     for name, shape in expected.items():
         if name not in got:

@@ -73,8 +73,8 @@ def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
             axes[0] = AXIS
         elif name in _ROW:
             axes[-1] = AXIS
-        if isinstance(leaf, QuantizedWeight):  # a scale per output row: split as the rows are
-            return QuantizedWeight(P(*axes), P(axes[0]))
+        if isinstance(leaf, QuantizedWeight):  # scales [out, groups]: split as the rows and inputs are
+            return QuantizedWeight(P(*axes), P(*axes))
         return P(*axes)
 
     layers = [{name: spec(name, leaf) if not isinstance(leaf, dict) else jax.tree.map(lambda x: P(), leaf)

@@ -1,0 +1,140 @@
+"""Weight-only int8 quantization (EngineArgs.quantization): greedy tokens identical to the same
+engine on the dequantized f32 weights (the same arithmetic) for every family and both cache
+layouts, logits near the unquantized model's, resident bytes, tensor-parallel shards, orbax
+round trips, and the knobs' errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.loading import load_model
+from cbjax.loading.orbax_io import load_orbax, save_orbax
+from cbjax.models import forward, quant
+from cbjax.models.kv_cache import SlotCache
+from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
+
+PROMPTS = [[5, 9, 14, 3, 22, 8, 31], [17, 4, 4, 60], [2, 40, 11, 19, 27, 33, 6, 12, 50]]
+
+
+def dequantized(model):
+    params = jax.tree.map(lambda x: x.dequantize(jnp.float32) if quant.is_quantized(x) else x,
+                          model.params, is_leaf=quant.is_quantized)
+    return dataclasses.replace(model, params=params)
+
+
+def tokens(llm: LLM, max_tokens: int = 12) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    return {family: save_hf_model(make_hf_model(family, seed=3), str(root / family)) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_int8_tokens_equal_the_dequantized_reference(hf_dirs, family):
+    """Per family (cache layouts alternating): the int8 engine's greedy tokens are those of an
+    engine running the dequantized weights in f32, whose matmuls do the same arithmetic."""
+    kv_cache = "paged" if sorted(FAMILIES).index(family) % 2 else "slots"
+    model = load_model(hf_dirs[family])
+    llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8, quantization="int8")
+    assert quant.quantization_of(llm.engine.params) == "int8"
+    reference = LLM(dequantized(dataclasses.replace(model, params=llm.engine.params)), num_slots=4, max_seq_len=64,
+                    kv_cache=kv_cache, page_size=8, cpu_kernels="off")
+    assert tokens(llm) == tokens(reference)
+
+
+def logits(model, prompt):
+    cache = SlotCache.init(model.config, 1, 32, jnp.float32)
+    out, _ = forward(model.params, model.config, cache, jnp.asarray([prompt], jnp.int32), jnp.zeros((1,), jnp.int32))
+    return np.asarray(out[0])
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_logits_stay_near_the_model(mode):
+    """Quantization moves a tiny model's logits by a small fraction of their spread (fp8 runs
+    here through the same widened dot; the engine refuses it only for want of fp8 dots)."""
+    model = load_model("tiny-llama")
+    q = dataclasses.replace(model, params=quant.quantize_params(model.params, mode, model.config.tie_embeddings))
+    want, got = logits(model, PROMPTS[2]), logits(q, PROMPTS[2])
+    error = np.abs(got - want).max() / (want.max() - want.min())
+    assert error < (0.02 if mode == "int8" else 0.08), error
+    assert 0 < error
+
+
+def test_quantize_groups_and_bytes():
+    w = jax.random.normal(jax.random.key(0), (48, 192), jnp.float32)
+    q = quant.quantize(w, "int8")
+    assert q.values.dtype == jnp.int8 and q.scale.shape == (48, 192 // 64)  # 128 does not divide 192
+    assert np.abs(np.asarray(q.dequantize()) - np.asarray(w)).max() <= np.asarray(q.scale).max() / 2 + 1e-6
+    assert quant.quantize(w[:, :50], "int8").scale.shape == (48, 1)  # no group size divides 50: one per row
+    zero = quant.quantize(jnp.zeros((4, 64)), "int8")
+    assert np.all(np.asarray(zero.scale) == 1) and np.all(np.asarray(zero.values) == 0)
+    model = load_model("tiny-llama")
+    params = quant.quantize_params(model.params, "int8", model.config.tie_embeddings)
+    names = quant.MATRICES + (("embed",) if model.config.tie_embeddings else ())
+    expected = 0  # every matrix at one byte a weight and 4 per group scale; the rest in f32 as it was
+    for name, (out_dim, in_dim) in ((n, s) for n, s in _flat_shapes(model).items()):
+        quantized = name.rsplit("/", 1)[-1] in names
+        expected += (out_dim * in_dim + 4 * out_dim * in_dim // quant.group_size(in_dim) if quantized
+                     else 4 * out_dim * in_dim)
+    assert quant.weight_bytes(params) == expected < quant.weight_bytes(model.params) / 2
+
+
+def _flat_shapes(model):
+    from cbjax.models.params import flatten_shapes, param_shapes
+
+    return {n: (s + (1,))[:2] for n, s in flatten_shapes(param_shapes(model.config)).items()}
+
+
+def test_tensor_parallel_int8_matches_one_device():
+    model = load_model("tiny-llama")
+    one = LLM(model, num_slots=4, max_seq_len=64, quantization="int8", cpu_kernels="off")
+    two = LLM(model, num_slots=4, max_seq_len=64, quantization="int8", tensor_parallel=2)
+    scale = two.engine.params["layers"][0]["wo"].scale  # a row-split matrix: scales split by input groups
+    assert len(scale.sharding.device_set) == 2
+    assert tokens(one) == tokens(two)
+
+
+def test_orbax_round_trip_keeps_quantized_weights(tmp_path):
+    model = load_model("tiny-qwen3")
+    q = dataclasses.replace(model, params=quant.quantize_params(model.params, "int8", model.config.tie_embeddings))
+    save_orbax(q, str(tmp_path / "q"))
+    back = load_orbax(str(tmp_path / "q"))
+    assert quant.quantization_of(back.params) == "int8"
+    assert jax.tree.structure(back.params) == jax.tree.structure(q.params)
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(q.params)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    llm = LLM(str(tmp_path / "q"), num_slots=4, max_seq_len=64, quantization="int8")
+    assert tokens(llm) == tokens(LLM(q, num_slots=4, max_seq_len=64))
+
+
+def test_bad_quantization_settings():
+    from types import SimpleNamespace
+
+    from cbjax.core.builder import quantized
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM("tiny-llama", quantization="int4")
+    if quant.fp8_refusal(jax.devices()[0]) is not None:
+        with pytest.raises(ValueError, match="quantization='fp8' needs .*fp8 dots"):
+            LLM("tiny-llama", quantization="fp8")
+    with pytest.raises(ValueError, match="quantization="):
+        quant.quantize_params({"layers": []}, "q4", False)
+    hopper = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
+    ampere = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
+    assert quant.fp8_refusal(hopper) is None
+    assert "compute capability 8.9+" in quant.fp8_refusal(ampere) and "8.0" in quant.fp8_refusal(ampere)
+    model = load_model("tiny-llama")
+    int8 = quantized(model, "int8", jax.devices()[0])
+    assert quant.quantization_of(quantized(int8, "int8", jax.devices()[0]).params) == "int8"
+    with pytest.raises(ValueError, match="already int8-quantized"):
+        quantized(int8, "fp8", hopper)
