@@ -31,13 +31,44 @@ def _window_nll(params, config, tokens, length):
     return jnp.sum(jnp.where(jnp.arange(tokens.shape[0] - 1) < length - 1, nll, 0.0))
 
 
-def window_nlls(model: Model, token_ids: list[int], window: int = 256) -> list[tuple[float, int]]:
-    """(summed NLL in nats, predicted tokens) of each window."""
+@functools.partial(jax.jit, static_argnames=("config", "chunk", "kv_dtype"))
+def _window_nll_chunked(params, config, tokens, length, chunk: int, kv_dtype):
+    """The window's NLL scored `chunk` tokens per forward, each reading the tokens before it
+    from a `kv_dtype` cache (so an 8-bit KV cache's error shows, as it does in decode)."""
+    n = tokens.shape[0]
+    targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)])
+
+    def body(i, carry):
+        cache, total = carry
+        start = i * chunk
+        piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk)[None]
+        valid = jnp.clip(length - start, 0, chunk)
+        logits, cache = forward(params, config, cache, piece, start[None], num_valid=valid[None])
+        logp = jax.nn.log_softmax(logits[0], axis=-1)
+        position = start + jnp.arange(chunk)
+        want = jax.lax.dynamic_slice_in_dim(targets, start, chunk)
+        nll = -jnp.take_along_axis(logp, want[:, None], axis=-1)[:, 0]
+        return cache, total + jnp.sum(jnp.where(position + 1 < length, nll, 0.0))
+
+    cache = SlotCache.init(config, 1, n, kv_dtype)
+    return jax.lax.fori_loop(0, n // chunk, body, (cache, jnp.float32(0.0)))[1]
+
+
+def window_nlls(model: Model, token_ids: list[int], window: int = 256, kv_dtype=None,
+                chunk: int = 0) -> list[tuple[float, int]]:
+    """(summed NLL in nats, predicted tokens) of each window: scored whole (`chunk` 0), or
+    `chunk` tokens per forward over a `kv_dtype` KV cache (default the model's dtype;
+    `window` must be a multiple of `chunk`)."""
+    if chunk and window % chunk:
+        raise ValueError(f"window ({window}) must be a multiple of chunk ({chunk})")
+    kv_dtype = jnp.dtype(kv_dtype or quant.activation_dtype(model.params))
     out = []
     for w in windows(token_ids, window):
         padded = np.zeros(window, np.int32)
         padded[:len(w)] = w
-        out.append((float(_window_nll(model.params, model.config, jnp.asarray(padded), jnp.int32(len(w)))), len(w) - 1))
+        args = (model.params, model.config, jnp.asarray(padded), jnp.int32(len(w)))
+        nll = _window_nll_chunked(*args, chunk, kv_dtype) if chunk else _window_nll(*args)
+        out.append((float(nll), len(w) - 1))
     if not out:
         raise ValueError("text too short: need at least 2 tokens")
     return out

@@ -21,7 +21,10 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .g
 flags.DEFINE_string("text", os.path.join(os.path.dirname(__file__), "data", "public_domain.txt"),
                     "Text file to score.")
 flags.DEFINE_integer("window", 256, "Tokens per independently scored window.", lower_bound=2)
-EngineArgs.define_flags(["dtype", "quantization"])
+EngineArgs.define_flags(["dtype", "quantization", "kv_cache_dtype"])
+flags.DEFINE_integer("score_chunk", None, "Tokens per forward, each chunk reading the ones before it from the KV "
+                     "cache (at kv_cache_dtype); 0 scores whole windows. Default 1 with an 8-bit kv_cache_dtype "
+                     "(every key but its own read back from the cache, as in decode), else 0.", lower_bound=0)
 flags.DEFINE_bool("transformers", True, "Also compute transformers' perplexity on the same windows.")
 flags.DEFINE_string("output_json", "results/eval_perplexity.json", "Where the result goes.")
 
@@ -82,10 +85,15 @@ def main(argv):
     with open(FLAGS.text) as f:
         text = f.read()
     ids = [int(t) for t in model.tokenizer(text)["input_ids"]]
-    per_window = {"cbjax": window_nlls(model, ids, FLAGS.window)}
+    from cbjax.models.kv_cache import kv_storage_dtype
+
+    chunk = FLAGS.score_chunk if FLAGS.score_chunk is not None else int(FLAGS.kv_cache_dtype != "auto")
+    kv_dtype = kv_storage_dtype(FLAGS.kv_cache_dtype, model.params["final_norm"]["scale"].dtype)
+    per_window = {"cbjax": window_nlls(model, ids, FLAGS.window, kv_dtype, chunk)}
     total, count = (sum(x) for x in zip(*per_window["cbjax"]))
     ours = float(np.exp(total / count))
-    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
+    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "kv_cache_dtype": FLAGS.kv_cache_dtype,
+              "score_chunk": chunk, "text": FLAGS.text, "tokens": len(ids), "predicted": count,
               "window": FLAGS.window, "cbjax_ppl": ours}
     print(f"cbjax        perplexity {ours:.4f} over {count} predicted tokens ({len(ids)} tokens, "
           f"window {FLAGS.window})")

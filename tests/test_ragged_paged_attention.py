@@ -164,3 +164,41 @@ def test_kernel_refuses_shapes_it_cannot_compile_for(change, knob):
                                              shape["dtype"], page=shape["page"])
     with pytest.raises(ValueError, match=knob):
         ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=1.0, **blocks)
+
+
+def _quantized(pages, dtype):
+    from cbjax.models.kv_cache import QuantizedKV, encode
+
+    return encode(pages, QuantizedKV(jnp.zeros((1,), dtype), jnp.zeros((1,), jnp.float32)))
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_dim,window", [(32, 0), (80, 9)])
+def test_kernels_read_8bit_kv_with_scales(kernel, kv_dtype, head_dim, window):
+    """8-bit pages with a scale per key: the kernel equals its reference on the same 8-bit
+    pages (the reference dequantizes, the kernel scales logits and probabilities), and the
+    quantization error against f32 pages stays small. A TPU runs the reference for them."""
+    from cbjax.models.kv_cache import decode
+
+    rng = np.random.default_rng(11)
+    q, k, v, kv_lens, table, cu = make_batch(rng, MIXES["mixed"], 8, 2, head_dim, jnp.float32, page=16)
+    k8, v8 = _quantized(k, kv_dtype), _quantized(v, kv_dtype)
+    assert k8.values.dtype == kv_dtype and k8.scale.shape == k.shape[:3] + (1,)
+    valid = int(cu[-1])
+    ref = reference(q, k8, v8, kv_lens, table, cu, head_dim ** -0.5, window=window)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(reference(q, decode(k8), decode(v8), kv_lens, table, cu,
+                                                                        head_dim ** -0.5, window=window)))
+    out = ragged_paged_attention(q, k8, v8, kv_lens, table, cu, scale=head_dim ** -0.5, window=window,
+                                 interpret=KERNELS[kernel])
+    np.testing.assert_allclose(np.asarray(out)[:valid], np.asarray(ref)[:valid], rtol=2e-5, atol=2e-5)
+    exact = reference(q, k, v, kv_lens, table, cu, head_dim ** -0.5, window=window)
+    error = np.abs(np.asarray(ref)[:valid] - np.asarray(exact)[:valid]).max()
+    assert 0 < error < (0.05 if kv_dtype == jnp.int8 else 0.25), error
+
+
+def test_kernel_refuses_8bit_pages_below_16_keys():
+    q, k, v, kv_lens, table, cu = make_batch(np.random.default_rng(3), MIXES["decodes"], 4, 2, 32, jnp.float32,
+                                             page=8)
+    with pytest.raises(ValueError, match="page_size a power of two >= 16 for int8 KV"):
+        ragged_paged_attention(q, _quantized(k, jnp.int8), _quantized(v, jnp.int8), kv_lens, table, cu, scale=1.0)

@@ -14,7 +14,7 @@ from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, load_model
 from cbjax.models import quant
-from cbjax.models.kv_cache import SlotCache, kv_capacity
+from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
 from cbjax.runtime.engine import Engine
@@ -35,6 +35,9 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if (simulate is None and mesh is None and args.pipeline_stages == 1
             and (args.tensor_parallel > 1 or devices is not None)):
         mesh = sharding.tensor_parallel_mesh(args.tensor_parallel, devices)
+    if simulate is not None and args.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} runs on a device: a simulation models KV bytes "
+                         "with kv_dtype (fp8 for one byte)")
     if simulate is None and (args.weight_dtype or args.kv_dtype):
         raise ValueError("weight_dtype and kv_dtype are simulated only: this engine runs dtype "
                          f"({args.dtype}); pass simulate=<accelerator> to model them")
@@ -63,6 +66,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         # The simulated KV dtype follows the cost model's rule: kv_dtype, else the weights', else dtype.
         kv_dtype = args.kv_dtype or args.weight_dtype or args.dtype
         kv_dtype = {"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
+        if simulate is None:
+            kv_dtype = kv_storage_dtype(args.kv_cache_dtype, args.dtype)
         num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
                                            args.page_size, kv_dtype, num_slots)
     engine_config = args.engine_config(num_slots, num_pages)

@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from cbjax import checks
+from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.models.quant import QUANTIZATIONS
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
@@ -78,6 +79,9 @@ class EngineArgs:
                               "(per output channel) or fp8 (e4m3 per output channel; GPUs with fp8 dots).",
                               QUANTIZATIONS)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
+    kv_cache_dtype: str = _knob("auto", "KV-cache storage: auto (dtype), int8 or fp8 (e4m3), each 8-bit vector with "
+                                "a float32 scale per position and head: about twice the sequences of bf16 in "
+                                "kv_cache_bytes.", KV_DTYPES)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
     kv_cache_bytes: int = _knob(None, "KV-cache memory budget in bytes; sizes num_slots (slots) or num_pages "
                                 "(paged) from it.", lower=1)
@@ -191,6 +195,7 @@ class EngineArgs:
             decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
             min_step_tokens=self.min_step_tokens)
 

@@ -28,8 +28,74 @@ import jax.numpy as jnp
 from cbjax.config import ModelConfig
 
 
+KV_DTYPES = ("auto", "int8", "fp8")  # EngineArgs.kv_cache_dtype: auto is the model's dtype
+_KV_FORMATS = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
+    """The dtype a cache stores its keys and values in."""
+    return {"auto": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
+            "fp8": jnp.dtype(jnp.float8_e4m3fn)}[kv_cache_dtype]
+
+
+def is_quantized_kv(dtype) -> bool:
+    return jnp.dtype(dtype).name in _KV_FORMATS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedKV:
+    """One layer's keys (or values) in 8 bits with a float32 scale per position and head: the
+    vector at `[h, i, p]` is `values[h, i, p] * scale[h, i, p, 0]`. The scale keeps a trailing
+    axis of 1 so that every index, slice and reshape of the layer (`jax.tree.map` over both)
+    is the same on the scale as on the values."""
+
+    values: jax.Array  # [kv_heads, slots | pages, positions, head_dim] int8 / float8_e4m3fn
+    scale: jax.Array  # [kv_heads, slots | pages, positions, 1] float32
+
+    @property
+    def shape(self) -> tuple:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+
+def encode(new: jax.Array, like) -> object:
+    """`new [..., head_dim]` in `like`'s storage: its dtype, or quantized per vector."""
+    if not isinstance(like, QuantizedKV):
+        return new.astype(like.dtype)
+    top = _KV_FORMATS[like.dtype.name]
+    x = new.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / top, 1.0)
+    scaled = x / scale
+    values = jnp.clip(jnp.round(scaled), -top, top) if like.dtype == jnp.int8 else scaled
+    return QuantizedKV(values.astype(like.dtype), scale)
+
+
+def decode(stored) -> jax.Array:
+    """Keys or values as arrays: a quantized layer's (or a slice's) in float32."""
+    if isinstance(stored, QuantizedKV):
+        return stored.values.astype(jnp.float32) * stored.scale
+    return stored
+
+
 def _zeros_per_layer(num_layers: int, shape: tuple, dtype) -> tuple:
+    if is_quantized_kv(dtype):
+        return tuple(QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(shape[:-1] + (1,), jnp.float32))
+                     for _ in range(num_layers))
     return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+
+
+def _set(layer, index: tuple, new: jax.Array):
+    """`layer.at[index].set(new, mode="drop")` for an array or a QuantizedKV (`new` encoded)."""
+    return jax.tree.map(lambda a, n: a.at[index].set(n, mode="drop"), layer, encode(new, layer))
 
 
 def _scatter_rows(index: jax.Array, positions: jax.Array, new: jax.Array, dropped: int):
@@ -77,8 +143,9 @@ class SlotCache:
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, max_len: int, dtype=jnp.float32) -> int:
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-        return per_token * max_len * jnp.dtype(dtype).itemsize
+        """Bytes of `max_len` positions at `dtype` (an 8-bit KV dtype with its f32 scales)."""
+        vectors = 2 * config.num_layers * config.num_kv_heads * max_len
+        return vectors * (config.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized_kv(dtype) else 0))
 
     def write(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) into one layer's cache at
@@ -90,23 +157,25 @@ class SlotCache:
         slots = jnp.where(valid, slot_ids[:, None], self.num_slots)
         slots, positions, new = _scatter_rows(slots, positions, new, self.num_slots)
         # cache[:, slots, positions] with adjacent [B, T] index arrays indexes [kv_heads, B, T, hd]
-        return cache.at[:, slots, positions].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
+        return _set(cache, (slice(None), slots, positions), new.transpose(2, 0, 1, 3))
 
     def read(self, cache: jax.Array, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
         """One layer's keys (or values) of rows `slot_ids`: `[B, kv_heads, kv_len, head_dim]`."""
         if all_slots:  # decode: every slot in order, a plain slice (fused into the attention, no copy)
-            return cache[:, :, :kv_len].swapaxes(0, 1)
-        return cache[:, slot_ids, :kv_len].swapaxes(0, 1)
+            return decode(jax.tree.map(lambda a: a[:, :, :kv_len].swapaxes(0, 1), cache))
+        return decode(jax.tree.map(lambda a: a[:, slot_ids, :kv_len].swapaxes(0, 1), cache))
 
     def read_block(self, cache: jax.Array, slot_ids, at, size: int) -> jax.Array:
         """Positions `[at, at + size)` of rows `slot_ids` (`at` traced, `at + size <= max_len`):
         `[B, kv_heads, size, head_dim]`."""
-        return jax.lax.dynamic_slice_in_dim(cache, at, size, axis=2)[:, slot_ids].swapaxes(0, 1)
+        return decode(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, at, size, axis=2)[:, slot_ids]
+                                   .swapaxes(0, 1), cache))
 
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
-        return tuple(jnp.stack([layer[:, slot, :n] for layer in kv]) for kv in (self.k, self.v))
+        return tuple(jnp.stack([decode(jax.tree.map(lambda a: a[:, slot, :n], layer)) for layer in kv])
+                     for kv in (self.k, self.v))
 
     # One sequence out and in (a KV move between engines), and copies (a fork's prompt).
     paged = False
@@ -122,16 +191,17 @@ class SlotCache:
     def sequence_out(self, layer: jax.Array, slot, pages, padded: int) -> jax.Array:
         """One layer's first `padded` positions of `slot`: `[kv_heads, padded, head_dim]`."""
         del pages
-        return jax.lax.dynamic_slice_in_dim(layer[:, slot], 0, padded, axis=1)
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a[:, slot], 0, padded, axis=1), layer)
 
     def sequence_in(self, layer: jax.Array, new: jax.Array, slot, pages) -> jax.Array:
         """`new` (`[kv_heads, padded, head_dim]`) written as `slot`'s first positions, in place."""
         del pages
-        return jax.lax.dynamic_update_slice(layer, new[:, None].astype(layer.dtype), (0, slot, 0, 0))
+        return jax.tree.map(lambda a, n: jax.lax.dynamic_update_slice(a, n[:, None].astype(a.dtype), (0, slot, 0, 0)),
+                            layer, new)
 
     def copy(self, layer: jax.Array, src, dst) -> jax.Array:
         """Whole slots `src` copied to `dst` (out-of-range destinations dropped)."""
-        return layer.at[:, dst].set(layer[:, src], mode="drop")
+        return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src], mode="drop"), layer)
 
     def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
         """How a kernel walks rows `slot_ids` of one layer: (tables `[B, pages]`, num_pages,
@@ -150,7 +220,8 @@ class SlotCache:
         if page_size is None:
             raise ValueError(f"the attention kernel cannot read a slot cache of max_len {max_len} ({layer_k.dtype})")
         per_slot = max_len // page_size
-        pool = lambda layer: layer.reshape(kv_heads, num_slots * per_slot, page_size, d)  # noqa: E731
+        pool = lambda layer: jax.tree.map(  # noqa: E731
+            lambda a: a.reshape(kv_heads, num_slots * per_slot, page_size, a.shape[-1]), layer)
         tables = slot_ids[:, None] * per_slot + jnp.arange(per_slot, dtype=jnp.int32)[None, :]
         return pool(layer_k), pool(layer_v), tables
 
@@ -214,7 +285,7 @@ class PagedCache:
         page = jnp.where(valid, page, self.num_pages)
         page, positions, new = _scatter_rows(page, positions, new, self.num_pages)
         # cache[:, page, offset] with adjacent [B, T] index arrays indexes [kv_heads, B, T, hd]
-        return cache.at[:, page, positions % ps].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
+        return _set(cache, (slice(None), page, positions % ps), new.transpose(2, 0, 1, 3))
 
     def read(self, cache: jax.Array, slot_ids, kv_len: int, all_slots: bool) -> jax.Array:
         """Gather the first `kv_len` positions of each row's pages from one layer's pool:
@@ -222,10 +293,10 @@ class PagedCache:
         del all_slots
         n_pages = -(-kv_len // self.page_size)
         pages = jnp.clip(self.block_tables[slot_ids, :n_pages], 0, self.num_pages - 1)  # [B, n_pages]
-        gathered = cache[:, pages]  # [kv_heads, B, n_pages, ps, hd]
-        kv_heads, b = gathered.shape[:2]
-        out = gathered.reshape(kv_heads, b, n_pages * self.page_size, -1)[:, :, :kv_len]
-        return out.swapaxes(0, 1)
+        kv_heads, b = cache.shape[0], pages.shape[0]
+        # [kv_heads, B, n_pages, ps, hd] -> [B, kv_heads, kv_len, hd]
+        return decode(jax.tree.map(lambda a: a[:, pages].reshape(kv_heads, b, n_pages * self.page_size, -1)
+                                   [:, :, :kv_len].swapaxes(0, 1), cache))
 
 
     paged = True
@@ -242,18 +313,18 @@ class PagedCache:
         """One layer's first `padded` positions held in `pages`: `[kv_heads, padded, head_dim]`."""
         del slot
         kv_heads, _, page_size, hd = layer.shape
-        return layer[:, pages].reshape(kv_heads, pages.shape[0] * page_size, hd)[:, :padded]
+        return jax.tree.map(lambda a: a[:, pages].reshape(kv_heads, pages.shape[0] * page_size, -1)[:, :padded], layer)
 
     def sequence_in(self, layer: jax.Array, new: jax.Array, slot, pages) -> jax.Array:
         """`new` (`[kv_heads, padded, head_dim]`) written into `pages`; pages out of range drop."""
         del slot
         kv_heads, _, page_size, hd = layer.shape
-        return layer.at[:, pages].set(new.reshape(kv_heads, pages.shape[0], page_size, hd).astype(layer.dtype),
-                                      mode="drop")
+        return jax.tree.map(lambda a, n: a.at[:, pages].set(n.reshape(kv_heads, pages.shape[0], page_size, -1)
+                                                           .astype(a.dtype), mode="drop"), layer, new)
 
     def copy(self, layer: jax.Array, src, dst) -> jax.Array:
         """Pages `src` copied to `dst` (a fork's copy on write; out-of-range destinations dropped)."""
-        return layer.at[:, dst].set(layer[:, src], mode="drop")
+        return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src], mode="drop"), layer)
 
     def kernel_layout(self, layer: jax.Array, slot_ids) -> tuple:
         kv_heads, num_pages, page_size, d = layer.shape
@@ -268,9 +339,10 @@ class PagedCache:
         size, `at` traced): `[B, kv_heads, size, head_dim]`."""
         ps = self.page_size
         pages = jax.lax.dynamic_slice_in_dim(self.block_tables, at // ps, size // ps, axis=1)[slot_ids]
-        gathered = cache[:, jnp.clip(pages, 0, self.num_pages - 1)]  # [kv_heads, B, size / ps, ps, hd]
-        kv_heads, b = gathered.shape[:2]
-        return gathered.reshape(kv_heads, b, size, -1).swapaxes(0, 1)
+        kv_heads, b = cache.shape[0], pages.shape[0]
+        # [kv_heads, B, size / ps, ps, hd] -> [B, kv_heads, size, hd]
+        return decode(jax.tree.map(lambda a: a[:, jnp.clip(pages, 0, self.num_pages - 1)]
+                                   .reshape(kv_heads, b, size, -1).swapaxes(0, 1), cache))
 
 
 KVCache = SlotCache | PagedCache

@@ -24,7 +24,7 @@ import numpy as np
 
 from cbjax import grammar
 from cbjax.models import quant
-from cbjax.models.kv_cache import PagedCache, SlotCache
+from cbjax.models.kv_cache import PagedCache, SlotCache, kv_storage_dtype
 from cbjax.models.ops import XLA, XLA_QUANT_GEMV
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
@@ -69,12 +69,17 @@ def xla_ops(params, platform: str):
     return XLA_QUANT_GEMV if gemv and platform in ACCELERATORS and quant.quantization_of(params) != "none" else XLA
 
 
+def kv_dtype(model, config: EngineConfig):
+    """The dtype the engine's KV cache stores (a simulated model, without params: 16 bits)."""
+    return kv_storage_dtype(config.kv_cache_dtype,
+                            quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16)
+
+
 def kernel_refusal(model, config: EngineConfig) -> str | None:
     """Why the Pallas kernels cannot compile for this model and engine (naming the knob), or
     None: checked when the engine is built rather than when a program lowers on the device."""
     mc = model.config
-    # a simulated model has no params: the accelerator's 16 bits
-    dtype = quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16
+    dtype = kv_dtype(model, config)
     if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
         return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
                 f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
@@ -129,7 +134,7 @@ class Engine:
                     else xla_ops(self.params, self.platform))
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
-                     and cpu_kernels.layer_addresses(self.params, mc))
+                     and config.kv_cache_dtype == "auto" and cpu_kernels.layer_addresses(self.params, mc))
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
         self._programs, self._slot_decodes = {}, {}
@@ -315,8 +320,8 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every sequence: all slots free and inactive."""
-        self.cache, self.state = init_cache_and_state(self.model.config, self.config,
-                                                      quant.activation_dtype(self.params), self.mesh)
+        self.cache, self.state = init_cache_and_state(self.model.config, self.config, kv_dtype(self.model, self.config),
+                                                      self.mesh)
         self._tables = None
 
     def set_block_tables(self, tables: np.ndarray) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from cbjax import checks
+from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.scheduling.config import MERGE_MODES
 
 
@@ -74,6 +75,9 @@ class EngineConfig:
     # cbjax/runtime/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
+    # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" (e4m3) with a float32
+    # scale per position and head (cbjax/models/kv_cache.py), about half of bf16's bytes.
+    kv_cache_dtype: str = "auto"
     # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0
     # leaves them out of every program. Computed only in steps where some row asks.
     max_logprobs: int = 20
@@ -92,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
         if self.merge_mode not in MERGE_MODES:

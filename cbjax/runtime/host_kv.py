@@ -31,7 +31,8 @@ def bucket(n: int) -> int:
 @jax.jit
 def _gather_pages(cache, pages):
     TRACE_COUNTS[("gather_pages", pages.shape[0])] += 1
-    return tuple(layer[:, pages] for layer in cache.k), tuple(layer[:, pages] for layer in cache.v)
+    take = lambda layer: jax.tree.map(lambda a: a[:, pages], layer)  # noqa: E731 (8-bit layers: values and scales)
+    return tuple(map(take, cache.k)), tuple(map(take, cache.v))
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
@@ -39,7 +40,7 @@ def _scatter_pages(cache, k, v, pages):
     TRACE_COUNTS[("scatter_pages", pages.shape[0])] += 1
 
     def put(layer, new):
-        return layer.at[:, pages].set(new.astype(layer.dtype), mode="drop")
+        return jax.tree.map(lambda a, n: a.at[:, pages].set(n.astype(a.dtype), mode="drop"), layer, new)
 
     return dataclasses.replace(cache, k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)))
 
@@ -67,7 +68,7 @@ class HostKV:
 
     @property
     def stored_bytes(self) -> int:
-        pages = sum(a.nbytes for k, v in self.pages.values() for a in (*k, *v))
+        pages = sum(a.nbytes for entry in self.pages.values() for a in jax.tree.leaves(entry))
         return pages + sum(s.num_bytes for s in self.sequences.values())
 
     def apply(self, engine, ops: list) -> None:
@@ -107,7 +108,7 @@ class HostKV:
         (op,) = ops
         padded = swap_length(engine, op.length)
         seq = kv_transfer.get_sequence(engine, op.slot, op.length, op.pages and list(op.pages), padded)
-        host = _host_memory(seq.k[0])
+        host = _host_memory(jax.tree.leaves(seq.k)[0])
         if host is not None:
             seq = jax.device_put(seq, jax.tree.map(lambda _: host, seq))  # queued behind the gather
         self.sequences[op.key] = seq
@@ -117,7 +118,7 @@ class HostKV:
         seq = self.sequences.pop(op.key)
         if engine.mesh is not None:
             seq = kv_transfer.move(seq, engine)
-        elif seq.k[0].sharding.memory_kind == "pinned_host":
+        elif jax.tree.leaves(seq.k)[0].sharding.memory_kind == "pinned_host":
             seq = jax.device_put(seq, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), seq))
         # Its slot was deactivated when it was preempted (before the gather): it decodes on.
         seq = dataclasses.replace(seq, state=dataclasses.replace(seq.state, active=np.ones((1,), bool)))
@@ -133,8 +134,7 @@ class HostKV:
         pages[:n] = [op.page for op in ops]
         k, v = jax.device_get(_gather_pages(engine.cache, engine.put(pages)))
         for i, op in enumerate(ops):
-            self.pages[op.key] = (tuple(np.ascontiguousarray(layer[:, i]) for layer in k),
-                                  tuple(np.ascontiguousarray(layer[:, i]) for layer in v))
+            self.pages[op.key] = jax.tree.map(lambda layer: np.ascontiguousarray(layer[:, i]), (k, v))
 
     def _page_in(self, engine, ops) -> None:
         n = len(ops)
@@ -143,11 +143,7 @@ class HostKV:
         entries = [self.pages.pop(op.key) for op in ops]
         entries += [entries[0]] * (bucket(n) - n)  # padding rows, dropped by the scatter
 
-        def stacked(which: int) -> tuple:
-            return tuple(np.stack([e[which][layer] for e in entries], axis=1)
-                         for layer in range(len(entries[0][which])))
-
-        k, v = stacked(0), stacked(1)
+        k, v = jax.tree.map(lambda *page: np.stack(page, axis=1), *entries)
         if engine.mesh is not None:
             kv = sharding.kv_sharding(engine.model.config, engine.mesh, 0, 4)
             k, v = jax.device_put(k, kv), jax.device_put(v, kv)

@@ -28,7 +28,7 @@ import numpy as np
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
-from cbjax.runtime.engine import Engine
+from cbjax.runtime.engine import Engine, kv_dtype
 from cbjax.runtime.step import resolve, run_layers, sample_rows
 from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
@@ -128,7 +128,7 @@ class PipelineEngine(Engine):
                                    sliding_windows=self.model.config.sliding_windows[self.bounds[s]:self.bounds[s + 1]])
 
     def reset(self) -> None:
-        dtype = quant.activation_dtype(self.params)
+        dtype = kv_dtype(self.model, self.config)
         c = self.config
         self.caches = [jax.device_put(SlotCache.init(self._stage_config(s), c.num_slots, self.max_len, dtype), d)
                        for s, d in enumerate(self.devices)]

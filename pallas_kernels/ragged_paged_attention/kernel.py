@@ -47,8 +47,10 @@ def _power_of_two(n: int) -> bool:
 
 
 def min_page_size(dtype) -> int:
-    """The least page the kernels take: Mosaic DMAs whole sublane tiles (8 rows of 32 bits)."""
-    return 8 * 4 // np.dtype(dtype).itemsize
+    """The least page the kernels take: Mosaic DMAs whole sublane tiles (8 rows of 32 bits);
+    8-bit KV (with its scales) only Triton reads, 16 keys a page at least (a dot's side)."""
+    itemsize = np.dtype(dtype).itemsize
+    return 16 if itemsize == 1 else 8 * 4 // itemsize
 
 
 def _step_keys(head_dim: int) -> int:
@@ -97,6 +99,12 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
     return 16, min(pages, 1 << max(pages_per_seq - 1, 0).bit_length())
 
 
+def _reference_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, window, **unused):
+    from pallas_kernels.ragged_paged_attention.reference import reference
+
+    return reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale, window)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
                                              "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
@@ -126,6 +134,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
             cu_q_lens.astype(jnp.int32))
     kernels = {"triton": functools.partial(triton_kernel.attention, num_warps=num_warps, num_stages=num_stages),
                "tpu": tpu_kernel.attention}
+    if hasattr(k_pages, "scale"):  # 8-bit KV: the Mosaic kernel does not read scales yet, a TPU runs the reference
+        kernels["tpu"] = _reference_kernel
 
     def run(kernel: str, interpreted: bool):
         return functools.partial(kernels[kernel], scale=scale, block_q=block_q,

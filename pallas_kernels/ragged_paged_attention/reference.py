@@ -6,13 +6,22 @@ keys and values, new ones included (already written), are the first `kv_lens[s]`
 positions of its pages `page_indices[s]`. Query i of sequence s sits at position
 `kv_lens[s] - q_len[s] + i` and sees keys up to there (causal); with a sliding `window`
 of w > 0, only the keys in `(position - w, position]` (transformers' rule). Rows past
-the last sequence are padding and come out as zeros.
+the last sequence are padding and come out as zeros. K and V may be 8-bit pools with a
+float32 scale per key (values `[kv_heads, num_pages, page_size, head_dim]`, scale
+`[kv_heads, num_pages, page_size, 1]`: cbjax's `QuantizedKV`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def _gather(pool, pages: jax.Array) -> jax.Array:
+    """`pool[:, pages]` in float32; an 8-bit pool (values and a scale per key) dequantized."""
+    if hasattr(pool, "scale"):
+        return pool.values[:, pages].astype(jnp.float32) * pool.scale[:, pages]
+    return pool[:, pages].astype(jnp.float32)
 
 
 def reference(
@@ -36,8 +45,8 @@ def reference(
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     position = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
     pages = jnp.clip(page_indices[seq], 0, num_pages - 1)  # [T, pages_per_seq]
-    k = k_pages[:, pages].reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
-    v = v_pages[:, pages].reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
+    k, v = (_gather(pages_, pages).reshape(kv_heads, num_tokens, -1, head_dim).swapaxes(0, 1)
+            for pages_ in (k_pages, v_pages))
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32)
     logits = jnp.einsum("tkgd,tksd->tkgs", qg, k) * scale
     key = jnp.arange(k.shape[2])[None, :]

@@ -48,8 +48,12 @@ def _load_pages(ref, pages, *, page_size: int, head_dim: int, padded_dim: int):
     return plgpu.load(ref.at[index], mask=jnp.broadcast_to(column[None, :] < head_dim, index.shape), other=0)
 
 
-def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, o_ref, *, scale, block_q,
+def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, *refs, scale, block_q,
             pages_per_block, page_size, num_pages, head_dim, window):
+    # 8-bit K/V come with a scale per key (`[num_pages, page_size]` each): q.k scaled per key
+    # after the dot, and each probability times its value's scale before p.v, so the 8-bit
+    # pages are widened but never multiplied through.
+    *scale_refs, o_ref = refs
     tile = pl.program_id(2)
     _, block_g, padded_dim = q_ref.shape
     block_tokens = pages_per_block * page_size
@@ -73,7 +77,12 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
             pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)]
             pages = jnp.clip(pages, 0, num_pages - 1)  # entries past the sequence may be anything
             k, v = load(k_ref, pages), load(v_ref, pages)
+            if scale_refs:
+                k_scale, v_scale = (r[pages].reshape(block_tokens) for r in scale_refs)
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [block_q * block_g, block_tokens]
+            if scale_refs:
+                logits = logits * k_scale[None, :]
             key = j * block_tokens + jnp.arange(block_tokens)
             seen = key[None, :] <= row_position[:, None]
             if window:
@@ -82,7 +91,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
             m_new = jnp.maximum(m, logits.max(axis=-1))
             correction = jnp.exp(m - m_new)
             p = jnp.exp(logits - m_new[:, None])
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            weights = p * v_scale[None, :] if scale_refs else p
+            pv = jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return correction[:, None] * o + pv, m_new, correction * l + p.sum(axis=-1)
 
         # A sliding window skips the blocks before the first key the tile's first query sees.
@@ -98,7 +108,12 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
 
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
               interpret, window=0, num_warps=None, num_stages=None):
-    """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract)."""
+    """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract). `k_pages` and
+    `v_pages` may be 8-bit with their scales (`kv_cache.QuantizedKV`-like: values and scale)."""
+    scales = ()
+    if hasattr(k_pages, "scale"):
+        scales = tuple(p.scale.reshape(p.scale.shape[:3]) for p in (k_pages, v_pages))
+        k_pages, v_pages = k_pages.values, v_pages.values
     num_tokens, q_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_indices.shape
@@ -132,6 +147,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
             pl.BlockSpec((1,), lambda s, h, i: (s,)),
             pl.BlockSpec((1,), lambda s, h, i: (s,)),
             pl.BlockSpec((None, padded_pages), lambda s, h, i: (s, 0)),
+            *[pl.BlockSpec((None, num_pages, page_size), lambda s, h, i: (h, 0, 0))] * len(scales),
         ],
         out_specs=pl.BlockSpec((rows, None, block_g, padded_dim), lambda s, h, i: (0, h, 0, 0)),
         # Triton named explicitly: JAX 0.10's default GPU lowering is Mosaic GPU, which this
@@ -140,5 +156,5 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
                                              num_stages=num_stages or 2),
         interpret=interpret,
         name="cbjax_ragged_paged_attention",
-    )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table)
+    )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table, *scales)
     return out[:num_tokens, :, :group, :head_dim].reshape(num_tokens, q_heads, head_dim)
