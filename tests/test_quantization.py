@@ -138,3 +138,84 @@ def test_bad_quantization_settings():
     assert quant.quantization_of(quantized(int8, "int8", jax.devices()[0]).params) == "int8"
     with pytest.raises(ValueError, match="already int8-quantized"):
         quantized(int8, "fp8", hopper)
+
+
+# ---------------------------------------------------------------- the KV cache in 8 bits
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_int8_kv_tokens_agree_across_layouts_and_attention(hf_dirs, family):
+    """Per family: int8 KV gives the same greedy tokens in the slot and the paged cache and by
+    the reference path and the ragged kernel (interpreted); fp8 KV in the slot cache runs too.
+    Every cache layer is 8-bit values with their scales."""
+    from cbjax.models.kv_cache import QuantizedKV
+
+    model = load_model(hf_dirs[family])
+    runs = {}
+    for kv_cache, attention in (("slots", "reference"), ("paged", "reference"), ("paged", "pallas")):
+        llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=16, attention=attention,
+                  kv_cache_dtype="int8")
+        assert all(isinstance(layer, QuantizedKV) and layer.dtype == jnp.int8 for layer in llm.engine.cache.k)
+        runs[kv_cache, attention] = tokens(llm)
+    assert len({str(r) for r in runs.values()}) == 1, runs
+    fp8 = LLM(model, num_slots=4, max_seq_len=64, kv_cache_dtype="fp8")
+    assert fp8.engine.cache.v[0].dtype == jnp.float8_e4m3fn and len(tokens(fp8)) == len(PROMPTS)
+
+
+def decode_logits(llm: LLM, prompt, steps: int = 6) -> np.ndarray:
+    out = llm.generate([prompt], SamplingParams(max_tokens=steps, ignore_eos=True, logprobs=5), use_tqdm=False)[0]
+    return np.asarray([[logprob for _, logprob in step.top] for step in out.logprobs])
+
+
+def test_int8_kv_keeps_decode_logprobs_near_full_precision():
+    """The same model decoding its greedy tokens: top-5 logprobs with an int8 KV cache within a
+    small distance of the f32 cache's (history read back dequantized in every step)."""
+    model = load_model("tiny-qwen3")
+    prompt = list(range(5, 40))
+    full = decode_logits(LLM(model, num_slots=2, max_seq_len=64), prompt)
+    int8 = decode_logits(LLM(model, num_slots=2, max_seq_len=64, kv_cache_dtype="int8"), prompt)
+    assert np.abs(int8 - full).max() < 0.05
+
+
+def test_kv_bytes_budget_holds_about_twice_the_bf16_sequences():
+    from cbjax.models.kv_cache import SlotCache
+
+    model = load_model("tiny-llama", dtype="bfloat16")
+    config, hd = model.config, model.config.head_dim
+    assert (SlotCache.bytes_per_slot(config, 64, jnp.int8) * (2 * hd)
+            == SlotCache.bytes_per_slot(config, 64, jnp.bfloat16) * (hd + 4))
+    budget = 8 * SlotCache.bytes_per_slot(config, 64, jnp.bfloat16)
+    bf16 = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache_bytes=budget)
+    int8 = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache_bytes=budget, kv_cache_dtype="int8")
+    assert bf16.engine.num_slots == 8 and int8.engine.num_slots == 8 * 2 * hd // (hd + 4)
+    paged = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache="paged", page_size=16, kv_cache_bytes=budget,
+                kv_cache_dtype="int8")
+    assert paged.engine.config.num_pages == budget // SlotCache.bytes_per_slot(config, 16, jnp.int8)
+    held = sum(a.nbytes for a in jax.tree.leaves((paged.engine.cache.k, paged.engine.cache.v)))
+    assert held <= budget
+
+
+def test_int8_kv_pages_and_swaps_through_the_host_tier():
+    """Paged int8 KV with prefix caching, a host tier and swap preemption: pages evicted to the
+    host and loaded back and sequences swapped out and in carry their scales, and the outputs
+    equal the same engine's without a host tier (recompute)."""
+    model = load_model("tiny-llama")
+    rng = np.random.default_rng(4)
+    shared = rng.integers(3, 500, 24).tolist()
+    prompts = [shared + rng.integers(3, 500, int(n)).tolist() for n in rng.integers(2, 9, 10)]
+    args = dict(num_slots=3, max_seq_len=64, kv_cache="paged", page_size=16, num_pages=9,
+                enable_prefix_caching=True, kv_cache_dtype="int8")
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model, **args).generate(prompts, sampling, use_tqdm=False)]
+    llm = LLM(model, **args, host_kv_cache_bytes=1 << 22, preemption_mode="swap")
+    got = [o.token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
+    assert got == want
+    stats = llm.scheduler.host.stats
+    assert stats.pages_out > 0 and llm.engine.host_kv.stored_bytes == llm.scheduler.host.used
+
+
+def test_bad_kv_cache_dtype_settings():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM("tiny-llama", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="page_size a power of two >= 16 for int8 KV"):
+        LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=8, attention="pallas", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' runs on a device"):
+        LLM("tiny-llama", kv_cache_dtype="int8", simulate="h100")

@@ -86,6 +86,12 @@ def decode(stored) -> jax.Array:
     return stored
 
 
+def as_stored(new: jax.Array, like) -> jax.Array:
+    """`new` as a read of `like`'s storage would give it back: through 8 bits and back for a
+    quantized layer (so a chunk's own keys count as its cached ones do), else unchanged."""
+    return decode(encode(new, like)).astype(new.dtype) if isinstance(like, QuantizedKV) else new
+
+
 def _zeros_per_layer(num_layers: int, shape: tuple, dtype) -> tuple:
     if is_quantized_kv(dtype):
         return tuple(QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(shape[:-1] + (1,), jnp.float32))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from cbjax.config import ModelConfig
 from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
-from cbjax.models.kv_cache import KVCache
+from cbjax.models.kv_cache import KVCache, as_stored
 from cbjax.models.quant import activation_dtype, embedding_rows
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
@@ -204,6 +204,7 @@ def forward(
         if attention_kernel:
             out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged, window)
         else:
+            k, v = as_stored(k, ks[layer]), as_stored(v, vs[layer])  # as the kernel reads them back
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
                                        history_end, num_valid, kv_len, all_slots, flat_rows, ops,
                                        history_block)
