@@ -75,6 +75,9 @@ ENGINE_KNOBS = EngineArgs.define_flags(["decode_steps", "max_step_tokens"])  # e
 CONTINUOUS_KNOBS = EngineArgs.define_flags(["refill_interval", "merge_mode", "max_num_batched_tokens"])  # its rows
 flags.adopt_module_key_flags(engine_args)  # the EngineArgs knobs, in --help
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and KV-cache dtype.")
+flags.DEFINE_list("kv_cache_dtypes", ["auto"], "KV-cache storages (EngineArgs.kv_cache_dtype) to run every row with "
+                  "at the same KV memory, each its own slots; rows of a dtype past the first are suffixed "
+                  "-<dtype>kv and compared with the static row of their dtype.")
 flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 flags.DEFINE_integer("repeats", 3, "Timed runs per cell, the policies interleaved (run 1 of each, then run 2 of "
                      "each, ...): each ratio is taken within a round and the table prints its median and range "
@@ -83,6 +86,7 @@ flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON an
 
 
 common.validate_list("max_gen_lens", int, 1, "positive integers")
+common.validate_list("kv_cache_dtypes", lambda d: 0 if d in ("auto", "int8", "fp8") else -1, 0, "of auto, int8, fp8")
 common.validate_list("peers", lambda p: 0 if p in PEERS else -1, 0, "transformers rows among " + ", ".join(PEERS),
                      allow_empty=True)
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,
@@ -131,7 +135,7 @@ def run_column(model, max_gen: int, peer) -> dict:
 
     from cbjax import LLM
     from cbjax.runtime.engine import Engine
-    from cbjax.models.kv_cache import SlotCache
+    from cbjax.models.kv_cache import SlotCache, kv_storage_dtype
     from cbjax.workload import LengthDist, synthetic
 
     max_seq_len = FLAGS.prompt_len + max_gen
@@ -140,8 +144,10 @@ def run_column(model, max_gen: int, peer) -> dict:
     if budget is None:
         largest = FLAGS.prompt_len + max(int(x) for x in FLAGS.max_gen_lens)
         budget = FLAGS.num_slots * SlotCache.bytes_per_slot(model.config, largest, dtype)
-    slots = max(1, budget // SlotCache.bytes_per_slot(model.config, max_seq_len, dtype))
-    num_requests = max(FLAGS.num_requests, FLAGS.waves * int(slots))
+    storage = {d: kv_storage_dtype(d, dtype) for d in FLAGS.kv_cache_dtypes}
+    slots_of = {d: max(1, budget // SlotCache.bytes_per_slot(model.config, max_seq_len, storage[d])) for d in storage}
+    slots = slots_of[FLAGS.kv_cache_dtypes[0]]
+    num_requests = max(FLAGS.num_requests, FLAGS.waves * int(max(slots_of.values())))
     if FLAGS.workload == "synthetic":
         work = synthetic(num_requests, prompt_len=LengthDist("fixed", value=FLAGS.prompt_len),
                          output_len=LengthDist("capped_exponential", mean=FLAGS.output_mean, cap=max_gen),
@@ -156,26 +162,29 @@ def run_column(model, max_gen: int, peer) -> dict:
     column = {"max_gen_len": max_gen, "slots": int(slots), "kv_cache_bytes": int(budget), "num_requests": len(work),
               "mean_budget": sum(budgets) / len(budgets), "bound_continuous_over_static": static_bound(budgets, slots),
               "fcfs_bound_continuous_over_static": fcfs_bound(budgets, slots),
-              "rows": {}}
-    runs = [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]
-    engines = {}
-    for policy, layout in runs:
-        layout_options = dict(num_slots=slots, batch_size=slots)
+              "slots_by_kv_dtype": {d: int(n) for d, n in slots_of.items()}, "rows": {}}
+    runs = [(p, layout, d) for d in FLAGS.kv_cache_dtypes
+            for p, layout in [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]]
+    engines, suffix_of = {}, {}
+    for policy, layout, kv_dtype in runs:
+        suffix = "" if kv_dtype == FLAGS.kv_cache_dtypes[0] else f"-{kv_dtype}kv"
+        layout_options = dict(num_slots=slots_of[kv_dtype], batch_size=slots_of[kv_dtype])
         if layout == "paged":
             page = FLAGS.page_size
             seq_len = -(-max_seq_len // page) * page
-            pool_tokens = budget // SlotCache.bytes_per_slot(model.config, 1, dtype)
+            pool_tokens = budget // SlotCache.bytes_per_slot(model.config, 1, storage[kv_dtype])
             fit = int(pool_tokens // mean_seq)
-            paged_slots = min(FLAGS.paged_max_seqs or max(slots, fit), len(work))
+            paged_slots = min(FLAGS.paged_max_seqs or max(slots_of[kv_dtype], fit), len(work))
             layout_options = dict(kv_cache="paged", kv_cache_bytes=int(budget), page_size=page,
                                   num_slots=paged_slots, batch_size=paged_slots, attention=FLAGS.paged_attention)
         else:
             seq_len = max_seq_len
         knobs = {k: FLAGS[k].value for k in ENGINE_KNOBS + (CONTINUOUS_KNOBS if policy == "continuous" else [])}
         llm = LLM(model, policy=policy, max_seq_len=seq_len, window_ms=FLAGS.window_ms, dtype=dtype, **knobs,
-                  **layout_options, **common.llm_options())
+                  **layout_options, kv_cache_dtype=kv_dtype, **common.llm_options())
         llm.warmup()
-        engines[policy if layout == "slots" else f"{policy}-paged"] = llm
+        engines[(policy if layout == "slots" else f"{policy}-paged") + suffix] = llm
+        suffix_of[(policy if layout == "slots" else f"{policy}-paged") + suffix] = suffix
     compiled = Engine.num_backend_compilations()
     seconds = {row: [] for row in engines}
     for repeat in range(FLAGS.repeats):
@@ -193,12 +202,14 @@ def run_column(model, max_gen: int, peer) -> dict:
         rates = [tokens / t for t in seconds[row]]
         column["rows"][row] = {"tokens_per_s": statistics.median(rates), "seconds": seconds[row],
                                "tokens_per_s_runs": rates, "mean_running": llm.stats.mean_running,
-                               "decode_steps": llm.stats.decode_steps, "preemptions": llm.scheduler.num_preemptions}
+                               "decode_steps": llm.stats.decode_steps, "preemptions": llm.scheduler.num_preemptions,
+                               "slots": llm.engine.num_slots, "kv_cache_dtype": llm.args.kv_cache_dtype}
         if llm.pages is not None:
             column["rows"][row]["num_pages"] = llm.pages.num_pages
     if "static" in seconds:  # each round's ratio, then their median and range
-        for row in engines:
-            ratios = [a / b for a, b in zip(seconds["static"], seconds[row])]  # in round order
+        for row in engines:  # against the static row of the row's KV dtype
+            static = seconds.get("static" + suffix_of[row], seconds["static"])
+            ratios = [a / b for a, b in zip(static, seconds[row])]  # in round order
             column["rows"][row]["over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                   "max": max(ratios), "runs": ratios}
     if FLAGS.machine_bound and not FLAGS.simulate and {"static", "continuous"} <= set(engines):
@@ -299,12 +310,16 @@ def over_static(row: dict, static: dict) -> str:
 
 def print_table(columns: list[dict]) -> str:
     rows = list(columns[0]["rows"])
-    labeled: list[tuple[str, list[str]]] = [("slots (equal KV mem)", [str(c["slots"]) for c in columns]),
-                                            ("requests", [str(c.get("num_requests", "")) for c in columns])]
+    labeled: list[tuple[str, list[str]]] = [("slots (equal KV mem)", [str(c["slots"]) for c in columns])]
+    labeled += [(f"slots, {d} KV", [str(c["slots_by_kv_dtype"][d]) for c in columns])
+                for d in list(columns[0].get("slots_by_kv_dtype", {}))[1:]]
+    labeled.append(("requests", [str(c.get("num_requests", "")) for c in columns]))
     labeled += [(f"{r} tok/s", [f"{c['rows'][r]['tokens_per_s']:.1f}" for c in columns]) for r in rows]
     if "static" in rows:
-        labeled += [(f"{r} / static", [over_static(c["rows"][r], c["rows"]["static"]) for c in columns])
-                    for r in rows if r != "static"]
+        kv = lambda r: r[r.rfind("-"):] if r.endswith("kv") else ""  # noqa: E731 (a row's KV-dtype suffix)
+        labeled += [(f"{r} / static{kv(r)}",
+                     [over_static(c["rows"][r], c["rows"].get("static" + kv(r), c["rows"]["static"])) for c in columns])
+                    for r in rows if r != "static" + kv(r)]
         labeled.append(("bound cont./static, FCFS", [f"{c['fcfs_bound_continuous_over_static']:.2f}x" for c in columns]))
         labeled.append(("bound, no slot idle", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
         if all("machine_bound_continuous_over_static" in c for c in columns) and "continuous" in rows:
