@@ -15,13 +15,11 @@ from cbjax.models import quant
 
 
 class Ops:
-    quant_gemv_rows = 0  # quantized matmuls of at most this many rows as a multiply-reduce (quant.dense)
-
     def dense(self, x: jax.Array, w) -> jax.Array:
         """`x @ w.T` for a weight stored `[out, in]` (see cbjax/models/params.py), or a
         `quant.QuantizedWeight` of that shape."""
         if isinstance(w, quant.QuantizedWeight):
-            return quant.dense(x, w, self.quant_gemv_rows)
+            return quant.dense(x, w)
         return jnp.einsum("...d,od->...o", x, w)
 
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
@@ -44,9 +42,4 @@ class Ops:
         return f"{type(self).__name__}()"
 
 
-class _QuantGemvOps(Ops):
-    quant_gemv_rows = 8
-
-
 XLA = Ops()
-XLA_QUANT_GEMV = _QuantGemvOps()  # XLA's way with quantized matrix-vector products as reductions

@@ -152,8 +152,8 @@ def dense(x: jax.Array, w: QuantizedWeight, gemv_rows: int = 0) -> jax.Array:
     """`x @ w.T` for a quantized `w`, in x's dtype. The 8-bit values are widened (exact: every
     int8 and e4m3 value is a bf16) and scaled by their groups inside the product; a single
     group per row scales the f32 result per output instead. With at most `gemv_rows` rows the
-    product is written as a multiply and a reduction over `in` instead of a dot: a
-    memory-bound matrix-vector product that XLA may fuse into one pass over the weight."""
+    product is written as a multiply and a reduction over `in` instead of a dot (a form
+    bench_device's quant_matmul times; on an H200 XLA ran both alike)."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     operand = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     per_row = w.scale.shape[-1] == 1

@@ -25,7 +25,7 @@ import numpy as np
 from cbjax import grammar
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, kv_storage_dtype
-from cbjax.models.ops import XLA, XLA_QUANT_GEMV
+from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
@@ -60,13 +60,6 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
 
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
-
-
-def xla_ops(params, platform: str):
-    """XLA's operations; for quantized weights on an accelerator, small matrix products as
-    reductions (`quant.dense`) unless `$CBJAX_QUANT_GEMV` is 0."""
-    gemv = os.environ.get("CBJAX_QUANT_GEMV", "0") != "0"
-    return XLA_QUANT_GEMV if gemv and platform in ACCELERATORS and quant.quantization_of(params) != "none" else XLA
 
 
 def kv_dtype(model, config: EngineConfig):
@@ -131,7 +124,7 @@ class Engine:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
         self.ops = (cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh)
-                    else xla_ops(self.params, self.platform))
+                    else XLA)
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
                      and config.kv_cache_dtype == "auto" and cpu_kernels.layer_addresses(self.params, mc))

@@ -30,7 +30,6 @@ from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
 from cbjax.runtime.engine import Engine, kv_dtype
 from cbjax.runtime.step import resolve, run_layers, sample_rows
-from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.scheduling.plan import Row
 
