@@ -57,8 +57,15 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                              f"models {getattr(simulate, 'tensor_parallel', 1)} device(s)")
         if clock is time.perf_counter:
             clock = simulator.SimClock()
-    model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype)
-    if args.quantization != "none" and simulate is None:
+    model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype,
+                                                              keep_gguf_blocks=args.quantization == "gguf")
+    if args.quantization == "gguf" and simulate is None:
+        if quant.quantization_of(model.params) != "gguf":
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks: pass the .gguf path, not a model "
+                             "loaded without them")
+        if mesh is not None or args.pipeline_stages > 1:
+            raise ValueError("quantization='gguf' runs on one device (its blocks are not split yet)")
+    if args.quantization not in ("none", "gguf") and simulate is None:
         model = quantized(model, args.quantization, (list(mesh.devices.flat) if mesh is not None
                                                      else list(devices or jax.devices()))[0])
     num_slots, num_pages = args.num_slots, args.num_pages
@@ -99,7 +106,7 @@ def quantized(model: Model, mode: str, device) -> Model:
     where `device` cannot run it."""
     if mode == "fp8" and quant.fp8_refusal(device):
         raise ValueError(quant.fp8_refusal(device))
-    already = quant.quantization_of(model.params)
+    already = quant.quantization_of(model.params) if model.params else "none"
     if already not in ("none", mode):
         raise ValueError(f"quantization={mode!r}: the model's weights are already {already}-quantized")
     params = quant.quantize_params(model.params, mode, model.config.tie_embeddings)

@@ -24,6 +24,7 @@ import numpy as np
 from cbjax.compile_cache import cache_root
 from cbjax.loading.model import Model, convert_tensors
 from cbjax.config import ModelConfig
+from cbjax.models.gguf_blocks import GGUFWeight, check_kind
 
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
@@ -134,9 +135,10 @@ def load_gguf_tokenizer(path: str):
     return tokenizer
 
 
-def _read(path: str) -> tuple[ModelConfig, dict[str, Callable[[], np.ndarray]]]:
+def _read(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Callable[[], np.ndarray]]]:
     """The config and a loader per tensor: dequantized to float32 in our (Hugging Face) layout,
-    one tensor at a time."""
+    one tensor at a time; with `keep_blocks`, a quantized matrix as its own blocks instead
+    (`GGUFWeight`, rows in our layout: un-permuting Q and K moves whole rows of blocks)."""
     import gguf
 
     try:
@@ -146,6 +148,13 @@ def _read(path: str) -> tuple[ModelConfig, dict[str, Callable[[], np.ndarray]]]:
     config = gguf_config(reader, path)
 
     def load(t) -> np.ndarray:
+        kind = t.tensor_type.name
+        if keep_blocks and kind not in ("F32", "F16", "BF16"):
+            check_kind(kind, f"{path}: tensor {t.name!r}")
+            w = np.asarray(t.data, np.uint8)
+            if t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                w = _unpermute(w, config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads)
+            return GGUFWeight(w, kind)
         try:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         except (NotImplementedError, ValueError) as e:
@@ -210,10 +219,12 @@ def _write_converted(path: str, config: ModelConfig, loaders: dict[str, Callable
         return False
 
 
-def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True) -> Model:
+def load_gguf(path: str, dtype="float32", with_tokenizer: bool = True, keep_blocks: bool = False) -> Model:
+    """`keep_blocks`: quantized matrices stay in the file's blocks (quantization='gguf'), read
+    straight from the file; else every tensor in `dtype` (converted once and cached)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    converted = _read_converted(path)
+    converted = _read(path, keep_blocks=True) if keep_blocks else _read_converted(path)
     if converted is None:
         config, loaders = _read(path)
         # Read back mapped when the cache took it; else converted again, tensor by tensor, below.

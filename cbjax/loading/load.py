@@ -13,17 +13,22 @@ from cbjax.loading.model import Model, as_dtype
 from cbjax.loading.orbax_io import is_orbax_dir, load_orbax
 
 
-def load_model(spec: str, dtype=None, seed: int = 0, with_tokenizer: bool = True) -> Model:
+def load_model(spec: str, dtype=None, seed: int = 0, with_tokenizer: bool = True, keep_gguf_blocks: bool = False
+               ) -> Model:
     """A preset name, a Hugging Face directory, a GGUF file or an orbax directory.
 
-    `dtype` None keeps an orbax checkpoint's stored dtype and means float32 otherwise."""
+    `dtype` None keeps an orbax checkpoint's stored dtype and means float32 otherwise.
+    `keep_gguf_blocks`: a GGUF file's quantized matrices stay in its blocks (quantization='gguf')."""
+    if keep_gguf_blocks and not (isinstance(spec, str) and spec.endswith(".gguf")):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks: {spec!r} is not a .gguf file "
+                         "(use quantization='int8' or 'fp8' to quantize other weights)")
     if spec is not None and os.path.isdir(spec) and is_orbax_dir(spec):
         return load_orbax(spec, dtype=dtype)
     dtype = as_dtype("float32" if dtype is None else dtype)
     if spec in presets.PRESETS:
         return presets.load_preset(spec, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
     if os.path.isfile(spec) and spec.endswith(".gguf"):
-        return load_gguf(spec, dtype=dtype, with_tokenizer=with_tokenizer)
+        return load_gguf(spec, dtype=dtype, with_tokenizer=with_tokenizer, keep_blocks=keep_gguf_blocks)
     if os.path.isdir(spec):
         return load_hf_dir(spec, dtype=dtype, with_tokenizer=with_tokenizer)
     raise ValueError(

@@ -81,7 +81,8 @@ def convert_tensors(
             raise ValueError(f"{where(name)}: unexpected tensor {name!r} for model_type {config.model_type!r}")
         if ours == "lm_head" and config.tie_embeddings:
             continue
-        value = fn(np.asarray(load()))
+        value = load()
+        value = value if hasattr(value, "dequantize") else fn(np.asarray(value))  # kept blocks as they are
         if m.groups():
             layer = int(m.group(1))
             if layer >= config.num_layers:
@@ -114,5 +115,10 @@ def convert_tensors(
     if extra:
         raise ValueError(f"checkpoint has tensors {extra} that model_type {config.model_type!r} does not use")
     dt = as_dtype(dtype)
-    return unflatten({k: jnp.asarray(v.astype(np.float32) if v.dtype != np.float32 else v, dt)
-                      for k, v in flat.items()})
+
+    def put(v):
+        if hasattr(v, "dequantize"):  # a GGUF file's blocks, onto the device as they are
+            return dataclasses.replace(v, blocks=jnp.asarray(v.blocks))
+        return jnp.asarray(v.astype(np.float32) if v.dtype != np.float32 else v, dt)
+
+    return unflatten({k: put(v) for k, v in flat.items()})

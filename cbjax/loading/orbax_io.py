@@ -24,6 +24,9 @@ def save_orbax(model: Model, path: str) -> None:
     """Save converted params (and the config) so a large conversion is done once."""
     import orbax.checkpoint as ocp
 
+    if quant.quantization_of(model.params) == "gguf":
+        raise ValueError("save_orbax: a model in GGUF blocks is its .gguf file already (orbax keeps none, int8 "
+                         "and fp8 params)")
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cbjax.models import quant
+from cbjax.models import gguf_blocks, quant
 
 
 class Ops:
@@ -20,6 +20,8 @@ class Ops:
         `quant.QuantizedWeight` of that shape."""
         if isinstance(w, quant.QuantizedWeight):
             return quant.dense(x, w)
+        if isinstance(w, quant.GGUFWeight):
+            return gguf_blocks.dense(x, w)
         return jnp.einsum("...d,od->...o", x, w)
 
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):

@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS = ("none", "int8", "fp8")
+from cbjax.models import gguf_blocks
+from cbjax.models.gguf_blocks import GGUFWeight
+
+QUANTIZATIONS = ("none", "int8", "fp8", "gguf")
 # The matrices quantized: every matmul of a layer and the LM head (cbjax/models/params.py).
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
 _FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
@@ -85,6 +88,8 @@ def quantize_params(params: dict, mode: str, tied_embeddings: bool) -> dict:
     `mode`; "none" returns it as it is. Each tensor is quantized where it lives, one at a time."""
     if mode == "none":
         return params
+    if mode == "gguf":
+        raise ValueError("quantization='gguf' keeps a GGUF file's blocks: load a .gguf file with it")
     if mode not in _FORMATS:
         raise ValueError(f"quantization={mode!r}: expected one of {', '.join(QUANTIZATIONS)}")
 
@@ -101,13 +106,15 @@ def quantize_params(params: dict, mode: str, tied_embeddings: bool) -> dict:
 def quantization_of(params: dict) -> str:
     """"int8", "fp8" or "none": what `quantize_params` made of these params."""
     for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        if isinstance(leaf, GGUFWeight):
+            return "gguf"
         if isinstance(leaf, QuantizedWeight):
             return "int8" if leaf.values.dtype == jnp.int8 else "fp8"
     return "none"
 
 
 def is_quantized(x) -> bool:
-    return isinstance(x, QuantizedWeight)
+    return isinstance(x, (QuantizedWeight, GGUFWeight))
 
 
 def rebuild(tree):
@@ -131,7 +138,7 @@ def activation_dtype(params: dict):
     """The model's own dtype (its activations', its KV cache's by default): its first tensor
     that is not quantized (a norm's scale at least; a pipeline stage's too)."""
     for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
-        if not isinstance(leaf, QuantizedWeight):
+        if not is_quantized(leaf):
             return leaf.dtype
     raise ValueError("params hold no unquantized tensor to take the model's dtype from")
 
@@ -145,6 +152,8 @@ def embedding_rows(embed, tokens: jax.Array, dtype) -> jax.Array:
     """`embed[tokens]` in `dtype`, dequantizing only the gathered rows of a quantized table."""
     if isinstance(embed, QuantizedWeight):
         return _scaled(embed.values[tokens], embed.scale[tokens]).astype(dtype)
+    if isinstance(embed, GGUFWeight):
+        return gguf_blocks.embedding_rows(embed, tokens, dtype)
     return embed[tokens]
 
 

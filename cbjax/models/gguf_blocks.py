@@ -1,0 +1,88 @@
+"""Matrices kept in a GGUF file's own quantized blocks (llama.cpp's ggml formats), never as a
+float copy: `GGUFWeight` stands where a `[out, in]` matrix of the params pytree stood, each
+row the file's bytes for that row (`in / 32` blocks), and is dequantized where it is used.
+
+Block layouts (ggml-common.h), 32 weights each, little-endian:
+- Q8_0: f16 d, then 32 int8 q: w = d * q (34 bytes);
+- Q4_0: f16 d, then 16 bytes of nibbles: w = d * (q - 8) (18 bytes);
+- Q4_1: f16 d, f16 m, then 16 bytes of nibbles: w = d * q + m (20 bytes).
+A nibble byte j holds weight j in its low half and weight j + 16 in its high half.
+
+Here the product is the reference: the blocks widened to f32 on the device and multiplied
+(`dense`), which is what XLA runs on any backend; a backend may read the blocks itself
+(cbjax/runtime/cpu_kernels.py on a CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# type -> (weights per block, bytes per block)
+BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GGUFWeight:
+    blocks: jax.Array  # [out, in / 32 * block bytes] uint8: each row's blocks as the file holds them
+    kind: str = dataclasses.field(metadata=dict(static=True))  # a key of BLOCK_TYPES
+
+    @property
+    def shape(self) -> tuple:
+        per_block, size = BLOCK_TYPES[self.kind]
+        return (self.blocks.shape[0], self.blocks.shape[1] // size * per_block)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize_rows(self.blocks, self.kind).astype(dtype)
+
+
+def check_kind(kind: str, where: str) -> None:
+    if kind not in BLOCK_TYPES:
+        raise ValueError(f"{where}: GGUF block type {kind} is not one quantization='gguf' reads (it reads "
+                         f"{', '.join(BLOCK_TYPES)}); load it with quantization='none' (dequantized to dtype) "
+                         "or requantize the file")
+
+
+def _f16(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Little-endian f16 from its two bytes, as float32."""
+    bits = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(q: jax.Array) -> jax.Array:
+    """`[..., 16]` bytes -> `[..., 32]` values: the low halves (weights 0-15), then the high (16-31)."""
+    return jnp.concatenate([q & 0xF, q >> 4], axis=-1).astype(jnp.float32)
+
+
+def dequantize_rows(blocks: jax.Array, kind: str) -> jax.Array:
+    """`[..., row bytes]` uint8 rows of `kind` blocks -> `[..., in]` float32."""
+    per_block, size = BLOCK_TYPES[kind]
+    b = blocks.reshape(blocks.shape[:-1] + (blocks.shape[-1] // size, size))
+    d = _f16(b[..., 0], b[..., 1])[..., None]
+    if kind == "Q8_0":
+        w = d * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    elif kind == "Q4_0":
+        w = d * (_nibbles(b[..., 2:]) - 8.0)
+    else:  # Q4_1
+        w = d * _nibbles(b[..., 4:]) + _f16(b[..., 2], b[..., 3])[..., None]
+    return w.reshape(blocks.shape[:-1] + (-1,))
+
+
+def dense(x: jax.Array, w: GGUFWeight) -> jax.Array:
+    """`x @ w.T` in x's dtype, the blocks dequantized to f32 first."""
+    return jnp.einsum("...d,od->...o", x.astype(jnp.float32), w.dequantize(jnp.float32)).astype(x.dtype)
+
+
+def embedding_rows(embed: GGUFWeight, tokens: jax.Array, dtype) -> jax.Array:
+    return dequantize_rows(embed.blocks[tokens], embed.kind).astype(dtype)

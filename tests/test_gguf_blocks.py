@@ -1,0 +1,71 @@
+"""quantization='gguf': a GGUF file's quantized matrices kept in its own blocks. The blocks'
+dequantization against the `gguf` package's for every block type read, the embedded SmolLM2
+Q4_1 file run from its blocks (greedy tokens identical to the same weights dequantized to f32,
+resident weight bytes those of the file's tensors), and the errors."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.models import quant
+from cbjax.models.gguf_blocks import BLOCK_TYPES, GGUFWeight, check_kind, dequantize_rows
+
+presets = pytest.importorskip("cbjax.loading.presets")
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_block_dequantization_matches_the_gguf_package(kind):
+    rng = np.random.default_rng(len(kind))
+    w = (rng.normal(size=(6, 96)) * rng.uniform(0.01, 3, size=(6, 1))).astype(np.float32)
+    w[0, :32] = 0  # an all-zero block
+    blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
+    assert blocks.shape == (6, 96 // 32 * BLOCK_TYPES[kind][1]) and blocks.dtype == np.uint8
+    want = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind))
+    got = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
+    np.testing.assert_array_equal(got, want)
+    weight = GGUFWeight(jnp.asarray(blocks), kind)
+    assert weight.shape == (6, 96) and weight.nbytes == blocks.nbytes
+    x = rng.normal(size=(3, 96)).astype(np.float32)
+    from cbjax.models.ops import XLA
+
+    np.testing.assert_allclose(np.asarray(XLA.dense(jnp.asarray(x), weight)), x @ want.T, rtol=1e-5, atol=1e-5)
+    rows = np.asarray(quant.embedding_rows(weight, jnp.asarray([[2, 0]]), jnp.float32))
+    np.testing.assert_array_equal(rows[0], want[[2, 0]])
+
+
+def test_smollm2_runs_from_its_own_blocks():
+    """The embedded Q4_1 file (its embedding Q8_0): every matrix stays in its blocks, the
+    resident weight bytes are the file's tensor bytes, and greedy decoding gives the tokens of
+    the same weights dequantized to f32 (the same products: the blocks are widened exactly)."""
+    try:
+        path = presets.smollm2_gguf_path()
+    except FileNotFoundError as e:  # pragma: no cover - CI installs it
+        pytest.skip(str(e))
+    reader = gguf.GGUFReader(path)
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    llm = LLM(path, quantization="gguf", num_slots=2, max_seq_len=96)
+    params = llm.engine.params
+    kinds = {leaf.kind for leaf in jax.tree.leaves(params, is_leaf=quant.is_quantized) if quant.is_quantized(leaf)}
+    assert kinds == {"Q4_1", "Q8_0"} and params["embed"].kind == "Q8_0"
+    assert quant.quantization_of(params) == "gguf" and llm.engine.ops.__class__.__name__ == "Ops"
+    assert quant.weight_bytes(params) == file_bytes  # norms in f32 as the file holds them, blocks as they are
+    prompt = llm.model.tokenizer("The Eiffel Tower is in the city of")["input_ids"]
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    got = llm.generate([prompt, prompt[:4]], sampling, use_tqdm=False)
+    reference = LLM(path, num_slots=2, max_seq_len=96, cpu_kernels="off").generate([prompt, prompt[:4]], sampling,
+                                                                                   use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in reference]
+
+
+def test_gguf_errors_name_the_knob(tmp_path):
+    with pytest.raises(ValueError, match="GGUF block type Q5_K is not one quantization='gguf' reads"):
+        check_kind("Q5_K", "model.gguf: tensor 'blk.0.ffn_down.weight'")
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's blocks"):
+        LLM("tiny-llama", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's blocks"):
+        quant.quantize_params({"layers": []}, "gguf", False)
