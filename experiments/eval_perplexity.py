@@ -75,8 +75,8 @@ def main(argv):
     from cbjax.perplexity import window_nlls
 
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
-    if FLAGS.quantization != "none":  # transformers' side stays unquantized: the difference is the quantization's
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, keep_gguf_blocks=FLAGS.quantization == "gguf")
+    if FLAGS.quantization not in ("none", "gguf"):  # transformers' side stays unquantized: the difference is the quantization's
         from cbjax.core.builder import quantized
 
         model = quantized(model, FLAGS.quantization, jax.devices()[0])

@@ -19,6 +19,8 @@ def load_model(spec: str, dtype=None, seed: int = 0, with_tokenizer: bool = True
 
     `dtype` None keeps an orbax checkpoint's stored dtype and means float32 otherwise.
     `keep_gguf_blocks`: a GGUF file's quantized matrices stay in its blocks (quantization='gguf')."""
+    if keep_gguf_blocks and spec == "smollm2-135m":  # the embedded default is a GGUF file
+        spec = presets.smollm2_gguf_path()
     if keep_gguf_blocks and not (isinstance(spec, str) and spec.endswith(".gguf")):
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks: {spec!r} is not a .gguf file "
                          "(use quantization='int8' or 'fp8' to quantize other weights)")

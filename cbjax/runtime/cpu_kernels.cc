@@ -358,6 +358,101 @@ ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resul
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- GGUF blocks
+
+// A GGUF file's matrices in its own 32-weight blocks (cbjax/models/gguf_blocks.py), each weight
+// row `K / 32` blocks: Q8_0 (f16 d, 32 int8: d * q), Q4_0 (f16 d, 16 nibble bytes: d * (q - 8)),
+// Q4_1 (f16 d, f16 m, 16 nibble bytes: d * q + m); nibble byte j holds weights j (low) and
+// j + 16 (high). Each block is widened to 32 floats in registers once and multiplied against
+// every input row: the weights are read in their 4.5-8.5 bits and never stored wider.
+enum BlockKind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+constexpr int64_t kBlockBytes[] = {34, 18, 20};
+constexpr int64_t kMaxBlockRows = 16;  // input rows (decode and the mixed step); more go to XLA
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t magnitude = exponent == 31 ? 0x7f800000u : (exponent + 112) << 23;  // inf/nan, or rebiased
+  const uint32_t bits = sign | magnitude | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
+  const float d = half_to_float(b);
+  if (kind == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
+  } else if (kind == kQ4_0) {
+    const uint8_t* q = b + 2;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>((q[j] & 0xF) - 8);
+      out[j + 16] = d * static_cast<float>((q[j] >> 4) - 8);
+    }
+  } else {
+    const float m = half_to_float(b + 2);
+    const uint8_t* q = b + 4;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>(q[j] & 0xF) + m;
+      out[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
+    }
+  }
+}
+
+struct BlockMatmul {
+  const float* x;  // [M, K]
+  const uint8_t* w;  // [N, row_bytes]
+  float* y;  // [M, N]
+  int64_t M, N, K, row_bytes, kind, rows_per_chunk;
+};
+
+void block_matmul_chunk(const void* context, int64_t c) {
+  const BlockMatmul& p = *static_cast<const BlockMatmul*>(context);
+  const int64_t blocks = p.K / 32, size = kBlockBytes[p.kind];
+  constexpr int kVectors = 32 / kLanes;
+  alignas(64) float widened[32];
+  vw acc[kMaxBlockRows];
+  for (int64_t n = c * p.rows_per_chunk; n < chunk_end(c, p.rows_per_chunk, p.N); ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    for (int64_t m = 0; m < p.M; ++m) acc[m] = vw{};
+    for (int64_t b = 0; b < blocks; ++b) {
+      widen_block(row + b * size, p.kind, widened);
+      for (int v = 0; v < kVectors; ++v) {
+        const vw t = loadw(widened + v * kLanes);
+        const float* x = p.x + b * 32 + v * kLanes;
+        for (int64_t m = 0; m < p.M; ++m) acc[m] += loadw(x + m * p.K) * t;
+      }
+    }
+    for (int64_t m = 0; m < p.M; ++m) p.y[m * p.N + n] = sumw(acc[m]);
+  }
+}
+
+ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                        int64_t kind) {
+  const auto wd = w.dimensions();
+  const auto xd = x.dimensions();
+  if (kind < 0 || kind > 2 || wd.size() != 2 || xd.size() < 1) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: x [..., K], w [N, row bytes], kind 0-2");
+  }
+  const int64_t N = wd[0], K = xd.back();
+  if (K % 32 || wd[1] != K / 32 * kBlockBytes[kind]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: w's rows are not K / 32 blocks");
+  }
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: too many rows");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t rows = 16384 / wd[1] > 1 ? 16384 / wd[1] : 1;  // about 16 KB of blocks a chunk
+  const BlockMatmul m{x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, wd[1], kind, rows};
+  pool().run(block_matmul_chunk, &m, chunk_count(N, rows));
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------- decode attention
 
 // One query token per row attends to the cached keys of its sequence at positions [lo, hi).
@@ -734,6 +829,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, MatmulNT,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, MatmulBlocks,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
                               ffi::Ffi::Bind()

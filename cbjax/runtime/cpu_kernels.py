@@ -42,10 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.compile_cache import cache_root
+from cbjax.models.gguf_blocks import GGUFWeight
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
 
-TARGETS = ("cbjax_matmul_nt", "cbjax_history_attention", "cbjax_decoder_layer", "cbjax_decoder_layer_at")
+TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_history_attention", "cbjax_decoder_layer",
+           "cbjax_decoder_layer_at")
+BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
 # layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
 # 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
@@ -136,6 +139,21 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call("cbjax_matmul_nt", out, vmap_method="sequential")(x, w)
 
 
+def blocks_fit(x: jax.Array, w) -> bool:
+    """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most MAX_ROWS rows."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and x.dtype == jnp.float32
+            and 0 < rows <= MAX_ROWS and available())
+
+
+def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
+    """`x @ w.T` for x `[..., K]` (f32) and a GGUF-block w `[N, K]`, the blocks widened in the kernel."""
+    _require()
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
+    return jax.ffi.ffi_call("cbjax_matmul_blocks", out, vmap_method="sequential")(
+        x, w.blocks, kind=np.int64(BLOCK_KINDS[w.kind]))
+
+
 def attends(q: jax.Array, layer_k: jax.Array) -> bool:
     """Whether `history_attention` takes this read: one f32 query token per row."""
     return q.shape[1] == 1 and q.dtype == jnp.float32 and layer_k.dtype == jnp.float32 and available()
@@ -176,7 +194,8 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
         return rows
     return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
             and "bias" not in p["attn_norm"] and "bias" not in p["mlp_norm"] and not any(n in p for n in _BIASES)
-            and all(getattr(p[n], "dtype", None) == jnp.float32 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
+            and all(getattr(p[n], "dtype", None) == jnp.float32
+                    for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
 
 
 def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin,
@@ -280,6 +299,8 @@ class CpuKernelOps(Ops):
     """The model's operations with the C++ kernels where they fit, XLA's elsewhere."""
 
     def dense(self, x, w):
+        if blocks_fit(x, w):
+            return matmul_blocks(x, w)
         return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
 
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
