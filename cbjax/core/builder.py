@@ -76,7 +76,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         if simulate is None:
             kv_dtype = kv_storage_dtype(args.kv_cache_dtype, args.dtype)
         num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
-                                           args.page_size, kv_dtype, num_slots)
+                                           args.page_size, kv_dtype, num_slots,
+                                           scaled=None if simulate is None else False)  # simulated fp8: no scales
     engine_config = args.engine_config(num_slots, num_pages)
     if simulate is not None:
         engine = simulator.SimulatedEngine(model, engine_config, simulate, clock, dtype=args.dtype)

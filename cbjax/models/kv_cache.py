@@ -148,10 +148,12 @@ class SlotCache:
                    lengths=jnp.zeros((num_slots,), jnp.int32))
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, max_len: int, dtype=jnp.float32) -> int:
-        """Bytes of `max_len` positions at `dtype` (an 8-bit KV dtype with its f32 scales)."""
+    def bytes_per_slot(config: ModelConfig, max_len: int, dtype=jnp.float32, scaled: bool | None = None) -> int:
+        """Bytes of `max_len` positions at `dtype`; `scaled` (default: an 8-bit dtype) adds each
+        vector's f32 scale, as this cache stores it (a simulated fp8 cache has none)."""
         vectors = 2 * config.num_layers * config.num_kv_heads * max_len
-        return vectors * (config.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized_kv(dtype) else 0))
+        scaled = is_quantized_kv(dtype) if scaled is None else scaled
+        return vectors * (config.head_dim * jnp.dtype(dtype).itemsize + (4 if scaled else 0))
 
     def write(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) into one layer's cache at
@@ -274,8 +276,8 @@ class PagedCache:
                    lengths=jnp.zeros((num_slots,), jnp.int32))
 
     @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype=jnp.float32) -> int:
-        return SlotCache.bytes_per_slot(config, page_size, dtype)
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype=jnp.float32, scaled: bool | None = None) -> int:
+        return SlotCache.bytes_per_slot(config, page_size, dtype, scaled)
 
     def write(self, cache: jax.Array, slot_ids, starts, num_valid, new: jax.Array) -> jax.Array:
         """Scatter `new[b, :num_valid[b]]` (`[B, T, kv_heads, hd]`) into one layer's pool, at the
@@ -355,16 +357,16 @@ KVCache = SlotCache | PagedCache
 
 
 def kv_capacity(config, kv_cache: str, kv_cache_bytes: int, max_seq_len: int, page_size: int, dtype: str,
-                num_slots: int) -> tuple[int, int | None]:
+                num_slots: int, scaled: bool | None = None) -> tuple[int, int | None]:
     """(num_slots, num_pages) that fit `kv_cache_bytes`: the slot layout reserves `max_seq_len`
     per sequence; the paged layout gets as many pages as fit and keeps `num_slots` as its
     limit on concurrent sequences."""
     if kv_cache == "paged":
-        num_pages = kv_cache_bytes // PagedCache.bytes_per_page(config, page_size, dtype)
+        num_pages = kv_cache_bytes // PagedCache.bytes_per_page(config, page_size, dtype, scaled)
         if num_pages < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens")
         return num_slots, int(num_pages)
-    slots = kv_cache_bytes // SlotCache.bytes_per_slot(config, max_seq_len, dtype)
+    slots = kv_cache_bytes // SlotCache.bytes_per_slot(config, max_seq_len, dtype, scaled)
     if slots < 1:
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_seq_len={max_seq_len}")
     return int(slots), None
