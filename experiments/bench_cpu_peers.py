@@ -47,6 +47,8 @@ flags.DEFINE_string("llama_cpp_gguf", None, "An F32 GGUF for llama.cpp (default:
 flags.DEFINE_integer("threads", None, "llama.cpp threads (default: the cores this process may use).", lower_bound=1)
 flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax (the median is kept).",
                      lower_bound=1)
+flags.DEFINE_enum("quantization", "none", ["none", "int8", "gguf"], "cbjax's weights: f32 (none), int8 groups, "
+                  "or the GGUF file's own blocks (gguf; llama.cpp then runs that same file, not an F32 copy).")
 flags.DEFINE_enum("cpu_kernels", "auto", ["auto", "on", "off"], "cbjax's CPU kernels (EngineConfig.cpu_kernels).")
 flags.DEFINE_bool("compare_xla", True, "Also time cbjax's decode with the CPU kernels off (XLA only), side by side.")
 flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to write the results.")
@@ -177,8 +179,14 @@ def main(argv):
 
     batches = [int(b) for b in FLAGS.batch_sizes]
     gguf = smollm2_gguf_path() if FLAGS.model == "smollm2-135m" else FLAGS.model
-    model = load_model(FLAGS.model, dtype="float32")
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    from cbjax.models import quant
+
+    model = load_model(FLAGS.model, dtype="float32", keep_gguf_blocks=FLAGS.quantization == "gguf")
+    if FLAGS.quantization == "int8":
+        from cbjax.core.builder import quantized
+
+        model = quantized(model, "int8", jax.devices()[0])
+    weight_bytes = quant.weight_bytes(model.params)
     max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
     from cbjax.runtime import cpu_kernels
 
@@ -191,7 +199,9 @@ def main(argv):
 
     d = model.params["embed"].shape[1]
     streamed = jnp.asarray(np.random.default_rng(0).standard_normal((weight_bytes // (4 * d), d), np.float32))
-    bandwidths = {"xla": matvec_bandwidth(streamed), "xla_embedding": matvec_bandwidth(model.params["embed"])}
+    bandwidths = {"xla": matvec_bandwidth(streamed)}
+    if not quant.is_quantized(model.params["embed"]):
+        bandwidths["xla_embedding"] = matvec_bandwidth(model.params["embed"])
     if cpu_kernels.available():
         bandwidths["cpu_kernel"] = matvec_bandwidth(streamed, kernel=True)
     del streamed
@@ -211,6 +221,8 @@ def main(argv):
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
     xla_column = all("xla_only_ms_per_step" in ours[b] for b in batches)
     with tempfile.TemporaryDirectory() as tmp:
+        if FLAGS.quantization == "gguf" and FLAGS.llama_cpp_gguf is None:
+            FLAGS.llama_cpp_gguf = gguf  # the same blocks on both sides
         peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
 
     header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}" + (
@@ -230,7 +242,7 @@ def main(argv):
             line += (f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | "
                      f"{r['throughput_vs_llama_cpp']:>14.2f}x")
         print(line)
-    result = {"model": FLAGS.model, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
               "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
               "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
               "cbjax": ours, "llama_cpp": peer,
