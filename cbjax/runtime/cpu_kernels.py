@@ -49,6 +49,9 @@ from cbjax.models.params import flatten_shapes, param_shapes
 TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_history_attention", "cbjax_decoder_layer",
            "cbjax_decoder_layer_at")
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
+# Rows up to which the block kernel takes a GGUF matmul; above, XLA dequantizes the weight once
+# per call (a prefill's GEMM amortizes that; a decode step's would not).
+BLOCK_MAX_ROWS = 64
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
 # layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
 # 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
@@ -140,10 +143,10 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def blocks_fit(x: jax.Array, w) -> bool:
-    """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most MAX_ROWS rows."""
+    """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most BLOCK_MAX_ROWS rows."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     return (isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and x.dtype == jnp.float32
-            and 0 < rows <= MAX_ROWS and available())
+            and 0 < rows <= BLOCK_MAX_ROWS and available())
 
 
 def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
