@@ -69,3 +69,24 @@ def test_gguf_errors_name_the_knob(tmp_path):
         LLM("tiny-llama", quantization="gguf")
     with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's blocks"):
         quant.quantize_params({"layers": []}, "gguf", False)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_cpu_block_kernel_matches_the_dequantized_product(kind):
+    """The C++ kernel (blocks widened in registers) against x @ dequantized.T, at one row, odd
+    row counts and the most rows it takes; the engine's decode sends GGUF matmuls to it."""
+    from cbjax.runtime import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.build_error())
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(37, 192)).astype(np.float32)  # an odd number of weight rows: a last row alone
+    blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
+    weight = GGUFWeight(jnp.asarray(blocks), kind)
+    dense = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
+    for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
+        x = rng.normal(size=(rows, 192)).astype(np.float32)
+        assert cpu_kernels.blocks_fit(jnp.asarray(x), weight)
+        got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
+        np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
+    assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, 192)), weight)

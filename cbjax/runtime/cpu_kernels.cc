@@ -427,6 +427,16 @@ inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
 }
 
+// The sums of a pair of weight rows' two accumulators each, into y[0] and (when a pair) y[1].
+inline void store_pair(float* y, bool pair, __m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+  vw s0, s1;
+  const __m256 t0 = _mm256_add_ps(a0, a1), t1 = _mm256_add_ps(b0, b1);
+  std::memcpy(&s0, &t0, sizeof(s0));
+  std::memcpy(&s1, &t1, sizeof(s1));
+  y[0] = sumw(s0);
+  if (pair) y[1] = sumw(s1);
+}
+
 // Weight rows [n0, n1) against M input rows, two weight rows at a time (their blocks widened
 // once, each input row's x loaded once for both), four accumulators per pair of rows and input.
 template <int64_t Kind>
@@ -462,12 +472,7 @@ void block_rows_avx2(const float* x, const uint8_t* w, float* y, int64_t M, int6
           b0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w1 + k), b0);
           b1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + k + 8), b1);
         }
-        vw s0, s1;
-        const __m256 t0 = _mm256_add_ps(a0, a1), t1 = _mm256_add_ps(b0, b1);
-        std::memcpy(&s0, &t0, sizeof(s0));
-        std::memcpy(&s1, &t1, sizeof(s1));
-        y[m * N + n] = sumw(s0);
-        if (pair) y[m * N + n + 1] = sumw(s1);
+        store_pair(y + m * N + n, pair, a0, a1, b0, b1);
       }
       continue;
     }
@@ -486,12 +491,7 @@ void block_rows_avx2(const float* x, const uint8_t* w, float* y, int64_t M, int6
         b0 = _mm256_add_ps(b0, _mm256_add_ps(_mm256_mul_ps(x0, v1[0]), _mm256_mul_ps(x1, v1[1])));
         b1 = _mm256_add_ps(b1, _mm256_add_ps(_mm256_mul_ps(x2, v1[2]), _mm256_mul_ps(x3, v1[3])));
       }
-      vw s0, s1;
-      const __m256 t0 = _mm256_add_ps(a0, a1), t1 = _mm256_add_ps(b0, b1);
-      std::memcpy(&s0, &t0, sizeof(s0));
-      std::memcpy(&s1, &t1, sizeof(s1));
-      y[m * N + n] = sumw(s0);
-      if (pair) y[m * N + n + 1] = sumw(s1);
+      store_pair(y + m * N + n, pair, a0, a1, b0, b1);
     }
   }
 }
