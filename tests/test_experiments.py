@@ -41,9 +41,12 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
     # A trace's lengths instead (Azure's code service, scaled to the tiny model).
     run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=8", "--num_requests=4", "--num_slots=2",
                "--prompt_len=24", "--policies=continuous", "--paged_policies=", "--workload=azure_code", "--repeats=1",
-               "--length_scale=0.01", f"--output_dir={tmp_path}")
+               "--length_scale=0.01", "--kv_cache_dtypes=auto,int8", f"--output_dir={tmp_path}")
     column = json.loads((tmp_path / "compare_batching.json").read_text())["columns"][0]
-    assert set(column["rows"]) == {"continuous"} and column["mean_budget"] <= 8
+    assert set(column["rows"]) == {"continuous", "continuous-int8kv"} and column["mean_budget"] <= 8
+    slots = column["slots_by_kv_dtype"]  # the same bytes hold more 8-bit sequences
+    assert slots["int8"] > slots["auto"] == column["rows"]["continuous"]["slots"]
+    assert column["rows"]["continuous-int8kv"]["slots"] == slots["int8"]
 
 
 def test_latency_sweep_and_ablate_write_results(tmp_path):
@@ -246,6 +249,13 @@ def test_eval_perplexity_writes_json_and_png(tmp_path):
     result = json.loads(out.read_text())
     assert result["cbjax_ppl"] > 1 and len(result["per_window_nll"]["cbjax"]) >= 2
     assert (tmp_path / "ppl.png").stat().st_size > 0
+    # The file's own blocks and an int8 KV cache, scored a token a forward through the cache:
+    # the same predicted tokens, a perplexity near the f32 one.
+    run_script("eval_perplexity.py", "--model=smollm2-135m", "--notransformers", "--window=32", f"--text={text}",
+               "--quantization=gguf", "--kv_cache_dtype=int8", f"--output_json={out}")
+    quantized = json.loads(out.read_text())
+    assert quantized["score_chunk"] == 1 and quantized["predicted"] == result["predicted"]
+    assert abs(quantized["cbjax_ppl"] / result["cbjax_ppl"] - 1) < 0.05
 
 
 def test_find_capacity_brackets_then_bisects():
