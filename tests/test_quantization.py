@@ -219,3 +219,14 @@ def test_bad_kv_cache_dtype_settings():
         LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=8, attention="pallas", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' runs on a device"):
         LLM("tiny-llama", kv_cache_dtype="int8", simulate="h100")
+
+
+def test_int8_kv_across_scale_out():
+    """int8 KV gives one engine's tokens tensor-parallel (scales sharded with the KV heads), over
+    two pipeline stages and across disaggregated prefill and decode instances (scales moved)."""
+    model = load_model("tiny-llama")
+    args = dict(num_slots=2, max_seq_len=64, kv_cache_dtype="int8")
+    want = tokens(LLM(model, **args))
+    assert tokens(LLM(model, **args, tensor_parallel=2)) == want
+    assert tokens(LLM(model, **args, pipeline_stages=2)) == want
+    assert tokens(LLM(model, **args, prefill_instances=1, decode_instances=1)) == want

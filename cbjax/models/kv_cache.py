@@ -62,6 +62,10 @@ class QuantizedKV:
         return self.values.dtype
 
     @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
     def nbytes(self) -> int:
         return self.values.nbytes + self.scale.nbytes
 
