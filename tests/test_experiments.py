@@ -104,7 +104,14 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     run_script("bench_device.py", "--tiny", f"--output_json={out}")
     result = json.loads(out.read_text())
     assert not [k for k in result if k.endswith("_error")], result
-    assert set(result["sections"]) == {"copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer"}
+    assert set(result["sections"]) == {"copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer", "quant_8b",
+                                       "quant_matmul"}
+    quant_rows = {r["engine"]: r for r in result["quant_8b"]["rows"]}
+    assert "fp8 dots" in quant_rows["fp8"]["refused"]  # this CPU has none
+    assert quant_rows["int8"]["weights_GB"] < quant_rows["none"]["weights_GB"]
+    assert all(s["ms"] > 0 for s in quant_rows["int8"]["steps"].values())
+    assert {r["form"] for r in result["quant_matmul"]} == {"bf16 dot", "int8 dot", "int8 reduce"}
+    assert all(r["rel_error"] < 1e-5 for r in result["quant_matmul"] if "rel_error" in r)
     assert result["copy"]["GBps"] > 0 and result["kernel"] and all(r["ok"] for r in result["kernel"])
     assert all(r["ms"] > 0 for r in result["kernel_bw"])
     decode = result["decode_8b"]
