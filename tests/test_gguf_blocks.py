@@ -93,3 +93,28 @@ def test_cpu_block_kernel_matches_the_dequantized_product(kind):
         got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
         np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
     assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, 192)), weight)
+
+
+def test_a_q8_0_copy_runs_from_its_blocks(tmp_path):
+    """SmolLM2's Q4_1 file written again in Q8_0 blocks (metadata and norms as they were): the
+    engine holds exactly its tensor bytes and decodes the tokens of its dequantized weights."""
+    from cbjax.loading.gguf_requantize import requantize_gguf
+
+    try:
+        path = presets.smollm2_gguf_path()
+    except FileNotFoundError as e:  # pragma: no cover - CI installs it
+        pytest.skip(str(e))
+    target = str(tmp_path / "smollm2-q8_0.gguf")
+    sizes = requantize_gguf(path, target, "Q8_0")
+    assert sizes["target_tensor_bytes"] > sizes["source_tensor_bytes"]  # 8.5 bits a weight against 5
+    llm = LLM(target, quantization="gguf", num_slots=2, max_seq_len=64)
+    kinds = {leaf.kind for leaf in jax.tree.leaves(llm.engine.params, is_leaf=quant.is_quantized)
+             if quant.is_quantized(leaf)}
+    assert kinds == {"Q8_0"} and quant.weight_bytes(llm.engine.params) == sizes["target_tensor_bytes"]
+    prompt = llm.model.tokenizer("The Eiffel Tower is in")["input_ids"]
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    reference = LLM(target, num_slots=2, max_seq_len=64, cpu_kernels="off")
+    assert (llm.generate([prompt], sampling, use_tqdm=False)[0].token_ids
+            == reference.generate([prompt], sampling, use_tqdm=False)[0].token_ids)
+    with pytest.raises(ValueError, match="GGUF block type Q5_K"):
+        requantize_gguf(path, str(tmp_path / "x.gguf"), "Q5_K")
