@@ -33,7 +33,11 @@ def requantize_gguf(source: str, target: str, kind: str) -> dict:
         if t.tensor_type.name in _KEEP:
             data, dtype = np.asarray(t.data), t.tensor_type
         else:
-            data = gguf.quants.quantize(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32), qtype)
+            values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            try:
+                data = gguf.quants.quantize(values, qtype)
+            except (NotImplementedError, gguf.quants.QuantError) as e:
+                raise ValueError(f"the gguf package cannot write {t.name!r} in {kind} blocks: {e}") from e
             dtype = qtype
         after += data.nbytes
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=dtype)

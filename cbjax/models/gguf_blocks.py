@@ -7,6 +7,11 @@ Block layouts (ggml-common.h), 32 weights each, little-endian:
 - Q4_0: f16 d, then 16 bytes of nibbles: w = d * (q - 8) (18 bytes);
 - Q4_1: f16 d, f16 m, then 16 bytes of nibbles: w = d * q + m (20 bytes).
 A nibble byte j holds weight j in its low half and weight j + 16 in its high half.
+The k-quants hold 256 weights a super-block in sub-blocks with their own 6- or 8-bit scales:
+- Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of 32, 128
+  nibble bytes: w = d * scale * q - dmin * min (144 bytes);
+- Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d: w = d *
+  scale * (q - 32) for 16 sub-blocks of 16 (210 bytes).
 
 Here the product is the reference: the blocks widened to f32 on the device and multiplied
 (`dense`), which is what XLA runs on any backend; a backend may read the blocks itself
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 # type -> (weights per block, bytes per block)
-BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 @jax.tree_util.register_dataclass
@@ -65,10 +70,40 @@ def _nibbles(q: jax.Array) -> jax.Array:
     return jnp.concatenate([q & 0xF, q >> 4], axis=-1).astype(jnp.float32)
 
 
+def _q4_k(b: jax.Array) -> jax.Array:
+    """`[..., 144]` Q4_K super-blocks -> `[..., 256]` (ggml's dequantize_row_q4_K)."""
+    d, dmin = _f16(b[..., 0], b[..., 1])[..., None], _f16(b[..., 2], b[..., 3])[..., None]
+    q, packed = b[..., 16:].astype(jnp.int32), b[..., 4:16].astype(jnp.int32)
+    low, high = packed[..., :4], packed[..., 4:8]
+    # 6-bit scales and mins of sub-blocks 0-3, then 4-7 (their top 2 bits in bytes 0-7's)
+    scale = jnp.concatenate([low & 63, (packed[..., 8:] & 0xF) | ((low >> 6) << 4)], axis=-1)
+    minimum = jnp.concatenate([high & 63, (packed[..., 8:] >> 4) | ((high >> 6) << 4)], axis=-1)
+    chunks = q.reshape(q.shape[:-1] + (4, 32))  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
+    nibbles = jnp.stack([chunks & 0xF, chunks >> 4], axis=-2).reshape(q.shape[:-1] + (8, 32)).astype(jnp.float32)
+    return (d * scale.astype(jnp.float32))[..., None] * nibbles - (dmin * minimum.astype(jnp.float32))[..., None]
+
+
+def _q6_k(b: jax.Array) -> jax.Array:
+    """`[..., 210]` Q6_K super-blocks -> `[..., 256]` (ggml's dequantize_row_q6_K)."""
+    ql, qh = b[..., :128].astype(jnp.int32), b[..., 128:192].astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    d = _f16(b[..., 208], b[..., 209])[..., None]
+    halves = []
+    for h in range(2):  # each half: 128 weights from 64 low bytes and 32 high bytes
+        low, high = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        parts = [(low[..., :32] & 0xF) | ((high & 3) << 4), (low[..., 32:] & 0xF) | (((high >> 2) & 3) << 4),
+                 (low[..., :32] >> 4) | (((high >> 4) & 3) << 4), (low[..., 32:] >> 4) | (((high >> 6) & 3) << 4)]
+        halves.append(jnp.concatenate(parts, axis=-1) - 32)  # weights 0-127 of the half
+    q = jnp.concatenate(halves, axis=-1).astype(jnp.float32).reshape(b.shape[:-1] + (16, 16))
+    return (d * scale)[..., None] * q
+
+
 def dequantize_rows(blocks: jax.Array, kind: str) -> jax.Array:
     """`[..., row bytes]` uint8 rows of `kind` blocks -> `[..., in]` float32."""
     per_block, size = BLOCK_TYPES[kind]
     b = blocks.reshape(blocks.shape[:-1] + (blocks.shape[-1] // size, size))
+    if kind in ("Q4_K", "Q6_K"):
+        return (_q4_k(b) if kind == "Q4_K" else _q6_k(b)).reshape(blocks.shape[:-1] + (-1,))
     d = _f16(b[..., 0], b[..., 1])[..., None]
     if kind == "Q8_0":
         w = d * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
