@@ -8,8 +8,8 @@
 - quant_8b: the Llama-3-8B-shaped engine (slots/auto, the default) decoding at each batch
   with bf16, int8 and fp8 weights: ms per step, against the bf16 step of the same run and
   against (weight bytes + live KV bytes) / copy bandwidth. (Matrix-vector products written as
-  reductions instead of dots ran the same, 5.09 vs 5.10 ms for int8 on an H200: dropped.) A quantization the device refuses
-  (fp8 without fp8 dots) is reported as refused.
+  reductions instead of dots ran the same, 5.09 vs 5.10 ms for int8 on an H200: dropped.)
+  A quantization the device refuses (fp8 without fp8 dots) is reported as refused.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def main(argv):
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, keep_gguf_blocks=FLAGS.quantization == "gguf")
-    if FLAGS.quantization not in ("none", "gguf"):  # transformers' side stays unquantized: the difference is the quantization's
+    # transformers' side stays unquantized: the difference is the quantization's
+    if FLAGS.quantization not in ("none", "gguf"):
         from cbjax.core.builder import quantized
 
         model = quantized(model, FLAGS.quantization, jax.devices()[0])

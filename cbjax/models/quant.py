@@ -1,4 +1,4 @@
-"""Weight-only quantization: a matrix kept as 8-bit values and one float32 scale per output row.
+"""Weight-only quantization: a matrix kept as 8-bit values and a float32 scale per group of a row.
 
 `QuantizedWeight` stands where a `[out, in]` matrix of the params pytree stood
 (cbjax/models/params.py): each row is split into groups of `GROUP_SIZES[0]` inputs (or the
@@ -6,7 +6,8 @@ first of `GROUP_SIZES` that divides `in`; one group per row if none does), and g
 row i is `values[i, g] * scale[i, g]`, symmetric, scaled so that the group's largest
 magnitude maps to the format's largest value (127 for int8, 448 for fp8 e4m3). Groups, as
 llama.cpp's Q8_0 blocks and AWQ/GPTQ's groups: one scale per output row cost SmolLM2-135M
-1.2% perplexity in int8 (the MLP 0.8%, attention 0.34%), past the 1% that 8 bits should keep. Norms, biases and the input embedding stay in the model's dtype; a tied embedding is
+1.2% perplexity in int8 (the MLP 0.8%, attention 0.34%), past the 1% that 8 bits should keep.
+Norms, biases and the input embedding stay in the model's dtype; a tied embedding is
 the LM head too, so it is quantized and its gathered rows are dequantized
 (`embedding_rows`).
 
