@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from cbjax.config import ModelConfig
+from cbjax.models.quant import ScaledValues
 
 
 KV_DTYPES = ("auto", "int8", "fp8")  # EngineArgs.kv_cache_dtype: auto is the model's dtype
@@ -44,7 +45,7 @@ def is_quantized_kv(dtype) -> bool:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class QuantizedKV:
+class QuantizedKV(ScaledValues):
     """One layer's keys (or values) in 8 bits with a float32 scale per position and head: the
     vector at `[h, i, p]` is `values[h, i, p] * scale[h, i, p, 0]`. The scale keeps a trailing
     axis of 1 so that every index, slice and reshape of the layer (`jax.tree.map` over both)
@@ -52,22 +53,6 @@ class QuantizedKV:
 
     values: jax.Array  # [kv_heads, slots | pages, positions, head_dim] int8 / float8_e4m3fn
     scale: jax.Array  # [kv_heads, slots | pages, positions, 1] float32
-
-    @property
-    def shape(self) -> tuple:
-        return self.values.shape
-
-    @property
-    def dtype(self):
-        return self.values.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.values.ndim
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes
 
 
 def encode(new: jax.Array, like) -> object:

@@ -35,15 +35,20 @@ _FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 GROUP_SIZES = (128, 64, 32)  # inputs per scale: the first that divides a matrix's `in`
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class QuantizedWeight:
-    values: jax.Array  # [out, in] int8 or float8_e4m3fn
-    scale: jax.Array  # [out, groups] float32
+class ScaledValues:
+    """What 8-bit `values` with their float32 `scale` look like from outside, as an array would:
+    the values' shape and dtype, and the bytes of both (QuantizedWeight, kv_cache.QuantizedKV)."""
+
+    values: jax.Array
+    scale: jax.Array
 
     @property
     def shape(self) -> tuple:
         return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
 
     @property
     def ndim(self) -> int:
@@ -52,6 +57,13 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes + self.scale.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedWeight(ScaledValues):
+    values: jax.Array  # [out, in] int8 or float8_e4m3fn
+    scale: jax.Array  # [out, groups] float32
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return _scaled(self.values, self.scale).astype(dtype)
