@@ -170,20 +170,14 @@ def embedding_rows(embed, tokens: jax.Array, dtype) -> jax.Array:
     return embed[tokens]
 
 
-def dense(x: jax.Array, w: QuantizedWeight, gemv_rows: int = 0) -> jax.Array:
+def dense(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """`x @ w.T` for a quantized `w`, in x's dtype. The 8-bit values are widened (exact: every
     int8 and e4m3 value is a bf16) and scaled by their groups inside the product; a single
-    group per row scales the f32 result per output instead. With at most `gemv_rows` rows the
-    product is written as a multiply and a reduction over `in` instead of a dot (a form
-    bench_device's quant_matmul times; on an H200 XLA ran both alike)."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    group per row scales the f32 result per output instead."""
     operand = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     per_row = w.scale.shape[-1] == 1
     weight = w.values.astype(operand) if per_row else _scaled(w.values, w.scale).astype(operand)
-    if 0 < rows <= gemv_rows:
-        y = jnp.sum(x[..., None, :].astype(jnp.float32) * weight.astype(jnp.float32), axis=-1)
-    else:
-        y = jnp.einsum("...d,od->...o", x.astype(operand), weight, preferred_element_type=jnp.float32)
+    y = jnp.einsum("...d,od->...o", x.astype(operand), weight, preferred_element_type=jnp.float32)
     return (y * w.scale[:, 0] if per_row else y).astype(x.dtype)
 
 
