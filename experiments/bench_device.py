@@ -39,8 +39,8 @@ import time
 import common  # noqa: F401  (quiets transformers and matplotlib)
 from absl import app, flags
 
-from device_common import (LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, device_model, roofline_ms,
-                           timed_ms)
+from device_common import (LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, decode_shape, decode_steps,
+                           device_model, roofline_ms, timed_ms)
 from device_quant import quant_8b, quant_matmul, table_lines
 from device_trace import summarise_trace
 
@@ -175,10 +175,9 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
     return rows
 
 
-
 def decode_8b(copy_GBps: float, deadline: float) -> dict:
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
-    prompt_len, warm, timed = (FLAGS.prompt_len, 8, FLAGS.timed_steps) if not FLAGS.tiny else (16, 2, 4)
+    prompt_len, warm, timed = decode_shape()
     max_seq_len = budget(prompt_len, warm, timed, 1)
     rows, skipped, profile = [], [], None
     for name in FLAGS.engines:
@@ -187,11 +186,8 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
             continue
         kv_cache, attention = name.split("/")
         llm, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
-        row = {"engine": name, "attention_run": llm.engine.attention, "startup_s": startup, "steps": {}}
-        for batch in batches():
-            ms = decode_ms(llm, batch, prompt_len, warm, timed)
-            floor = roofline_ms(model, batch, prompt_len + warm + timed // 2, copy_GBps)
-            row["steps"][batch] = {"ms": ms, "roofline_ms": floor, "of_roofline": floor / ms}
+        row = {"engine": name, "attention_run": llm.engine.attention, "startup_s": startup,
+               "steps": decode_steps(llm, model, copy_GBps)}
         if FLAGS.profile and profile is None:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
         rows.append(row)

@@ -122,3 +122,20 @@ def roofline_ms(model, batch: int, context: int, copy_GBps: float) -> float:
     itemsize = activation_dtype(model.params).itemsize
     kv = batch * context * 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
     return (weights + kv) / copy_GBps / 1e6
+
+
+def decode_shape() -> tuple[int, int, int]:
+    """The 8B decode measurements' (prompt tokens, warm-up rounds, timed rounds)."""
+    return (FLAGS.prompt_len, 8, FLAGS.timed_steps) if not FLAGS.tiny else (16, 2, 4)
+
+
+def decode_steps(llm, model, copy_GBps: float) -> dict:
+    """Per batch of `batches()`: `llm`'s ms per decode step past `decode_shape()`'s prompt, and
+    the roofline of `model`'s weights (as the engine holds them) and live KV."""
+    prompt_len, warm, timed = decode_shape()
+    steps = {}
+    for batch in batches():
+        ms = decode_ms(llm, batch, prompt_len, warm, timed)
+        floor = roofline_ms(model, batch, prompt_len + warm + timed // 2, copy_GBps)
+        steps[batch] = {"ms": ms, "roofline_ms": floor, "of_roofline": floor / ms}
+    return steps

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 
-from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, device_model,
-                           roofline_ms, timed_ms)
+from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_shape, decode_steps,
+                           device_model, timed_ms)
 
 QUANTIZATIONS = ("none", "int8", "fp8")  # the bf16 baseline first
 
@@ -98,30 +98,24 @@ def quant_8b(copy_GBps: float, deadline: float) -> dict:
     from cbjax.models import quant
 
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
-    prompt_len, warm, timed = (FLAGS.prompt_len, 8, FLAGS.timed_steps) if not FLAGS.tiny else (16, 2, 4)
-    max_seq_len = budget(prompt_len, warm, timed, 1)
+    max_seq_len = budget(*decode_shape(), 1)
     rows, skipped = [], []
     for mode in QUANTIZATIONS:
-        name = mode
         if time.perf_counter() > deadline:
-            skipped.append(name)
+            skipped.append(mode)
             continue
         refusal = quant.fp8_refusal(jax.devices()[0]) if mode == "fp8" else None
         if refusal:
-            rows.append({"engine": name, "refused": refusal})
+            rows.append({"engine": mode, "refused": refusal})
             continue
         llm, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
                                     max_step_tokens=256 if not FLAGS.tiny else 32)
-        weights = quant.weight_bytes(llm.engine.params)
         quantized = dataclasses.replace(model, params=llm.engine.params)
-        row = {"engine": name, "startup_s": startup, "weights_GB": weights / 1e9, "ops": repr(llm.engine.ops),
-               "steps": {}}
-        for batch in batches():
-            ms = decode_ms(llm, batch, prompt_len, warm, timed)
-            floor = roofline_ms(quantized, batch, prompt_len + warm + timed // 2, copy_GBps)
-            row["steps"][batch] = {"ms": ms, "roofline_ms": floor, "of_roofline": floor / ms}
-            if rows and "steps" in rows[0]:
-                row["steps"][batch]["vs_bf16"] = rows[0]["steps"][batch]["ms"] / ms
+        row = {"engine": mode, "startup_s": startup, "weights_GB": quant.weight_bytes(quantized.params) / 1e9,
+               "ops": repr(llm.engine.ops), "steps": decode_steps(llm, quantized, copy_GBps)}
+        if rows and "steps" in rows[0]:  # the bf16 baseline ran first
+            for batch, step in row["steps"].items():
+                step["vs_bf16"] = rows[0]["steps"][batch]["ms"] / step["ms"]
         rows.append(row)
         del llm, quantized
     return {"rows": rows, "skipped": skipped}
