@@ -87,9 +87,10 @@ def main(argv):
         text = f.read()
     ids = [int(t) for t in model.tokenizer(text)["input_ids"]]
     from cbjax.models.kv_cache import kv_storage_dtype
+    from cbjax.models.quant import activation_dtype
 
     chunk = FLAGS.score_chunk if FLAGS.score_chunk is not None else int(FLAGS.kv_cache_dtype != "auto")
-    kv_dtype = kv_storage_dtype(FLAGS.kv_cache_dtype, model.params["final_norm"]["scale"].dtype)
+    kv_dtype = kv_storage_dtype(FLAGS.kv_cache_dtype, activation_dtype(model.params))
     per_window = {"cbjax": window_nlls(model, ids, FLAGS.window, kv_dtype, chunk)}
     total, count = (sum(x) for x in zip(*per_window["cbjax"]))
     ours = float(np.exp(total / count))

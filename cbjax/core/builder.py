@@ -70,11 +70,11 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                                                      else list(devices or jax.devices()))[0])
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
-        # The simulated KV dtype follows the cost model's rule: kv_dtype, else the weights', else dtype.
-        kv_dtype = args.kv_dtype or args.weight_dtype or args.dtype
-        kv_dtype = {"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
         if simulate is None:
             kv_dtype = kv_storage_dtype(args.kv_cache_dtype, args.dtype)
+        else:  # the cost model's rule: kv_dtype, else the weights', else dtype
+            kv_dtype = args.kv_dtype or args.weight_dtype or args.dtype
+            kv_dtype = {"fp8": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
         num_slots, num_pages = kv_capacity(model.config, args.kv_cache, args.kv_cache_bytes, args.max_seq_len,
                                            args.page_size, kv_dtype, num_slots,
                                            scaled=None if simulate is None else False)  # simulated fp8: no scales
@@ -107,7 +107,7 @@ def quantized(model: Model, mode: str, device) -> Model:
     where `device` cannot run it."""
     if mode == "fp8" and quant.fp8_refusal(device):
         raise ValueError(quant.fp8_refusal(device))
-    already = quant.quantization_of(model.params) if model.params else "none"
+    already = quant.quantization_of(model.params)
     if already not in ("none", mode):
         raise ValueError(f"quantization={mode!r}: the model's weights are already {already}-quantized")
     params = quant.quantize_params(model.params, mode, model.config.tie_embeddings)

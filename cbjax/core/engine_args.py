@@ -76,8 +76,8 @@ class EngineArgs:
                                  "costs one read of the weights whatever its rows.", lower=1)
     dtype: str = _knob("float32", "Parameter and KV-cache dtype.", DTYPES)
     quantization: str = _knob("none", "Weight-only quantization of every matmul's weights at load: none, int8 "
-                              "(per output channel) or fp8 (e4m3 per output channel; GPUs with fp8 dots).",
-                              QUANTIZATIONS)
+                              "or fp8 (e4m3; GPUs with fp8 dots), each with a scale per group of 128 inputs, or "
+                              "gguf (a .gguf file's own blocks, kept as they are).", QUANTIZATIONS)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
     kv_cache_dtype: str = _knob("auto", "KV-cache storage: auto (dtype), int8 or fp8 (e4m3), each 8-bit vector with "
                                 "a float32 scale per position and head: about twice the sequences of bf16 in "

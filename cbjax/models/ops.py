@@ -17,7 +17,7 @@ from cbjax.models import gguf_blocks, quant
 class Ops:
     def dense(self, x: jax.Array, w) -> jax.Array:
         """`x @ w.T` for a weight stored `[out, in]` (see cbjax/models/params.py), or a
-        `quant.QuantizedWeight` of that shape."""
+        `quant.QuantizedWeight` or `gguf_blocks.GGUFWeight` of that shape."""
         if isinstance(w, quant.QuantizedWeight):
             return quant.dense(x, w)
         if isinstance(w, quant.GGUFWeight):

@@ -124,8 +124,7 @@ class Engine:
         else:
             self.params = model.params
         # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
-        self.ops = (cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh)
-                    else XLA)
+        self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
                      and config.kv_cache_dtype == "auto" and cpu_kernels.layer_addresses(self.params, mc))
