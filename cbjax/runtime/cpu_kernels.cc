@@ -427,14 +427,18 @@ inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
 }
 
+inline float sum8(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += lanes[i];
+  return s;
+}
+
 // The sums of a pair of weight rows' two accumulators each, into y[0] and (when a pair) y[1].
 inline void store_pair(float* y, bool pair, __m256 a0, __m256 a1, __m256 b0, __m256 b1) {
-  vw s0, s1;
-  const __m256 t0 = _mm256_add_ps(a0, a1), t1 = _mm256_add_ps(b0, b1);
-  std::memcpy(&s0, &t0, sizeof(s0));
-  std::memcpy(&s1, &t1, sizeof(s1));
-  y[0] = sumw(s0);
-  if (pair) y[1] = sumw(s1);
+  y[0] = sum8(_mm256_add_ps(a0, a1));
+  if (pair) y[1] = sum8(_mm256_add_ps(b0, b1));
 }
 
 // Weight rows [n0, n1) against M input rows, two weight rows at a time (their blocks widened
@@ -527,7 +531,7 @@ struct BlockMatmul {
 
 void block_matmul_chunk(const void* context, int64_t c) {
   const BlockMatmul& p = *static_cast<const BlockMatmul*>(context);
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__F16C__)
   const int64_t n0 = c * p.rows_per_chunk, n1 = chunk_end(c, p.rows_per_chunk, p.N);
   if (p.kind == kQ8_0) return block_rows_avx2<kQ8_0>(p.x, p.w, p.y, p.M, p.N, p.K, p.row_bytes, n0, n1);
   if (p.kind == kQ4_0) return block_rows_avx2<kQ4_0>(p.x, p.w, p.y, p.M, p.N, p.K, p.row_bytes, n0, n1);
