@@ -165,7 +165,7 @@ def run_column(model, max_gen: int, peer) -> dict:
               "slots_by_kv_dtype": {d: int(n) for d, n in slots_of.items()}, "rows": {}}
     runs = [(p, layout, d) for d in FLAGS.kv_cache_dtypes
             for p, layout in [(p, "slots") for p in FLAGS.policies] + [(p, "paged") for p in FLAGS.paged_policies]]
-    engines, suffix_of = {}, {}
+    engines = {}
     for policy, layout, kv_dtype in runs:
         suffix = "" if kv_dtype == FLAGS.kv_cache_dtypes[0] else f"-{kv_dtype}kv"
         layout_options = dict(num_slots=slots_of[kv_dtype], batch_size=slots_of[kv_dtype])
@@ -184,7 +184,6 @@ def run_column(model, max_gen: int, peer) -> dict:
                   **layout_options, kv_cache_dtype=kv_dtype, **common.llm_options())
         llm.warmup()
         engines[(policy if layout == "slots" else f"{policy}-paged") + suffix] = llm
-        suffix_of[(policy if layout == "slots" else f"{policy}-paged") + suffix] = suffix
     compiled = Engine.num_backend_compilations()
     seconds = {row: [] for row in engines}
     for repeat in range(FLAGS.repeats):
@@ -208,7 +207,7 @@ def run_column(model, max_gen: int, peer) -> dict:
             column["rows"][row]["num_pages"] = llm.pages.num_pages
     if "static" in seconds:  # each round's ratio, then their median and range
         for row in engines:  # against the static row of the row's KV dtype
-            static = seconds.get("static" + suffix_of[row], seconds["static"])
+            static = seconds.get("static" + kv_suffix(row), seconds["static"])
             ratios = [a / b for a, b in zip(static, seconds[row])]  # in round order
             column["rows"][row]["over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                   "max": max(ratios), "runs": ratios}
@@ -299,6 +298,11 @@ def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int
             "machine_schedule_seconds": {"static": static_s, "continuous": continuous_s}}
 
 
+def kv_suffix(row: str) -> str:
+    """A row's KV-storage suffix ("-int8kv"), or "" for the first --kv_cache_dtypes storage."""
+    return row[row.rfind("-"):] if row.endswith("kv") else ""
+
+
 def over_static(row: dict, static: dict) -> str:
     """A row's throughput over static's: the median of the rounds' ratios and their range
     (one run, or a transformers peer timed once: the ratio of the medians)."""
@@ -316,10 +320,10 @@ def print_table(columns: list[dict]) -> str:
     labeled.append(("requests", [str(c.get("num_requests", "")) for c in columns]))
     labeled += [(f"{r} tok/s", [f"{c['rows'][r]['tokens_per_s']:.1f}" for c in columns]) for r in rows]
     if "static" in rows:
-        kv = lambda r: r[r.rfind("-"):] if r.endswith("kv") else ""  # noqa: E731 (a row's KV-dtype suffix)
-        labeled += [(f"{r} / static{kv(r)}",
-                     [over_static(c["rows"][r], c["rows"].get("static" + kv(r), c["rows"]["static"])) for c in columns])
-                    for r in rows if r != "static" + kv(r)]
+        labeled += [(f"{r} / static{kv_suffix(r)}",
+                     [over_static(c["rows"][r], c["rows"].get("static" + kv_suffix(r), c["rows"]["static"]))
+                      for c in columns])
+                    for r in rows if r != "static" + kv_suffix(r)]
         labeled.append(("bound cont./static, FCFS", [f"{c['fcfs_bound_continuous_over_static']:.2f}x" for c in columns]))
         labeled.append(("bound, no slot idle", [f"{c['bound_continuous_over_static']:.2f}x" for c in columns]))
         if all("machine_bound_continuous_over_static" in c for c in columns) and "continuous" in rows:
