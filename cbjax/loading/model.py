@@ -13,6 +13,7 @@ import numpy as np
 
 from cbjax.config import ModelConfig
 from cbjax.models.params import flatten_shapes, param_shapes, unflatten
+from cbjax.models.quant import is_quantized
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def convert_tensors(
         if ours == "lm_head" and config.tie_embeddings:
             continue
         value = load()
-        value = value if hasattr(value, "dequantize") else fn(np.asarray(value))  # kept blocks as they are
+        value = value if is_quantized(value) else fn(np.asarray(value))  # kept blocks as they are
         if m.groups():
             layer = int(m.group(1))
             if layer >= config.num_layers:
@@ -117,7 +118,7 @@ def convert_tensors(
     dt = as_dtype(dtype)
 
     def put(v):
-        if hasattr(v, "dequantize"):  # a GGUF file's blocks, onto the device as they are
+        if is_quantized(v):  # a GGUF file's blocks, onto the device as they are
             return dataclasses.replace(v, blocks=jnp.asarray(v.blocks))
         return jnp.asarray(v.astype(np.float32) if v.dtype != np.float32 else v, dt)
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import ModelConfig
+from cbjax.models.quant import is_quantized
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -118,7 +119,7 @@ def check_params(params: dict, config: ModelConfig, source: str = "params") -> N
     expected = flatten_shapes(param_shapes(config))
     got = {  # a quantized matrix (cbjax/models/quant.py) counts as one tensor of its shape
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: hasattr(x, "dequantize"))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)
     }
     for name, shape in expected.items():
         if name not in got:
