@@ -14,6 +14,7 @@ from cbjax import checks
 from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.models.quant import QUANTIZATIONS
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
+from cbjax.runtime.engine_config import QUANTIZED_MATMUL_CHOICES
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 from cbjax.scheduling.config import PREEMPTION_MODES
 from cbjax.simulator.hardware import LINKS
@@ -100,6 +101,9 @@ class EngineArgs:
     cpu_kernels: str = _knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
                              "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
                              CPU_KERNEL_CHOICES)
+    quantized_matmul: str = _knob("auto", "Decode-sized products with int8/fp8 weights: auto (the Pallas kernel on "
+                                  "one GPU, XLA's dot elsewhere), pallas (the kernel; interpreted on a CPU) or xla.",
+                                  QUANTIZED_MATMUL_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
@@ -195,6 +199,7 @@ class EngineArgs:
             decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
+            quantized_matmul=self.quantized_matmul,
             kv_cache_dtype=self.kv_cache_dtype,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
             min_step_tokens=self.min_step_tokens)

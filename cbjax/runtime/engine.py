@@ -25,10 +25,10 @@ import numpy as np
 from cbjax import grammar
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, kv_storage_dtype
-from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.engine_ops import engine_ops
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
                                          prefill_buckets)
 from cbjax.runtime.host_kv import HostKV
@@ -40,24 +40,6 @@ from pallas_kernels.ragged_paged_attention import check_supported, min_page_size
 # (device result, for each row of the call the index of the round's row whose result it is,
 # or -1 for a piece of a prompt chunk that continues in a later call)
 Call = tuple[object, list[int]]
-
-
-def use_cpu_kernels(choice: str, params, mesh) -> bool:
-    """Whether an engine runs the CPU kernels: they need f32 weights on one CPU device."""
-    if choice == "off":
-        return False
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    dtype, quantization = quant.activation_dtype(params), quant.quantization_of(params)
-    why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
-               else f"the weights are {dtype}, the kernel is f32" if dtype != np.float32
-               else f"the weights are {quantization}-quantized, the kernels take f32 or GGUF blocks"
-               if quantization not in ("none", "gguf")
-               else cpu_kernels.build_error())
-    if why_not is None:
-        return True
-    if choice == "on":
-        raise ValueError(f"cpu_kernels='on' is unavailable: {why_not}")
-    return False
 
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
@@ -123,8 +105,8 @@ class Engine:
             self.params = sharding.shard_params(model.params, mc, mesh)
         else:
             self.params = model.params
-        # The operations the programs are traced with: the C++ CPU kernels, or XLA's.
-        self.ops = cpu_kernels.CPU_KERNELS if use_cpu_kernels(config.cpu_kernels, self.params, mesh) else XLA
+        # The operations the programs are traced with: the C++ CPU kernels, the Pallas quantized matmul, or XLA's.
+        self.ops = engine_ops(config, self.params, mesh)
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
                      and config.kv_cache_dtype == "auto" and cpu_kernels.layer_addresses(self.params, mc))

@@ -11,6 +11,7 @@ from cbjax.scheduling.config import MERGE_MODES
 
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
+QUANTIZED_MATMUL_CHOICES = ("auto", "pallas", "xla")
 ATTENTION_CHOICES = ("auto", "reference", "pallas")
 # A step's default token budget, whatever max_seq_len is: prompts longer than it prefill over
 # several calls (exactly), and the programs stay 10 on a CPU, 8 on an accelerator (tpu-
@@ -75,6 +76,10 @@ class EngineConfig:
     # cbjax/runtime/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
+    # Decode-sized products with int8/fp8 weights: "auto" (the Pallas kernel of
+    # pallas_kernels/quantized_matmul on one GPU, XLA's dot elsewhere), "pallas" (the kernel,
+    # interpreted on a CPU) or "xla" (runtime/engine_ops.py).
+    quantized_matmul: str = "auto"
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" (e4m3) with a float32
     # scale per position and head (cbjax/models/kv_cache.py), about half of bf16's bytes.
     kv_cache_dtype: str = "auto"
@@ -96,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
+        if self.quantized_matmul not in QUANTIZED_MATMUL_CHOICES:
+            raise ValueError(f"quantized_matmul must be one of {QUANTIZED_MATMUL_CHOICES}, "
+                             f"got {self.quantized_matmul!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache not in ("slots", "paged"):
