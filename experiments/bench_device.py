@@ -378,7 +378,7 @@ def main(argv):
             elif section == "quant_8b":
                 results["quant_8b"] = quant_8b(copy_GBps, deadline)
             elif section == "quant_matmul":
-                results["quant_matmul"] = quant_matmul(copy_GBps)
+                results["quant_matmul"] = quant_matmul(copy_GBps, deadline)
         except Exception as e:  # one section's failure still reports the others
             import traceback
 

@@ -11,6 +11,7 @@ So the scales multiply `rows x block_n` partial sums, never the weight tile, and
 is read once, 8 bits an element. Splitting the inputs gives a matrix with few output blocks
 (4096 outputs: 64-128 blocks) enough programs to keep every SM's loads in flight; the splits'
 f32 partial outputs are summed outside (`rows x out x splits` floats, small beside the weight).
+Each product is computed transposed, `w_tile @ x_tile.T`, so the scales broadcast as loaded.
 
 Triton's dots want every dimension >= 16: the activations are padded to 16 rows (or the next
 power of two) with zeros.
@@ -33,21 +34,19 @@ def padded_rows(rows: int) -> int:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, per_row: bool):
+    # Outputs are computed transposed, `[block_n, rows]`, so that a group's scales `[block_n, 1]`
+    # (a column of the scale block) broadcast over them as loaded.
     span = pl.program_id(1) * steps  # first group of this program's inputs
 
     def body(i, acc):
         k = (span + i) * block_k
         x = x_ref[:, pl.ds(k, block_k)]  # [rows, block_k]
         w = w_ref[:, pl.ds(k, block_k)].astype(x.dtype)  # [block_n, block_k]
-        part = jnp.dot(x, w.T, preferred_element_type=jnp.float32)  # [rows, block_n]
-        if per_row:
-            return acc + part
-        return acc + part * s_ref[:, pl.ds(span + i, 1)].T  # the group's scale per output
+        part = jnp.dot(w, x.T, preferred_element_type=jnp.float32)  # [block_n, rows]
+        return acc + part if per_row else acc + part * s_ref[:, pl.ds(span + i, 1)]
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    if per_row:
-        acc = acc * s_ref[:, pl.ds(0, 1)].T
-    o_ref[...] = acc
+    o_ref[...] = acc * s_ref[:, pl.ds(0, 1)] if per_row else acc
 
 
 def matmul(x, values, scale, *, block_n: int, splits: int, block_k: int, num_warps: int, num_stages: int,
@@ -68,16 +67,16 @@ def matmul(x, values, scale, *, block_n: int, splits: int, block_k: int, num_war
     kernel = functools.partial(_kernel, block_k=block_k, steps=steps, per_row=per_row)
     partial_sums = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, padded, out_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, out_dim, padded), jnp.float32),
         grid=(out_dim // block_n, splits),
         in_specs=[
             pl.BlockSpec((padded, in_dim), lambda i, s: (0, 0)),
             pl.BlockSpec((block_n, in_dim), lambda i, s: (i, 0)),
             pl.BlockSpec((block_n, groups), lambda i, s: (i, 0)),
         ],
-        out_specs=pl.BlockSpec((None, padded, block_n), lambda i, s: (s, 0, i)),
+        out_specs=pl.BlockSpec((None, block_n, padded), lambda i, s: (s, i, 0)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="cbjax_quantized_matmul",
     )(xp, values, scale)
-    return partial_sums.sum(axis=0)[:rows]
+    return partial_sums.sum(axis=0)[:, :rows].T
