@@ -46,7 +46,7 @@ from device_trace import summarise_trace
 
 FLAGS = flags.FLAGS
 # In the order they run (the peer first: see main), the must-have figures before the sweeps.
-SECTIONS = ("peer", "copy", "kernel", "quant_8b", "quant_matmul", "step_135m", "decode_8b", "kernel_bw")
+SECTIONS = ("peer", "copy", "kernel", "quant_matmul", "quant_8b", "step_135m", "decode_8b", "kernel_bw")
 ENGINES = ("slots/auto", "paged/auto", "slots/reference", "paged/reference")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, of {', '.join(SECTIONS)}.")
 flags.DEFINE_list("engines", list(ENGINES), "decode_8b's engines as kv_cache/attention, in order (the defaults, "
@@ -376,7 +376,7 @@ def main(argv):
             elif section == "step_135m":
                 results["step_135m"] = step_135m(copy_GBps)
             elif section == "quant_8b":
-                results["quant_8b"] = quant_8b(copy_GBps, deadline)
+                results["quant_8b"] = quant_8b(copy_GBps, deadline, results.get("quant_matmul", {}).get("best"))
             elif section == "quant_matmul":
                 results["quant_matmul"] = quant_matmul(copy_GBps, deadline)
         except Exception as e:  # one section's failure still reports the others

@@ -18,105 +18,130 @@ from __future__ import annotations
 
 import time
 
+from absl import flags
 from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_shape, decode_steps,
                            device_model, timed_ms)
 
 # (row, quantization, quantized_matmul): the bf16 baseline first, XLA's int8 dot last
 ENGINES = (("none", "none", "auto"), ("int8", "int8", "auto"), ("fp8", "fp8", "auto"), ("int8 xla", "int8", "xla"))
+flags.DEFINE_bool("sweep_matmul", True, "quant_matmul: sweep the Pallas kernel's launch settings at one row (int8); "
+                  "quant_8b then runs the fastest.")
+flags.DEFINE_float("matmul_budget_s", 100.0, "quant_matmul: start no further form past this many seconds.")
+flags.DEFINE_list("quant_engines", [e[0] for e in ENGINES], "quant_8b: the engine rows to run, of "
+                  + ", ".join(e[0] for e in ENGINES) + " (the first is the baseline of vs_bf16).")
+CHAIN = 8  # distinct weights a timed program multiplies by in turn (their bytes far past L2), as layers do
+# How often a layer of Llama-3-8B multiplies by each case's shape: the weights of the sweep's pick.
+LAYER_COUNTS = {"w_up": 2, "w_down": 1, "wq": 2, "wk": 2}
 
 
-def _native_fp8(x, w):
-    """fp8 x fp8 -> f32 dot: x scaled per row into e4m3, the weight's own e4m3 values."""
-    import jax
-    import jax.numpy as jnp
+def _sweep() -> list:
+    """The Pallas kernel's launch settings swept at one row: its own choice first."""
+    from pallas_kernels.quantized_matmul import Launch
 
-    peak = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    x_scale = jnp.where(peak > 0, peak / 448.0, 1.0)
-    x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
-    y = jax.lax.dot_general(x8, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * x_scale * w.scale).astype(x.dtype)
+    return [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
+            Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2), Launch(form="reduce", num_warps=8),
+            Launch(form="stream"), Launch(form="stream", block_n=16), Launch(form="dot")]
 
 
-def _kernel_settings(out_dim: int, in_dim: int, groups: int) -> list[dict]:
-    """The Pallas kernel's launch settings swept at one row: its own choice first, then block_n
-    x splits around it, and 8 warps / 3 stages at its choice."""
-    from pallas_kernels.quantized_matmul import block_sizes
+def _launch_name(launch) -> str:
+    import dataclasses
 
-    block_n, block_k, splits = block_sizes(out_dim, in_dim, groups)
-    steps = in_dim // block_k
-    settings = [{}]
-    for n in (32, 64, 128):
-        for sp in (splits // 2, splits, splits * 2):
-            if sp >= 1 and out_dim % n == 0 and steps % sp == 0 and (n, sp) != (block_n, splits):
-                settings.append(dict(block_n=n, splits=sp))
-    return settings + [dict(num_warps=8), dict(num_stages=3)]
+    from pallas_kernels.quantized_matmul import Launch
+
+    changed = {f.name: getattr(launch, f.name) for f in dataclasses.fields(launch)
+               if getattr(launch, f.name) != getattr(Launch(), f.name)}
+    return " ".join(f"{k}={v}" for k, v in changed.items()) or "default"
 
 
-def _matmul_forms(w, rows: int) -> dict:
-    """name -> (function of x, weight bytes, the exact f32 weight or None) for one weight."""
-    import functools
-
+def _matmul_forms(ws: list, rows: int) -> dict:
+    """name -> (function of (x, weights), the weights, bytes of one, the first exact in f32 or
+    None, the launch or None) for the chained weights `ws` (one shape, the model's dtype)."""
     import jax
     import jax.numpy as jnp
 
     from cbjax.models import quant
     from pallas_kernels.quantized_matmul import quantized_matmul
 
-    forms = {"bf16 dot": (lambda x, w=w: jnp.einsum("bd,od->bo", x, w), w.nbytes, None)}
+    def chain(product):
+        return lambda x, weights: sum(product(x, w) for w in weights)
+
+    forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None)}
     for mode in ("int8", "fp8"):
         if mode == "fp8" and quant.fp8_refusal(jax.devices()[0]):
             continue
-        qw = quant.quantize(w, mode)
-        exact = qw.dequantize(jnp.float32)
-        forms[f"{mode} xla"] = (lambda x, qw=qw: quant.dense(x, qw), qw.nbytes, exact)
-        settings = _kernel_settings(*qw.values.shape, qw.scale.shape[1]) if rows == 1 and mode == "int8" else [{}]
-        for setting in settings:
-            name = f"{mode} pallas" + "".join(f" {k[:7]}={v}" for k, v in setting.items())
-            kernel = functools.partial(quantized_matmul, **setting)
-            forms[name] = (lambda x, qw=qw, kernel=kernel: kernel(x, qw.values, qw.scale), qw.nbytes, exact)
-        if mode == "fp8":
-            forms["fp8 native"] = (lambda x, qw=qw: _native_fp8(x, qw), qw.nbytes, exact)
+        qs = [quant.quantize(w, mode) for w in ws]
+        exact = qs[0].dequantize(jnp.float32)
+        forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
+        for launch in _sweep() if rows == 1 and mode == "int8" and FLAGS.sweep_matmul else [None]:
+            product = (lambda x, w, launch=launch: quantized_matmul(x, w.values, w.scale, launch=launch))
+            name = f"{mode} pallas" + (f" {_launch_name(launch)}" if launch else "")
+            forms[name] = (chain(product), qs, qs[0].nbytes, exact, launch)
     return forms
 
 
-def quant_matmul(copy_GBps: float, deadline: float) -> list[dict]:
+def quant_matmul(copy_GBps: float, deadline: float) -> dict:
+    """Per case x rows x form: ms per product (a chain of CHAIN distinct weights in one program,
+    so a launch's host overhead is not counted), bandwidth, error; and `best`, the swept launch
+    with the least LAYER_COUNTS-weighted time at one row."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    import dataclasses
+
     shape = LLAMA3_8B if not FLAGS.tiny else TINY
     d, inter = shape["hidden_size"], shape["intermediate_size"]
-    cases = {"w_up": (inter, d), "w_down": (d, inter), "wq": (d, d), "lm_head": (shape["vocab_size"], d),
-             "wk": (shape["num_kv_heads"] * 128, d)}
+    cases = {"w_up": (inter, d), "w_down": (d, inter), "wq": (d, d), "wk": (shape["num_kv_heads"] * 128, d),
+             "lm_head": (shape["vocab_size"], d)}
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    key = jax.random.key(0)
-    rows_out = []
+    stop = min(deadline, time.perf_counter() + FLAGS.matmul_budget_s)
+    rows_out, weighted = [], {}
     for name, (out_dim, in_dim) in cases.items():
-        w = (jax.random.normal(key, (out_dim, in_dim), jnp.float32) * 0.02).astype(dtype)
-        for rows in batches() if FLAGS.tiny else (1, 16, 64):
-            if time.perf_counter() > deadline:
-                rows_out.append({"matrix": name, "rows": rows, "skipped": "past --budget_s"})
-                continue
-            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, in_dim), jnp.float32).astype(dtype)
-            for form, (fn, nbytes, exact) in _matmul_forms(w, rows).items():
+        chained = CHAIN if name != "lm_head" else 2
+        keys = jax.random.split(jax.random.key(out_dim + in_dim), chained)
+        ws = [(jax.random.normal(k, (out_dim, in_dim), jnp.float32) * 0.02).astype(dtype) for k in keys]
+        for rows in batches():
+            x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.float32).astype(dtype)
+            for form, (fn, weights, nbytes, exact, launch) in _matmul_forms(ws, rows).items():
                 row = {"matrix": name, "shape": [out_dim, in_dim], "rows": rows, "form": form}
+                if time.perf_counter() > stop:
+                    rows_out.append({**row, "skipped": "past --matmul_budget_s"})
+                    continue
                 try:
                     f = jax.jit(fn)
-                    ms = timed_ms(f, x, reps=20)
+                    ms = timed_ms(f, x, weights, reps=10) / chained
+                    row.update(ms=ms, GBps=nbytes / ms / 1e6, of_copy=nbytes / ms / 1e6 / copy_GBps)
+                    if exact is not None:
+                        want = np.asarray(x.astype(jnp.float32) @ exact.T)
+                        got = np.asarray(jax.jit(fn)(x, weights[:1]), np.float32)
+                        row["rel_error"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
                 except Exception as e:  # a form or setting this backend cannot lower
                     rows_out.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     continue
-                row.update(ms=ms, GBps=nbytes / ms / 1e6, of_copy=nbytes / ms / 1e6 / copy_GBps)
-                if exact is not None:
-                    want = np.asarray(x.astype(jnp.float32) @ exact.T)
-                    got = np.asarray(f(x), np.float32)
-                    row["rel_error"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
                 rows_out.append(row)
-        del w
-    return rows_out
+                if launch is not None and name in LAYER_COUNTS and row["rel_error"] < 1e-2:
+                    weighted.setdefault(launch, {})[name] = LAYER_COUNTS[name] * ms
+        del ws
+    layer_ms = {k: sum(v.values()) for k, v in weighted.items() if len(v) == len(LAYER_COUNTS)}
+    best = min(layer_ms, key=layer_ms.get) if layer_ms else None
+    return {"rows": rows_out, "best": dataclasses.asdict(best) if best else None,
+            "best_name": _launch_name(best) if best else None,
+            "layer_ms": {_launch_name(k): v for k, v in layer_ms.items()}}
 
 
-def quant_8b(copy_GBps: float, deadline: float) -> dict:
+def quant_8b(copy_GBps: float, deadline: float, launch: dict | None = None) -> dict:
+    """The 8B engine per ENGINES row; the Pallas matmul with `launch` (quant_matmul's pick) if given."""
+    from pallas_kernels.quantized_matmul import Launch, set_default_launch
+
+    previous = set_default_launch(Launch(**launch)) if launch else None
+    try:
+        return _quant_engines(copy_GBps, deadline) | {"launch": launch}
+    finally:
+        if previous is not None:
+            set_default_launch(previous)
+
+
+def _quant_engines(copy_GBps: float, deadline: float) -> dict:
     import dataclasses
 
     import jax
@@ -126,7 +151,7 @@ def quant_8b(copy_GBps: float, deadline: float) -> dict:
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     max_seq_len = budget(*decode_shape(), 1)
     rows, skipped = [], []
-    for label, mode, matmul in ENGINES:
+    for label, mode, matmul in [e for e in ENGINES if e[0] in FLAGS.quant_engines]:
         if time.perf_counter() > deadline:
             skipped.append(label)
             continue
@@ -140,7 +165,7 @@ def quant_8b(copy_GBps: float, deadline: float) -> dict:
         quantized = dataclasses.replace(model, params=llm.engine.params)
         row = {"engine": label, "startup_s": startup, "weights_GB": quant.weight_bytes(quantized.params) / 1e9,
                "ops": repr(llm.engine.ops), "steps": decode_steps(llm, quantized, copy_GBps)}
-        if rows and "steps" in rows[0]:  # the bf16 baseline ran first
+        if rows and "steps" in rows[0]:  # the first row is the baseline
             for batch, step in row["steps"].items():
                 step["vs_bf16"] = rows[0]["steps"][batch]["ms"] / step["ms"]
         rows.append(row)
@@ -150,11 +175,17 @@ def quant_8b(copy_GBps: float, deadline: float) -> dict:
 
 def table_lines(results: dict, line) -> None:
     """The quantization sections' lines of bench_device's table."""
-    for r in results.get("quant_matmul", []):
+    matmul = results.get("quant_matmul", {})
+    for r in matmul.get("rows", []):
+        if "skipped" in r:
+            line("quant_mm", f"{r['matrix']} x{r['rows']} {r['form']}", "skipped (past --matmul_budget_s)")
+            continue
         case = f"{r['matrix']} x{r['rows']} {r['form']}"
         figure = (f"{1e3 * r['ms']:.0f} us {r['GBps']:.0f} GB/s ({100 * r['of_copy']:.0f}% of copy)"
                   + (f" err {r['rel_error']:.0e}" if "rel_error" in r else "") if "ms" in r else "error")
         line("quant_mm", case, figure)
+    if matmul.get("best_name"):
+        line("quant_mm", "pick (weighted by a layer's uses)", matmul["best_name"])
     decode = results.get("quant_8b", {})
     for row in decode.get("rows", []):
         if "refused" in row:

@@ -1,8 +1,9 @@
-"""The quantized matmul's entry point: its block sizes, the shapes it takes, and the choice
-between the Triton kernel, its interpreted body (CPU) and the reference (other backends)."""
+"""The quantized matmul's entry point: its launch settings, the shapes it takes, and the
+choice between the Triton kernel, its interpreted body (CPU) and the reference (other backends)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,8 +13,35 @@ from pallas_kernels.quantized_matmul import triton_kernel
 from pallas_kernels.quantized_matmul.reference import reference
 
 MAX_ROWS = 64  # decode-sized products; more rows are compute-bound and XLA's dot is the tool
+REDUCE_ROWS = 4  # up to this many rows the "reduce" form, past it the tensor cores' "dot"
+# Defaults from a sweep on an H200 (bench_device quant_matmul, Llama-3-8B's matrices at one row):
+# "reduce", 32 outputs, one block a step, 4 warps, 4 stages was the fastest weighted by a layer's
+# uses (251 us a layer against 277 for 2 blocks a step and 312 for "dot"; XLA's bf16 dots 284).
 TARGET_PROGRAMS = 512  # about four per SM of an H100/H200 (132): enough loads in flight
 EIGHT_BIT = (jnp.int8, jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """The Triton kernel's launch settings; None: chosen by `resolve` from the shapes."""
+
+    form: str | None = None  # "dot", "reduce" or "stream" (triton_kernel.py)
+    block_n: int | None = None  # outputs a program
+    splits: int | None = None  # programs sharing one output block's inputs
+    unroll: int | None = None  # input blocks a loop step
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+_default_launch = Launch()
+
+
+def set_default_launch(launch: Launch) -> Launch:
+    """The settings `quantized_matmul` uses when a call gives none (a benchmark's tuning). Read
+    when a program is traced: call `jax.clear_caches()` after changing it. Returns the previous."""
+    global _default_launch
+    previous, _default_launch = _default_launch, launch
+    return previous
 
 
 def _largest_power_of_two_dividing(n: int, cap: int) -> int:
@@ -23,17 +51,24 @@ def _largest_power_of_two_dividing(n: int, cap: int) -> int:
     return b
 
 
-def block_sizes(out_dim: int, in_dim: int, groups: int) -> tuple[int, int, int]:
-    """`(block_n, block_k, splits)` for a `[out_dim, in_dim]` weight with `groups` scales a row:
-    a group (or 256 inputs, per-row scales) a step, 64 outputs a program, and the inputs split
-    until there are about TARGET_PROGRAMS programs, each with at least 4 steps."""
+def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -> tuple:
+    """`(form, block_n, block_k, splits, unroll)` for `rows` activations against a `[out_dim,
+    in_dim]` weight with `groups` scales a row: the settings `launch` names, the rest chosen —
+    "reduce" up to REDUCE_ROWS rows, a group (or up to 256 inputs, per-row scales) a block, one
+    block a step, 32 (reduce, stream) or 64 (dot) outputs a program, and the inputs
+    split until there are about TARGET_PROGRAMS programs, each with at least 2 steps."""
+    form = launch.form or ("reduce" if rows <= REDUCE_ROWS else "dot")
     block_k = in_dim // groups if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
-    block_n = _largest_power_of_two_dividing(out_dim, 64)
-    steps, splits = in_dim // block_k, 1
-    while (out_dim // block_n) * splits < TARGET_PROGRAMS and steps % (splits * 2) == 0 \
-            and steps // (splits * 2) >= 4:
-        splits *= 2
-    return block_n, block_k, splits
+    block_n = launch.block_n or _largest_power_of_two_dividing(out_dim, 64 if form == "dot" else 32)
+    blocks = in_dim // block_k
+    unroll = launch.unroll or 1
+    splits = launch.splits
+    if splits is None:
+        splits = 1
+        while ((out_dim // block_n) * splits < TARGET_PROGRAMS and blocks % (splits * 2 * unroll) == 0
+               and blocks // (splits * 2 * unroll) >= 2):
+            splits *= 2
+    return form, block_n, block_k, splits, unroll
 
 
 def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str | None:
@@ -45,36 +80,36 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
         return f"{rows} rows: the kernel is for decode-sized products (<= {MAX_ROWS} rows)"
     if groups > 1 and (group < 16 or group & (group - 1) or in_dim % groups):
         return f"groups of {group} inputs: the kernel takes power-of-two groups >= 16"
-    block_n, block_k, _ = block_sizes(out_dim, in_dim, groups)
+    _, block_n, block_k, _, _ = resolve(Launch(), rows, out_dim, in_dim, groups)
     if block_n < 16 or block_k < 16:
         return f"a [{out_dim}, {in_dim}] weight has no power-of-two blocks >= 16"
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "splits", "num_warps", "num_stages"))
-def quantized_matmul(x, values, scale, *, interpret: bool = False, block_n: int | None = None,
-                     splits: int | None = None, num_warps: int = 4, num_stages: int = 4):
+@functools.partial(jax.jit, static_argnames=("interpret", "launch"))
+def quantized_matmul(x, values, scale, *, interpret: bool = False, launch: Launch | None = None):
     """`x [..., in] @ (values * scale).T` in x's dtype (f32 accumulation): `values [out, in]`
     int8 or float8_e4m3fn, `scale [out, groups]` float32 (see `reference`). On a GPU the Triton
     kernel; `interpret=True` runs its body in Pallas interpret mode (any platform); otherwise a
-    CPU or TPU computes the reference. `block_n`, `splits`, `num_warps`, `num_stages`: launch
-    settings (default: `block_sizes`), for tuning."""
+    CPU or TPU computes the reference. `launch`: the kernel's settings (default: those of
+    `set_default_launch`, whose unset fields `resolve` chooses)."""
     lead, in_dim = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, in_dim)
     out_dim, groups = scale.shape
     why_not = unsupported(flat.shape[0], out_dim, in_dim, groups, values.dtype)
     if why_not:
         raise ValueError(f"quantized_matmul: {why_not}")
-    auto_n, block_k, auto_splits = block_sizes(out_dim, in_dim, groups)
-    block_n, splits = block_n or auto_n, splits or auto_splits
-    if out_dim % block_n or (in_dim // block_k) % splits:
-        raise ValueError(f"quantized_matmul: block_n={block_n} must divide {out_dim} outputs and splits={splits} "
-                         f"the {in_dim // block_k} input steps of {block_k}")
-    launch = functools.partial(triton_kernel.matmul, block_n=block_n, splits=splits,
-                               block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    launch = launch or _default_launch
+    form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, groups)
+    if form not in triton_kernel.FORMS or out_dim % block_n or (in_dim // block_k) % (splits * unroll):
+        raise ValueError(f"quantized_matmul: form={form!r} (of {triton_kernel.FORMS}), block_n={block_n} must "
+                         f"divide {out_dim} outputs and splits x unroll={splits} x {unroll} the "
+                         f"{in_dim // block_k} input blocks of {block_k}")
+    run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
+                            unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if interpret:
-        y = launch(flat, values, scale, interpret=True)
+        y = run(flat, values, scale, interpret=True)
     else:
-        y = jax.lax.platform_dependent(flat, values, scale, cuda=functools.partial(launch, interpret=False),
+        y = jax.lax.platform_dependent(flat, values, scale, cuda=functools.partial(run, interpret=False),
                                        default=reference)
     return y.astype(x.dtype).reshape(lead + (out_dim,))

@@ -3,18 +3,24 @@ the Triton lowering (GPU; interpret mode on CPU): the decode-sized product, a fe
 activations against a whole weight matrix, which is a stream over the weight's bytes.
 
 Grid `(out / block_n, splits)`: program (i, s) owns output columns `[i * block_n, ...)` and
-the s-th of `splits` equal spans of the inputs, and walks its span one group (`block_k`
-inputs) at a time: the 8-bit tile `[block_n, block_k]` is widened to the activations' dtype
-(exact for int8 and e4m3), multiplied on the tensor cores with f32 accumulation, and the
-group's partial sums are scaled by the group's scale (`[block_n]`) before they are added.
-So the scales multiply `rows x block_n` partial sums, never the weight tile, and the weight
-is read once, 8 bits an element. Splitting the inputs gives a matrix with few output blocks
-(4096 outputs: 64-128 blocks) enough programs to keep every SM's loads in flight; the splits'
-f32 partial outputs are summed outside (`rows x out x splits` floats, small beside the weight).
-Each product is computed transposed, `w_tile @ x_tile.T`, so the scales broadcast as loaded.
+the s-th of `splits` equal spans of the inputs, and walks its span `block_k` inputs (a group,
+or with one scale a row, up to 256) at a time, `unroll` such blocks a loop step (independent
+loads in flight). The 8-bit tile `[block_n, block_k]` is widened (exact for int8 and e4m3)
+and the group's partial sums are scaled by its scale (`[block_n, 1]`) before they are added,
+so the scales multiply partial sums, never the weight tile, and the weight is read once, 8
+bits an element. Splitting the inputs gives a matrix with few output blocks (4096 outputs:
+64-128 blocks) enough programs to keep every SM's loads in flight; the splits' f32 partial
+outputs are summed outside (`out x rows x splits` floats, small beside the weight).
 
-Triton's dots want every dimension >= 16: the activations are padded to 16 rows (or the next
-power of two) with zeros.
+Two ways to multiply a tile (`form`):
+- "dot": `w_tile @ x_tile.T` on the tensor cores (f32 accumulation), the activations padded to
+  16 rows (Triton's dots want every dimension >= 16);
+- "reduce": per activation row, the widened tile times the row, summed along the inputs on the
+  CUDA cores: no padding, no tensor-core layout shuffles; its work grows with the rows, so it
+  is for one to a few rows;
+- "stream": as "reduce", but each row's products are added into a `[block_n, block_k]` f32
+  accumulator and summed along the inputs once, after the loop (no cross-lane sums a step).
+Outputs are computed transposed, `[block_n, rows]`, so the scales broadcast as loaded.
 """
 
 from __future__ import annotations
@@ -27,44 +33,68 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
+FORMS = ("dot", "reduce", "stream")
 
 
-def padded_rows(rows: int) -> int:
-    return max(pl.next_power_of_2(rows), MIN_ROWS)
+def padded_rows(rows: int, form: str) -> int:
+    return max(pl.next_power_of_2(rows), MIN_ROWS) if form == "dot" else rows
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, per_row: bool):
-    # Outputs are computed transposed, `[block_n, rows]`, so that a group's scales `[block_n, 1]`
-    # (a column of the scale block) broadcast over them as loaded.
-    span = pl.program_id(1) * steps  # first group of this program's inputs
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, unroll: int, per_row: bool, form: str):
+    first = pl.program_id(1) * steps * unroll  # this program's first block of inputs
+    rows = x_ref.shape[0]
+    block_n = w_ref.shape[0]
+
+    def scaled(part, block):
+        return part if per_row else part * s_ref[:, pl.ds(block, 1)]  # the group's scale per output
+
+    def product(block):
+        k = block * block_k
+        w = w_ref[:, pl.ds(k, block_k)]  # [block_n, block_k], 8-bit
+        if form == "dot":
+            x = x_ref[:, pl.ds(k, block_k)]  # [rows, block_k]
+            return scaled(jnp.dot(w.astype(x.dtype), x.T, preferred_element_type=jnp.float32), block)
+        w = scaled(w.astype(jnp.float32), block)
+        products = [w * x_ref[r, pl.ds(k, block_k)].astype(jnp.float32)[None, :] for r in range(rows)]
+        if form == "stream":
+            return products  # summed along the inputs after the loop
+        return _columns([jnp.sum(p, axis=1) for p in products])
 
     def body(i, acc):
-        k = (span + i) * block_k
-        x = x_ref[:, pl.ds(k, block_k)]  # [rows, block_k]
-        w = w_ref[:, pl.ds(k, block_k)].astype(x.dtype)  # [block_n, block_k]
-        part = jnp.dot(w, x.T, preferred_element_type=jnp.float32)  # [block_n, rows]
-        return acc + part if per_row else acc + part * s_ref[:, pl.ds(span + i, 1)]
+        for u in range(unroll):
+            part = product(first + i * unroll + u)
+            acc = [a + p for a, p in zip(acc, part)] if form == "stream" else acc + part
+        return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    if form == "stream":
+        init = [jnp.zeros((block_n, block_k), jnp.float32) for _ in range(rows)]
+        acc = _columns([jnp.sum(a, axis=1) for a in jax.lax.fori_loop(0, steps, body, init)])
+    else:
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc * s_ref[:, pl.ds(0, 1)] if per_row else acc
 
 
-def matmul(x, values, scale, *, block_n: int, splits: int, block_k: int, num_warps: int, num_stages: int,
-           interpret: bool):
+def _columns(vectors: list) -> jax.Array:
+    """`[n]` vectors as the columns of `[n, len(vectors)]`."""
+    columns = [v[:, None] for v in vectors]
+    return columns[0] if len(columns) == 1 else jnp.concatenate(columns, axis=1)
+
+
+def matmul(x, values, scale, *, form: str, block_n: int, splits: int, block_k: int, unroll: int, num_warps: int,
+           num_stages: int, interpret: bool):
     """`x [rows, in] @ (values * scale).T` as f32 `[rows, out]`: `values [out, in]` 8-bit,
     `scale [out, groups]` f32 (groups of `in / groups` inputs; one group: a scale per row).
-    `block_n` must divide `out`; `block_k` (a power of two >= 16) must divide the group size,
-    or with one group per row, `in`; `splits` must divide `in / block_k`."""
+    `block_n` must divide `out`; `block_k` (a power of two >= 16) must be the group size, or
+    with one group per row divide `in`; `splits * unroll` must divide `in / block_k`."""
     rows, in_dim = x.shape
     out_dim, groups = scale.shape
     per_row = groups == 1
-    group = in_dim // groups
-    if not per_row and block_k != group:
-        raise ValueError(f"block_k must be the group size ({group}) for grouped scales, got {block_k}")
-    steps = in_dim // block_k // splits
-    padded = padded_rows(rows)
-    xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
-    kernel = functools.partial(_kernel, block_k=block_k, steps=steps, per_row=per_row)
+    if not per_row and block_k != in_dim // groups:
+        raise ValueError(f"block_k must be the group size ({in_dim // groups}) for grouped scales, got {block_k}")
+    steps = in_dim // block_k // splits // unroll
+    padded = padded_rows(rows, form)
+    xp = jnp.pad(x, ((0, padded - rows), (0, 0))) if padded > rows else x
+    kernel = functools.partial(_kernel, block_k=block_k, steps=steps, unroll=unroll, per_row=per_row, form=form)
     partial_sums = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, out_dim, padded), jnp.float32),
