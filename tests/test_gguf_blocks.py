@@ -38,7 +38,7 @@ def test_k_quant_dequantization_matches_the_gguf_package(kind):
     np.testing.assert_allclose(np.asarray(XLA.dense(jnp.asarray(x), weight)), x @ want.T, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_block_dequantization_matches_the_gguf_package(kind):
     rng = np.random.default_rng(len(kind))
     w = (rng.normal(size=(6, 96)) * rng.uniform(0.01, 3, size=(6, 1))).astype(np.float32)

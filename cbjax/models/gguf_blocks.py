@@ -5,7 +5,11 @@ row the file's bytes for that row (`in / 32` blocks), and is dequantized where i
 Block layouts (ggml-common.h), 32 weights each, little-endian:
 - Q8_0: f16 d, then 32 int8 q: w = d * q (34 bytes);
 - Q4_0: f16 d, then 16 bytes of nibbles: w = d * (q - 8) (18 bytes);
-- Q4_1: f16 d, f16 m, then 16 bytes of nibbles: w = d * q + m (20 bytes).
+- Q4_1: f16 d, f16 m, then 16 bytes of nibbles: w = d * q + m (20 bytes);
+- Q5_0 / Q5_1: as Q4_0 / Q4_1 with a fifth bit per weight (bit i of a 4-byte word, after d
+  or d and m): w = d * (q - 16) (22 bytes), w = d * q + m (24 bytes). llama.cpp writes them for
+  the matrices whose rows do not divide into 256-weight super-blocks in its k-quant files
+  (SmolLM2's 576-wide rows in a Q4_K_M).
 A nibble byte j holds weight j in its low half and weight j + 16 in its high half.
 The k-quants hold 256 weights a super-block in sub-blocks with their own 6- or 8-bit scales:
 - Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of 32, 128
@@ -26,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 # type -> (weights per block, bytes per block)
-BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+               "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 @jax.tree_util.register_dataclass
@@ -70,6 +75,13 @@ def _nibbles(q: jax.Array) -> jax.Array:
     return jnp.concatenate([q & 0xF, q >> 4], axis=-1).astype(jnp.float32)
 
 
+def _fifth_bits(b: jax.Array) -> jax.Array:
+    """`[..., 4]` bytes, a little-endian word whose bit i is weight i's fifth bit -> `[..., 32]` of 0 or 16."""
+    word = b.astype(jnp.uint32)
+    word = word[..., 0] | (word[..., 1] << 8) | (word[..., 2] << 16) | (word[..., 3] << 24)
+    return (((word[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1) * 16).astype(jnp.float32)
+
+
 def _q4_k(b: jax.Array) -> jax.Array:
     """`[..., 144]` Q4_K super-blocks -> `[..., 256]` (ggml's dequantize_row_q4_K)."""
     d, dmin = _f16(b[..., 0], b[..., 1])[..., None], _f16(b[..., 2], b[..., 3])[..., None]
@@ -109,6 +121,10 @@ def dequantize_rows(blocks: jax.Array, kind: str) -> jax.Array:
         w = d * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
     elif kind == "Q4_0":
         w = d * (_nibbles(b[..., 2:]) - 8.0)
+    elif kind == "Q5_0":
+        w = d * (_nibbles(b[..., 6:]) + _fifth_bits(b[..., 2:6]) - 16.0)
+    elif kind == "Q5_1":
+        w = d * (_nibbles(b[..., 8:]) + _fifth_bits(b[..., 4:8])) + _f16(b[..., 2], b[..., 3])[..., None]
     else:  # Q4_1
         w = d * _nibbles(b[..., 4:]) + _f16(b[..., 2], b[..., 3])[..., None]
     return w.reshape(blocks.shape[:-1] + (-1,))
