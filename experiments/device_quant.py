@@ -24,8 +24,11 @@ from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine
 
 # (row, quantization, quantized_matmul): the bf16 baseline first, XLA's int8 dot last
 ENGINES = (("none", "none", "auto"), ("int8", "int8", "auto"), ("fp8", "fp8", "auto"), ("int8 xla", "int8", "xla"))
-flags.DEFINE_bool("sweep_matmul", True, "quant_matmul: sweep the Pallas kernel's launch settings at one row (int8); "
-                  "quant_8b then runs the fastest.")
+flags.DEFINE_bool("sweep_matmul", True, "quant_matmul: sweep the Pallas kernel's launch settings at --sweep_rows "
+                  "(int8); quant_8b then runs the fastest.")
+# An engine's decode step on an accelerator has at least 16 rows (engine_config.DEFAULT_MIN_STEP_TOKENS):
+# a sweep at one row tunes a form the engine never runs there.
+flags.DEFINE_integer("sweep_rows", 16, "quant_matmul: rows the launch sweep runs at (one of --batches).", lower_bound=1)
 flags.DEFINE_float("matmul_budget_s", 100.0, "quant_matmul: start no further form past this many seconds.")
 flags.DEFINE_list("quant_engines", [e[0] for e in ENGINES], "quant_8b: the engine rows to run, of "
                   + ", ".join(e[0] for e in ENGINES) + " (the first is the baseline of vs_bf16).")
@@ -34,10 +37,15 @@ CHAIN = 8  # distinct weights a timed program multiplies by in turn (their bytes
 LAYER_COUNTS = {"w_up": 2, "w_down": 1, "wq": 2, "wk": 2}
 
 
-def _sweep() -> list:
-    """The Pallas kernel's launch settings swept at one row: its own choice first."""
+def _sweep(rows: int) -> list:
+    """The Pallas kernel's launch settings swept at `rows` (--sweep_rows): its own choice first,
+    then settings of the form it takes at that many rows."""
     from pallas_kernels.quantized_matmul import Launch
+    from pallas_kernels.quantized_matmul.kernel import REDUCE_ROWS
 
+    if rows > REDUCE_ROWS:
+        return [Launch(), Launch(block_n=32), Launch(block_n=128), Launch(unroll=2), Launch(num_stages=2),
+                Launch(num_stages=3), Launch(num_warps=8), Launch(splits=1)]
     return [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
             Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2), Launch(form="reduce", num_warps=8),
             Launch(form="stream"), Launch(form="stream", block_n=16), Launch(form="dot")]
@@ -72,7 +80,8 @@ def _matmul_forms(ws: list, rows: int) -> dict:
         qs = [quant.quantize(w, mode) for w in ws]
         exact = qs[0].dequantize(jnp.float32)
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
-        for launch in _sweep() if rows == 1 and mode == "int8" and FLAGS.sweep_matmul else [None]:
+        sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul
+        for launch in _sweep(rows) if sweep else [None]:
             product = (lambda x, w, launch=launch: quantized_matmul(x, w.values, w.scale, launch=launch))
             name = f"{mode} pallas" + (f" {_launch_name(launch)}" if launch else "")
             forms[name] = (chain(product), qs, qs[0].nbytes, exact, launch)
@@ -82,7 +91,7 @@ def _matmul_forms(ws: list, rows: int) -> dict:
 def quant_matmul(copy_GBps: float, deadline: float) -> dict:
     """Per case x rows x form: ms per product (a chain of CHAIN distinct weights in one program,
     so a launch's host overhead is not counted), bandwidth, error; and `best`, the swept launch
-    with the least LAYER_COUNTS-weighted time at one row."""
+    with the least LAYER_COUNTS-weighted time at --sweep_rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
