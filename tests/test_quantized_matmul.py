@@ -69,10 +69,19 @@ def test_unsupported_shapes_are_named():
     w = weight(64, 256, "int8", per_row=False)
     with pytest.raises(ValueError, match="rows"):
         quantized_matmul(jnp.ones((65, 256)), w.values, w.scale, interpret=True)
-    with pytest.raises(ValueError, match="block_n=48 must divide"):
+    with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
         quantized_matmul(jnp.ones((1, 256)), w.values, w.scale, interpret=True, launch=Launch(block_n=48))
     with pytest.raises(ValueError, match="form='tiles'"):
         quantized_matmul(jnp.ones((1, 256)), w.values, w.scale, interpret=True, launch=Launch(form="tiles"))
+
+
+def test_one_launch_fits_every_shape():
+    """A launch too big for a matrix (set_default_launch serves them all) is halved to fit it."""
+    assert resolve(Launch(block_n=128, splits=64, unroll=8), 1, 96, 256, 2) == ("reduce", 32, 128, 1, 2)
+    w = weight(96, 256, "int8", per_row=False)
+    x = jax.random.normal(jax.random.key(3), (2, 256))
+    got = quantized_matmul(x, w.values, w.scale, interpret=True, launch=Launch(block_n=128, splits=64, unroll=8))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, w.values, w.scale)), rtol=1e-5, atol=1e-5)
 
 
 def _custom_call_targets(lowered) -> list[str]:

@@ -53,23 +53,34 @@ def _largest_power_of_two_dividing(n: int, cap: int) -> int:
     return b
 
 
+def _power_of_two(name: str, value: int | None) -> None:
+    if value is not None and (value < 1 or value & (value - 1)):
+        raise ValueError(f"quantized_matmul: {name}={value} must be a power of two")
+
+
 def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -> tuple:
     """`(form, block_n, block_k, splits, unroll)` for `rows` activations against a `[out_dim,
-    in_dim]` weight with `groups` scales a row: the settings `launch` names, the rest chosen —
-    "reduce" up to REDUCE_ROWS rows, a group (or up to 256 inputs, per-row scales) a block, one
-    block a step, 32 (reduce, stream) or 64 (dot) outputs a program, and the inputs
-    split until there are about TARGET_PROGRAMS programs, each with at least 2 steps."""
+    in_dim]` weight with `groups` scales a row: the settings `launch` names, fitted to the shape
+    (a block_n, splits or unroll that does not divide it is halved until it does: one launch
+    serves every matrix of a model), the rest chosen: "reduce" up to REDUCE_ROWS rows, a group
+    (or up to 256 inputs, per-row scales) a block, one block a step, 32 (reduce, stream) or 64
+    (dot) outputs a program, and the inputs split until there are about TARGET_PROGRAMS
+    programs, each with at least 2 steps."""
+    for name in ("block_n", "splits", "unroll"):
+        _power_of_two(name, getattr(launch, name))
     form = launch.form or ("reduce" if rows <= REDUCE_ROWS else "dot")
+    if form not in triton_kernel.FORMS:
+        raise ValueError(f"quantized_matmul: form={form!r}: expected one of {triton_kernel.FORMS}")
     block_k = in_dim // groups if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
-    block_n = launch.block_n or _largest_power_of_two_dividing(out_dim, 64 if form == "dot" else 32)
+    block_n = _largest_power_of_two_dividing(out_dim, launch.block_n or (64 if form == "dot" else 32))
     blocks = in_dim // block_k
-    unroll = launch.unroll or 1
-    splits = launch.splits
-    if splits is None:
-        splits = 1
-        while ((out_dim // block_n) * splits < TARGET_PROGRAMS and blocks % (splits * 2 * unroll) == 0
-               and blocks // (splits * 2 * unroll) >= 2):
-            splits *= 2
+    unroll = _largest_power_of_two_dividing(blocks, launch.unroll or 1)
+    if launch.splits is not None:
+        return form, block_n, block_k, _largest_power_of_two_dividing(blocks // unroll, launch.splits), unroll
+    splits = 1
+    while ((out_dim // block_n) * splits < TARGET_PROGRAMS and blocks % (splits * 2 * unroll) == 0
+           and blocks // (splits * 2 * unroll) >= 2):
+        splits *= 2
     return form, block_n, block_k, splits, unroll
 
 
@@ -82,7 +93,8 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
         return f"{rows} rows: the kernel is for decode-sized products (<= {MAX_ROWS} rows)"
     if groups > 1 and (group < 16 or group & (group - 1) or in_dim % groups):
         return f"groups of {group} inputs: the kernel takes power-of-two groups >= 16"
-    _, block_n, block_k, _, _ = resolve(Launch(), rows, out_dim, in_dim, groups)
+    block_n = _largest_power_of_two_dividing(out_dim, 64)
+    block_k = group if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
     if block_n < 16 or block_k < 16:
         return f"a [{out_dim}, {in_dim}] weight has no power-of-two blocks >= 16"
     return None
@@ -103,10 +115,6 @@ def quantized_matmul(x, values, scale, *, interpret: bool = False, launch: Launc
         raise ValueError(f"quantized_matmul: {why_not}")
     launch = launch or _default_launch
     form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, groups)
-    if form not in triton_kernel.FORMS or out_dim % block_n or (in_dim // block_k) % (splits * unroll):
-        raise ValueError(f"quantized_matmul: form={form!r} (of {triton_kernel.FORMS}), block_n={block_n} must "
-                         f"divide {out_dim} outputs and splits x unroll={splits} x {unroll} the "
-                         f"{in_dim // block_k} input blocks of {block_k}")
     run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
                             unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if interpret:
