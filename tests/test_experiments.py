@@ -110,8 +110,13 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     assert "fp8 dots" in quant_rows["fp8"]["refused"]  # this CPU has none
     assert quant_rows["int8"]["weights_GB"] < quant_rows["none"]["weights_GB"]
     assert all(s["ms"] > 0 for s in quant_rows["int8"]["steps"].values())
-    assert {r["form"] for r in result["quant_matmul"]} == {"bf16 dot", "int8 dot", "int8 reduce"}
-    assert all(r["rel_error"] < 1e-5 for r in result["quant_matmul"] if "rel_error" in r)
+    assert set(quant_rows) == {"none", "int8", "fp8", "int8 xla"}
+    matmul = result["quant_matmul"]
+    forms = {r["form"] for r in matmul["rows"]}
+    assert {"bf16 dot", "int8 xla", "int8 pallas", "int8 pallas default", "int8 pallas form=stream"} <= forms
+    assert not [r for r in matmul["rows"] if "error" in r or "skipped" in r]
+    assert all(r["rel_error"] < 1e-5 for r in matmul["rows"] if "rel_error" in r)
+    assert matmul["best_name"] in matmul["layer_ms"] and result["quant_8b"]["launch"] == matmul["best"]
     assert result["copy"]["GBps"] > 0 and result["kernel"] and all(r["ok"] for r in result["kernel"])
     assert all(r["ms"] > 0 for r in result["kernel_bw"])
     decode = result["decode_8b"]
