@@ -7,8 +7,8 @@ the s-th of `splits` equal spans of the inputs, and walks its span `block_k` inp
 or with one scale a row, up to 256) at a time, `unroll` such blocks a loop step (independent
 loads in flight). The 8-bit tile `[block_n, block_k]` is widened (exact for int8 and e4m3)
 and the group's partial sums are scaled by its scale (`[block_n, 1]`) before they are added,
-so the scales multiply partial sums, never the weight tile, and the weight is read once, 8
-bits an element. Splitting the inputs gives a matrix with few output blocks (4096 outputs:
+so the scales multiply partial sums, not the weight tile ("stream" excepted), and the weight
+is read once, 8 bits an element. Splitting the inputs gives a matrix with few output blocks (4096 outputs:
 64-128 blocks) enough programs to keep every SM's loads in flight; the splits' f32 partial
 outputs are summed outside (`out x rows x splits` floats, small beside the weight).
 
@@ -18,8 +18,9 @@ Two ways to multiply a tile (`form`):
 - "reduce": per activation row, the widened tile times the row, summed along the inputs on the
   CUDA cores: no padding, no tensor-core layout shuffles; its work grows with the rows, so it
   is for one to a few rows;
-- "stream": as "reduce", but each row's products are added into a `[block_n, block_k]` f32
-  accumulator and summed along the inputs once, after the loop (no cross-lane sums a step).
+- "stream": as "reduce", but each row's products (the tile scaled first) are added into a
+  `[block_n, block_k]` f32 accumulator and summed along the inputs once, after the loop (no
+  cross-lane sums a step).
 Outputs are computed transposed, `[block_n, rows]`, so the scales broadcast as loaded.
 """
 
@@ -54,11 +55,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, unroll: int
         if form == "dot":
             x = x_ref[:, pl.ds(k, block_k)]  # [rows, block_k]
             return scaled(jnp.dot(w.astype(x.dtype), x.T, preferred_element_type=jnp.float32), block)
-        w = scaled(w.astype(jnp.float32), block)
-        products = [w * x_ref[r, pl.ds(k, block_k)].astype(jnp.float32)[None, :] for r in range(rows)]
-        if form == "stream":
-            return products  # summed along the inputs after the loop
-        return _columns([jnp.sum(p, axis=1) for p in products])
+        w = w.astype(jnp.float32)
+        if form == "stream":  # the tile scaled: its products are summed across groups after the loop
+            w = scaled(w, block)
+            return [w * x_ref[r, pl.ds(k, block_k)].astype(jnp.float32)[None, :] for r in range(rows)]
+        sums = [jnp.sum(w * x_ref[r, pl.ds(k, block_k)].astype(jnp.float32)[None, :], axis=1) for r in range(rows)]
+        return scaled(_columns(sums), block)
 
     def body(i, acc):
         for u in range(unroll):
