@@ -23,7 +23,10 @@ from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine
                            device_model, timed_ms)
 
 # (row, quantization, quantized_matmul): the bf16 baseline first, XLA's int8 dot last
-ENGINES = (("none", "none", "auto"), ("int8", "int8", "auto"), ("fp8", "fp8", "auto"), ("int8 xla", "int8", "xla"))
+# "int8 1-row buckets": decode steps compiled down to one row (an accelerator's smallest bucket is
+# 16 rows otherwise), where the kernel runs its one-row form instead of the 16-row dot.
+ENGINES = (("none", "none", "auto", {}), ("int8", "int8", "auto", {}), ("fp8", "fp8", "auto", {}),
+           ("int8 xla", "int8", "xla", {}), ("int8 1-row buckets", "int8", "auto", {"min_step_tokens": 1}))
 flags.DEFINE_bool("sweep_matmul", True, "quant_matmul: sweep the Pallas kernel's launch settings at --sweep_rows "
                   "(int8); quant_8b then runs the fastest.")
 # An engine's decode step on an accelerator has at least 16 rows (engine_config.DEFAULT_MIN_STEP_TOKENS):
@@ -160,7 +163,7 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     max_seq_len = budget(*decode_shape(), 1)
     rows, skipped = [], []
-    for label, mode, matmul in [e for e in ENGINES if e[0] in FLAGS.quant_engines]:
+    for label, mode, matmul, options in [e for e in ENGINES if e[0] in FLAGS.quant_engines]:
         if time.perf_counter() > deadline:
             skipped.append(label)
             continue
@@ -169,7 +172,7 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
             rows.append({"engine": label, "refused": refusal})
             continue
         llm, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
-                                    quantized_matmul=matmul,
+                                    quantized_matmul=matmul, **options,
                                     max_step_tokens=256 if not FLAGS.tiny else 32)
         quantized = dataclasses.replace(model, params=llm.engine.params)
         row = {"engine": label, "startup_s": startup, "weights_GB": quant.weight_bytes(quantized.params) / 1e9,

@@ -110,7 +110,7 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     assert "fp8 dots" in quant_rows["fp8"]["refused"]  # this CPU has none
     assert quant_rows["int8"]["weights_GB"] < quant_rows["none"]["weights_GB"]
     assert all(s["ms"] > 0 for s in quant_rows["int8"]["steps"].values())
-    assert set(quant_rows) == {"none", "int8", "fp8", "int8 xla"}
+    assert set(quant_rows) == {"none", "int8", "fp8", "int8 xla", "int8 1-row buckets"}
     matmul = result["quant_matmul"]
     forms = {r["form"] for r in matmul["rows"]}
     assert {"bf16 dot", "int8 xla", "int8 pallas", "int8 pallas default", "int8 pallas form=stream"} <= forms
