@@ -35,11 +35,10 @@ class QuantizedMatmulOps(Ops):
 PALLAS_MATMUL, PALLAS_MATMUL_INTERPRETED = QuantizedMatmulOps(False), QuantizedMatmulOps(True)
 
 
-def use_cpu_kernels(choice: str, params, mesh) -> bool:
-    """Whether an engine runs the CPU kernels: they need f32 weights on one CPU device."""
+def use_cpu_kernels(choice: str, params, devices: list) -> bool:
+    """Whether an engine on `devices` runs the CPU kernels: they need f32 weights on one CPU device."""
     if choice == "off":
         return False
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     dtype, quantization = quant.activation_dtype(params), quant.quantization_of(params)
     why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
                else f"the weights are {dtype}, the kernel is f32" if dtype != np.float32
@@ -53,12 +52,11 @@ def use_cpu_kernels(choice: str, params, mesh) -> bool:
     return False
 
 
-def quantized_matmul_ops(choice: str, params, mesh) -> Ops | None:
+def quantized_matmul_ops(choice: str, params, devices: list) -> Ops | None:
     """The Pallas quantized matmul's ops for int8/fp8 weights on one device, or None (XLA's dot):
     "auto" takes it on one GPU, "pallas" anywhere (interpreted on a CPU), "xla" never."""
     if choice == "xla" or quant.quantization_of(params) not in ("int8", "fp8"):
         return None
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     if len(devices) != 1:
         if choice == "pallas":
             raise ValueError("quantized_matmul='pallas' runs on one device; with tensor parallelism use "
@@ -71,7 +69,9 @@ def quantized_matmul_ops(choice: str, params, mesh) -> Ops | None:
 
 
 def engine_ops(config, params, mesh) -> Ops:
-    """The engine's operations for its config's `cpu_kernels` and `quantized_matmul` choices."""
-    if use_cpu_kernels(config.cpu_kernels, params, mesh):
+    """The engine's operations for its config's `cpu_kernels` and `quantized_matmul` choices, on
+    `mesh`'s devices (None: the default device)."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if use_cpu_kernels(config.cpu_kernels, params, devices):
         return cpu_kernels.CPU_KERNELS
-    return quantized_matmul_ops(config.quantized_matmul, params, mesh) or XLA
+    return quantized_matmul_ops(config.quantized_matmul, params, devices) or XLA
