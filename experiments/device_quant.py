@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from absl import flags
+
 from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_shape, decode_steps,
                            device_model, timed_ms)
 
@@ -64,10 +65,27 @@ def _launch_name(launch) -> str:
     return " ".join(f"{k}={v}" for k, v in changed.items()) or "default"
 
 
-def _matmul_forms(ws: list, rows: int) -> dict:
-    """name -> (function of (x, weights), the weights, bytes of one, the first exact in f32 or
-    None, the launch or None) for the chained weights `ws` (one shape, the model's dtype)."""
+def _quantized(ws: list) -> dict:
+    """mode -> (the chained weights `ws` in that mode, the first of them exact in f32), for the
+    8-bit modes this device runs; once per matrix, whatever the rows and forms timed."""
     import jax
+    import jax.numpy as jnp
+
+    from cbjax.models import quant
+
+    out = {}
+    for mode in ("int8", "fp8"):
+        if mode == "fp8" and quant.fp8_refusal(jax.devices()[0]):
+            continue
+        qs = [quant.quantize(w, mode) for w in ws]
+        out[mode] = (qs, qs[0].dequantize(jnp.float32))
+    return out
+
+
+def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
+    """name -> (function of (x, weights), the weights, bytes of one, the first exact in f32 or
+    None, the launch or None) for the chained weights `ws` (one shape, the model's dtype) and
+    their `_quantized` forms."""
     import jax.numpy as jnp
 
     from cbjax.models import quant
@@ -77,11 +95,7 @@ def _matmul_forms(ws: list, rows: int) -> dict:
         return lambda x, weights: sum(product(x, w) for w in weights)
 
     forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None)}
-    for mode in ("int8", "fp8"):
-        if mode == "fp8" and quant.fp8_refusal(jax.devices()[0]):
-            continue
-        qs = [quant.quantize(w, mode) for w in ws]
-        exact = qs[0].dequantize(jnp.float32)
+    for mode, (qs, exact) in quantized.items():
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
         sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul
         for launch in _sweep(rows) if sweep else [None]:
@@ -95,11 +109,11 @@ def quant_matmul(copy_GBps: float, deadline: float) -> dict:
     """Per case x rows x form: ms per product (a chain of CHAIN distinct weights in one program,
     so a launch's host overhead is not counted), bandwidth, error; and `best`, the swept launch
     with the least LAYER_COUNTS-weighted time at --sweep_rows."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import dataclasses
 
     shape = LLAMA3_8B if not FLAGS.tiny else TINY
     d, inter = shape["hidden_size"], shape["intermediate_size"]
@@ -112,9 +126,11 @@ def quant_matmul(copy_GBps: float, deadline: float) -> dict:
         chained = CHAIN if name != "lm_head" else 2
         keys = jax.random.split(jax.random.key(out_dim + in_dim), chained)
         ws = [(jax.random.normal(k, (out_dim, in_dim), jnp.float32) * 0.02).astype(dtype) for k in keys]
+        quantized = _quantized(ws)
         for rows in batches():
             x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.float32).astype(dtype)
-            for form, (fn, weights, nbytes, exact, launch) in _matmul_forms(ws, rows).items():
+            wants = {}  # the exact product of each mode's first weight, once per rows
+            for form, (fn, weights, nbytes, exact, launch) in _matmul_forms(ws, quantized, rows).items():
                 row = {"matrix": name, "shape": [out_dim, in_dim], "rows": rows, "form": form}
                 if time.perf_counter() > stop:
                     rows_out.append({**row, "skipped": "past --matmul_budget_s"})
@@ -124,7 +140,9 @@ def quant_matmul(copy_GBps: float, deadline: float) -> dict:
                     ms = timed_ms(f, x, weights, reps=10) / chained
                     row.update(ms=ms, GBps=nbytes / ms / 1e6, of_copy=nbytes / ms / 1e6 / copy_GBps)
                     if exact is not None:
-                        want = np.asarray(x.astype(jnp.float32) @ exact.T)
+                        if id(exact) not in wants:
+                            wants[id(exact)] = np.asarray(x.astype(jnp.float32) @ exact.T)
+                        want = wants[id(exact)]
                         got = np.asarray(jax.jit(fn)(x, weights[:1]), np.float32)
                         row["rel_error"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
                 except Exception as e:  # a form or setting this backend cannot lower
@@ -133,7 +151,7 @@ def quant_matmul(copy_GBps: float, deadline: float) -> dict:
                 rows_out.append(row)
                 if launch is not None and name in LAYER_COUNTS and row["rel_error"] < 1e-2:
                     weighted.setdefault(launch, {})[name] = LAYER_COUNTS[name] * ms
-        del ws
+        del ws, quantized
     layer_ms = {k: sum(v.values()) for k, v in weighted.items() if len(v) == len(LAYER_COUNTS)}
     best = min(layer_ms, key=layer_ms.get) if layer_ms else None
     return {"rows": rows_out, "best": dataclasses.asdict(best) if best else None,
