@@ -242,7 +242,8 @@ def main(argv):
             line += (f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | "
                      f"{r['throughput_vs_llama_cpp']:>14.2f}x")
         print(line)
-    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len,
+              "new_tokens": FLAGS.new_tokens,
               "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
               "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
               "cbjax": ours, "llama_cpp": peer,
