@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cbjax.config import ModelConfig
 from cbjax.models.quant import ScaledValues
@@ -53,6 +56,30 @@ class QuantizedKV(ScaledValues):
 
     values: jax.Array  # [kv_heads, slots | pages, positions, head_dim] int8 / float8_e4m3fn
     scale: jax.Array  # [kv_heads, slots | pages, positions, 1] float32
+
+
+@functools.lru_cache(maxsize=None)
+def kv_rotation(head_dim: int) -> np.ndarray:
+    """The orthonormal `[head_dim, head_dim]` rotation an 8-bit cache stores its vectors in:
+    Sylvester's Hadamard matrix / sqrt(head_dim) (symmetric, its own inverse) for a power of two,
+    else a fixed random orthogonal matrix. A few channels of a head carry most of a key's
+    magnitude; one scale per vector then leaves the other channels a handful of levels. Rotated,
+    every channel holds an even share, and q.k and p.v are unchanged when q is rotated alike and
+    the output rotated back (QuaRot's observation). SmolLM2-135M, fp8 KV: +3.1% perplexity
+    against bf16 KV unrotated, -0.6% rotated (docs/quantization.md)."""
+    if head_dim & (head_dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < head_dim:
+            h = np.block([[h, h], [h, -h]])
+        return (h / np.sqrt(head_dim)).astype(np.float32)
+    q, r = np.linalg.qr(np.random.default_rng(head_dim).standard_normal((head_dim, head_dim)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def rotate(x: jax.Array, head_dim: int, back: bool = False) -> jax.Array:
+    """`x [..., head_dim]` into an 8-bit cache's rotated basis (or `back` out of it), in f32."""
+    r = jnp.asarray(kv_rotation(head_dim))
+    return (x.astype(jnp.float32) @ (r.T if back else r)).astype(x.dtype)
 
 
 def encode(new: jax.Array, like) -> object:
@@ -171,7 +198,8 @@ class SlotCache:
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
-        return tuple(jnp.stack([decode(jax.tree.map(lambda a: a[:, slot, :n], layer)) for layer in kv])
+        back = lambda x, layer: rotate(x, x.shape[-1], back=True) if isinstance(layer, QuantizedKV) else x  # noqa
+        return tuple(jnp.stack([back(decode(jax.tree.map(lambda a: a[:, slot, :n], layer)), layer) for layer in kv])
                      for kv in (self.k, self.v))
 
     # One sequence out and in (a KV move between engines), and copies (a fork's prompt).

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from cbjax.config import ModelConfig
 from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
-from cbjax.models.kv_cache import KVCache, as_stored
+from cbjax.models.kv_cache import KVCache, QuantizedKV, as_stored, rotate
 from cbjax.models.quant import activation_dtype, embedding_rows
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
@@ -196,6 +196,9 @@ def forward(
             x, ks[layer], vs[layer] = whole
             continue
         q, k, v = _qkv(x, p, config, cos, sin, ops)
+        rotated = isinstance(ks[layer], QuantizedKV)  # an 8-bit cache holds rotated vectors (kv_rotation)
+        if rotated:
+            q, k, v = (rotate(a, config.head_dim) for a in (q, k, v))
         # Written before it is read: the read then depends on the write, so XLA updates the
         # layer's buffer in place instead of keeping a copy of the old one for the read
         # (written after, every layer's cache was copied twice per call).
@@ -208,6 +211,8 @@ def forward(
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,
                                        history_end, num_valid, kv_len, all_slots, flat_rows, ops,
                                        history_block)
+        if rotated:
+            out = rotate(out, config.head_dim, back=True)
         x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), ops)
         x = x + mlp(norm(x, p["mlp_norm"], config), p, config, ops)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
