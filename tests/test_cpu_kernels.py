@@ -183,18 +183,13 @@ def _layer_config(family: str):
     return config
 
 
-@needs_kernels
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "window", "llama3"])
-def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
-    """The whole-layer kernel against the transformer's layer op by op (XLA) on a flat batch of
-    one-token rows as the mixed step makes it: decode rows, three tokens of one sequence (they
-    see each other's new keys), a padding row and a row past its slot's room (dropped)."""
-    from cbjax.models.params import init_params
+def _mixed_step(config, params, layout):
+    """A cache holding three slots' prompts and a flat batch of one-token rows as the mixed step
+    makes it: decode rows, three tokens of one sequence (they see each other's new keys), a
+    padding row and a row past its slot's room (dropped). Returns (cache, step(ops, params,
+    cache), num_valid)."""
     from cbjax.models.transformer import forward
 
-    config = _layer_config(family)
-    params = init_params(config, seed=3, std=0.2)
     slots, max_len, page_size = 3, 32, 4
     if layout == "slots":
         cache = SlotCache.init(config, slots, max_len)
@@ -224,6 +219,21 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
                        kv_len=max_len, flat_rows=flat_rows, history_end=history_end,
                        logits_rows=jnp.arange(7), ops=ops)
 
+    return cache, step, num_valid
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "window", "llama3"])
+def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
+    """The whole-layer kernel against the transformer's layer op by op (XLA) on a flat batch of
+    one-token rows as the mixed step makes it: decode rows, three tokens of one sequence (they
+    see each other's new keys), a padding row and a row past its slot's room (dropped)."""
+    from cbjax.models.params import init_params
+
+    config = _layer_config(family)
+    params = init_params(config, seed=3, std=0.2)
+    cache, step, num_valid = _mixed_step(config, params, layout)
     lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, params, cache).as_text()
     assert lowered.count("cbjax_decoder_layer") == config.num_layers
     got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, params, cache)
@@ -245,6 +255,52 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_gguf_layers_by_address_equal_the_dequantized_reference(layout):
+    """Layers whose matrices are GGUF blocks (Q8_0, Q4_0 and Q4_1 mixed within a layer, as
+    k-quant files mix types) run as one layer-kernel call each, by address, and give the XLA
+    path's results on the same blocks (dequantized whole) on the mixed step's rows."""
+    import gguf
+
+    from cbjax.models.gguf_blocks import GGUFWeight
+    from cbjax.models.params import init_params
+
+    config = _layer_config("llama")
+    params = init_params(config, seed=3, std=0.2)
+    kinds = list(cpu_kernels.BLOCK_KINDS)
+    layers = []
+    for i, p in enumerate(params["layers"]):
+        layer = dict(p)
+        for j, name in enumerate(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")):
+            kind = kinds[(i + j) % len(kinds)]
+            blocks = gguf.quants.quantize(np.asarray(p[name]), getattr(gguf.GGMLQuantizationType, kind))
+            layer[name] = GGUFWeight(jnp.asarray(blocks), kind)
+        layers.append(layer)
+    blocked = {**params, "layers": layers}
+    table = cpu_kernels.layer_addresses(blocked, config)
+    assert table is not None
+    column = 3 * cpu_kernels.LAYER_WEIGHTS.index("wo") + 2
+    assert [int(k) for k in np.asarray(table.table)[:, column]] == [cpu_kernels.BLOCK_KINDS[kinds[(i + 3) % 3]]
+                                                                    for i in range(config.num_layers)]
+    cache, step, num_valid = _mixed_step(config, blocked, layout)
+    by_address = {**blocked, "layers": table}
+    lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, by_address, cache).as_text()
+    assert lowered.count("cbjax_decoder_layer_at") == config.num_layers
+    got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, by_address, cache)
+    want_logits, want = jax.jit(step, static_argnums=0)(XLA, blocked, cache)
+    real = np.asarray(num_valid) > 0
+    real[-1] = False
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real], rtol=2e-4, atol=2e-4)
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+    one_row = jax.jit(cpu_kernels.CPU_KERNELS.dense)  # and one decode row through a single block matmul
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, config.hidden_size)), jnp.float32)
+    for name in ("wq", "w_up"):
+        w = layers[0][name]
+        np.testing.assert_allclose(np.asarray(one_row(x, w)), np.asarray(x @ w.dequantize().T), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
     """`layer_addresses` builds a table only for layers the kernel runs (no biases, f32, on
     the CPU); a program given one refuses rows the kernel does not take instead of reading
@@ -255,11 +311,12 @@ def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
     params = init_params(config, seed=3, std=0.2)
     table = cpu_kernels.layer_addresses(params, config)
     rows = np.asarray(table.table)
-    assert rows.shape == (config.num_layers, 2 * len(cpu_kernels.LAYER_WEIGHTS))
+    assert rows.shape == (config.num_layers, 3 * len(cpu_kernels.LAYER_WEIGHTS))
     wq = params["layers"][1]["wq"].unsafe_buffer_pointer()
-    at = 2 * cpu_kernels.LAYER_WEIGHTS.index("wq")
+    at = 3 * cpu_kernels.LAYER_WEIGHTS.index("wq")
     assert int(rows[1, at]) | int(rows[1, at + 1]) << 32 == wq
-    assert not rows[:, 2 * cpu_kernels.LAYER_WEIGHTS.index("q_norm")].any()  # llama has none
+    assert (rows[:, 2::3] == cpu_kernels.F32_KIND).all()
+    assert not rows[:, 3 * cpu_kernels.LAYER_WEIGHTS.index("q_norm")].any()  # llama has none
 
     biased = {**params, "layers": [{**p, "bq": jnp.zeros(p["wq"].shape[0])} for p in params["layers"]]}
     assert cpu_kernels.layer_addresses(biased, config) is None

@@ -49,6 +49,7 @@ from cbjax.models.params import flatten_shapes, param_shapes
 TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_history_attention", "cbjax_decoder_layer",
            "cbjax_decoder_layer_at")
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
+F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)
 # Rows up to which the block kernel takes a GGUF matmul; above, XLA dequantizes the weight once
 # per call (a prefill's GEMM amortizes that; a decode step's would not).
 BLOCK_MAX_ROWS = 64
@@ -255,9 +256,10 @@ class LayerAt:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerAddresses:
-    """The decoder layers' weights as one table of addresses (`[layers, 22]` uint32: each
-    weight's address as low and high halves, 0 for an absent q/k norm), which stands for
-    `params["layers"]` in the programs whose every layer `decoder_layer` runs.
+    """The decoder layers' weights as one table of addresses (`[layers, 33]` uint32: each
+    weight's address as low and high halves, 0 for an absent q/k norm, and its kind: F32_KIND or
+    a GGUF block kind of BLOCK_KINDS), which stands for `params["layers"]` in the programs whose
+    every layer `decoder_layer` runs.
 
     Why: JAX's dispatch costs ~2.5 us per argument on this path (flattening, signature, layout
     and usage events per array), and SmolLM2's decode step took 272 weight arrays: ~0.5 ms of
@@ -274,9 +276,23 @@ class LayerAddresses:
         return (LayerAt(self.table, i) for i in range(len(self)))
 
 
+def _kind(a, shape: tuple) -> int | None:
+    """A layer weight's kind in the address table, or None where the layer kernel cannot read it:
+    f32 arrays, and GGUF blocks of the kernel's kinds whose rows are whole 32-weight blocks."""
+    if isinstance(a, GGUFWeight):
+        fits = a.kind in BLOCK_KINDS and a.shape == shape and shape[-1] % 32 == 0
+        return BLOCK_KINDS[a.kind] if fits and _on_cpu(a.blocks) else None
+    return F32_KIND if isinstance(a, jax.Array) and a.dtype == jnp.float32 and a.shape == shape and _on_cpu(a) else None
+
+
+def _on_cpu(a: jax.Array) -> bool:
+    return a.devices() == {jax.devices("cpu")[0]}
+
+
 def layer_addresses(params: dict, config) -> LayerAddresses | None:
     """`params["layers"]` as a `LayerAddresses` table when the layer kernel takes every layer
-    (f32 Llama / Mistral / Qwen3 layers without biases, on the CPU), else None."""
+    (Llama / Mistral / Qwen3 layers without biases, f32 or Q8_0/Q4_0/Q4_1 GGUF matrices, on the
+    CPU), else None."""
     layers = params["layers"]
     # The config's layer (`param_shapes`), by the kernel's names: norms are their scales.
     layer_shapes = flatten_shapes(param_shapes(config)["layers"][0])
@@ -290,11 +306,15 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         if set(p) != set(expected) or len(jax.tree.leaves(p)) != len(expected):
             return None  # a layer of another shape than the config's
         arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in expected}
-        if any(not isinstance(a, jax.Array) or a.dtype != jnp.float32 or a.shape != expected[n]
-               or a.devices() != {jax.devices("cpu")[0]} for n, a in arrays.items()):
+        kinds = {n: _kind(a, expected[n]) for n, a in arrays.items()}
+        if None in kinds.values() or any(kinds[n] != F32_KIND for n in arrays if "norm" in n):
             return None
-        addresses = [arrays[n].unsafe_buffer_pointer() if n in arrays else 0 for n in LAYER_WEIGHTS]
-        rows.append([half for a in addresses for half in (a & 0xFFFFFFFF, a >> 32)])
+        row = []
+        for n in LAYER_WEIGHTS:
+            a = arrays.get(n)
+            address = 0 if a is None else (a.blocks if isinstance(a, GGUFWeight) else a).unsafe_buffer_pointer()
+            row += [address & 0xFFFFFFFF, address >> 32, kinds.get(n, F32_KIND)]
+        rows.append(row)
     return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)))
 
 
