@@ -723,37 +723,50 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// Query head g of (row b, kv head h), any head size: scores, then e^(s - max) and the values.
-void attention_head_scalar(const Attention& a, int64_t b, int64_t h, int64_t g) {
-  const int64_t D = a.D, head = (b * a.kv_heads + h) * a.G + g;
-  const float* q = a.q + head * D;
-  float* out = a.out + head * D;
-  const int64_t lo = a.lo[b] > 0 ? a.lo[b] : 0;
-  const int64_t hi = a.hi[b] < a.pages_per_row * a.page_size ? a.hi[b] : a.pages_per_row * a.page_size;
-  std::memset(out, 0, sizeof(float) * D);
-  float top = kMasked, total = 0.f;
-  if (hi > lo) {
-    thread_local std::vector<float> scores;
-    scores.resize(static_cast<size_t>(hi - lo));
-    const int32_t* table = a.tables + b * a.pages_per_row;
-    auto row = [&](const float* cache, int64_t p) {
-      int64_t page = table[p / a.page_size];
-      page = page < 0 ? 0 : (page >= a.num_pages ? a.num_pages - 1 : page);  // as the reference's clip
-      return cache + h * a.head_stride + page * a.page_stride + (p % a.page_size) * D;
-    };
-    for (int64_t p = lo; p < hi; ++p) {
-      const float s = dot(q, row(a.k, p), D) * a.scale;
-      scores[p - lo] = s;
-      top = s > top ? s : top;
-    }
-    for (int64_t p = lo; p < hi; ++p) {
-      const float* value = row(a.v, p);
-      const float e = std::exp(scores[p - lo] - top);
-      total += e;
-      for (int64_t d = 0; d < D; ++d) out[d] += e * value[d];
-    }
+// Query head g of (row b, kv head h): where its query and output are, the positions it attends to
+// ([lo, hi), clipped to the row's room) and where position p's key (or value) lives; the output
+// starts at zero and its max and sum at "nothing seen".
+struct Head {
+  const Attention& a;
+  int64_t b, h, index, lo, hi;
+  Head(const Attention& attention, int64_t row, int64_t kv_head, int64_t g)
+      : a(attention), b(row), h(kv_head), index((row * attention.kv_heads + kv_head) * attention.G + g) {
+    lo = a.lo[b] > 0 ? a.lo[b] : 0;
+    hi = a.hi[b] < a.pages_per_row * a.page_size ? a.hi[b] : a.pages_per_row * a.page_size;
+    std::memset(out(), 0, sizeof(float) * a.D);
+    a.top[index] = kMasked, a.total[index] = 0.f;
   }
-  a.top[head] = top, a.total[head] = total;
+  const float* q() const { return a.q + index * a.D; }
+  float* out() const { return a.out + index * a.D; }
+  const float* row(const float* cache, int64_t p) const {
+    int64_t page = a.tables[b * a.pages_per_row + p / a.page_size];
+    page = page < 0 ? 0 : (page >= a.num_pages ? a.num_pages - 1 : page);  // as the reference's clip
+    return cache + h * a.head_stride + page * a.page_stride + (p % a.page_size) * a.D;
+  }
+};
+
+// Query head g of (row b, kv head h), any head size: scores, then e^(s - max) and the values.
+void attention_head_scalar(const Head& head) {
+  const Attention& a = head.a;
+  const int64_t D = a.D, lo = head.lo, hi = head.hi;
+  if (hi <= lo) return;
+  const float* q = head.q();
+  float* out = head.out();
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(hi - lo));
+  float top = kMasked, total = 0.f;
+  for (int64_t p = lo; p < hi; ++p) {
+    const float s = dot(q, head.row(a.k, p), D) * a.scale;
+    scores[p - lo] = s;
+    top = s > top ? s : top;
+  }
+  for (int64_t p = lo; p < hi; ++p) {
+    const float* value = head.row(a.v, p);
+    const float e = std::exp(scores[p - lo] - top);
+    total += e;
+    for (int64_t d = 0; d < D; ++d) out[d] += e * value[d];
+  }
+  a.top[head.index] = top, a.total[head.index] = total;
 }
 
 
@@ -790,26 +803,16 @@ inline __m256 lane_sums(const __m256 v[8]) {
 // together (one horizontal reduction per eight keys instead of one per key), e^(s - max) eight
 // at a time, then out = sum e_p v_p with out in registers. SmolLM2's decode (9 query heads over 3
 // kv heads of 64) spent 14% of a step at one sequence and 22% at eight in the per-key version.
-void attention_head_avx2(const Attention& a, int64_t b, int64_t h, int64_t g) {
-  const int64_t D = a.D, head = (b * a.kv_heads + h) * a.G + g;
-  const float* q = a.q + head * D;
-  float* out = a.out + head * D;
-  const int64_t lo = a.lo[b] > 0 ? a.lo[b] : 0;
-  const int64_t hi = a.hi[b] < a.pages_per_row * a.page_size ? a.hi[b] : a.pages_per_row * a.page_size;
-  std::memset(out, 0, sizeof(float) * D);
-  a.top[head] = kMasked, a.total[head] = 0.f;
-  if (hi <= lo) return;
-  const int64_t n = hi - lo;
+void attention_head_avx2(const Head& head) {
+  const Attention& a = head.a;
+  const int64_t D = a.D, n = head.hi - head.lo;
+  if (n <= 0) return;
+  const float* q = head.q();
+  float* out = head.out();
   thread_local std::vector<float> scores;
   thread_local std::vector<const float*> keys, values;
   scores.resize(static_cast<size_t>(n + 8)), keys.resize(static_cast<size_t>(n)), values.resize(static_cast<size_t>(n));
-  const int32_t* table = a.tables + b * a.pages_per_row;
-  for (int64_t p = lo; p < hi; ++p) {
-    int64_t page = table[p / a.page_size];
-    page = page < 0 ? 0 : (page >= a.num_pages ? a.num_pages - 1 : page);  // as the reference's clip
-    const int64_t at = h * a.head_stride + page * a.page_stride + (p % a.page_size) * D;
-    keys[p - lo] = a.k + at, values[p - lo] = a.v + at;
-  }
+  for (int64_t i = 0; i < n; ++i) keys[i] = head.row(a.k, head.lo + i), values[i] = head.row(a.v, head.lo + i);
   const __m256 scale = _mm256_set1_ps(a.scale);
   __m256 top = _mm256_set1_ps(kMasked);
   for (int64_t i = 0; i < n; i += 8) {
@@ -840,8 +843,8 @@ void attention_head_avx2(const Attention& a, int64_t b, int64_t h, int64_t g) {
     total = _mm256_add_ps(total, n - i >= 8 ? e : _mm256_blendv_ps(_mm256_setzero_ps(), e, _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
   }
-  a.top[head] = max;
-  a.total[head] = sum8(total);
+  a.top[head.index] = max;
+  a.total[head.index] = sum8(total);
   constexpr int kOut = 8;  // out held in registers, eight vectors (64 floats) at a time
   for (int64_t d0 = 0; d0 < D; d0 += 8 * kOut) {
     const int vectors = static_cast<int>(std::min<int64_t>(kOut, (D - d0) / 8));
@@ -862,10 +865,11 @@ void attention_head_avx2(const Attention& a, int64_t b, int64_t h, int64_t g) {
 void attention_chunk(const void* context, int64_t c) {
   const Attention& a = *static_cast<const Attention*>(context);
   const int64_t g = c % a.G, h = c / a.G % a.kv_heads, b = c / a.G / a.kv_heads;
+  const Head head(a, b, h, g);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (a.D % 8 == 0) return attention_head_avx2(a, b, h, g);
+  if (a.D % 8 == 0) return attention_head_avx2(head);
 #endif
-  attention_head_scalar(a, b, h, g);
+  attention_head_scalar(head);
 }
 
 ffi::Error HistoryAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
