@@ -437,6 +437,13 @@ inline float sum8(__m256 v) {
   return s;
 }
 
+// The sums of eight vectors' lanes, in their order: [sum a0, ..., sum a7].
+inline __m256 lane_sums(const __m256 v[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // Several input rows: kTileRows weight rows widened once into a thread-local buffer (L1), then
 // every pair of input rows multiplied against all of them in one pass over k, a kTileRows x 2
 // register tile (12 accumulators): each x vector loaded serves kTileRows weight rows and each
@@ -474,9 +481,17 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
         acc[r][1] = _mm256_fmadd_ps(x1, v, acc[r][1]);
       }
     }
+    // The 12 accumulators' sums by two transposing reductions (8 + 4), not 12 one by one.
+    static_assert(kTileRows == 6, "the reductions below take 6 x 2 accumulators");
+    alignas(32) float sums[16];
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 first[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+    const __m256 rest[8] = {acc[4][0], acc[4][1], acc[5][0], acc[5][1], zero, zero, zero, zero};
+    _mm256_store_ps(sums, lane_sums(first));
+    _mm256_store_ps(sums + 8, lane_sums(rest));
     for (int r = 0; r < rows_here; ++r) {
-      y[m * N + n + r] = sum8(acc[r][0]);
-      if (two) y[(m + 1) * N + n + r] = sum8(acc[r][1]);
+      y[m * N + n + r] = sums[2 * r];
+      if (two) y[(m + 1) * N + n + r] = sums[2 * r + 1];
     }
   }
 }
@@ -770,7 +785,7 @@ void attention_head_scalar(const Head& head) {
 }
 
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // e^x for x <= 0 in 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n put in
 // the exponent), within ~2 ulp of std::exp; below -87 it gives e^-87 (the softmax's weights
 // there are < 1e-37 of the largest: zero in every sum they join).
@@ -791,12 +806,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// The sums of eight vectors' lanes, in their order: [sum a0, ..., sum a7].
-inline __m256 lane_sums(const __m256 v[8]) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
 
 // Query head g of (row b, kv head h) for head sizes of whole 8-float vectors. Scores eight
 // positions at a time, each key's dot product in its own accumulator and the eight summed
@@ -866,7 +875,7 @@ void attention_chunk(const void* context, int64_t c) {
   const Attention& a = *static_cast<const Attention*>(context);
   const int64_t g = c % a.G, h = c / a.G % a.kv_heads, b = c / a.G / a.kv_heads;
   const Head head(a, b, h, g);
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (a.D % 8 == 0) return attention_head_avx2(head);
 #endif
   attention_head_scalar(head);
