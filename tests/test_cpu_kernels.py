@@ -278,7 +278,7 @@ def test_gguf_layers_by_address_equal_the_dequantized_reference(layout):
         layers.append(layer)
     blocked = {**params, "layers": layers}
     table = cpu_kernels.layer_addresses(blocked, config)
-    assert table is not None
+    assert table is not None and table.max_rows == cpu_kernels.BLOCK_MAX_ROWS  # every matrix blocks
     column = 3 * cpu_kernels.LAYER_WEIGHTS.index("wo") + 2
     assert [int(k) for k in np.asarray(table.table)[:, column]] == [cpu_kernels.BLOCK_KINDS[kinds[(i + 3) % 3]]
                                                                     for i in range(config.num_layers)]
@@ -312,6 +312,7 @@ def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
     table = cpu_kernels.layer_addresses(params, config)
     rows = np.asarray(table.table)
     assert rows.shape == (config.num_layers, 3 * len(cpu_kernels.LAYER_WEIGHTS))
+    assert table.max_rows == cpu_kernels.MAX_ROWS  # f32 matrices: XLA's matmul wins past MAX_ROWS
     wq = params["layers"][1]["wq"].unsafe_buffer_pointer()
     at = 3 * cpu_kernels.LAYER_WEIGHTS.index("wq")
     assert int(rows[1, at]) | int(rows[1, at + 1]) << 32 == wq

@@ -78,6 +78,8 @@ def test_smollm2_runs_from_its_own_blocks():
     assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # its block kernel decodes
     # and one layer-kernel call a layer decodes, the weights named by address
     assert (llm.engine._params_by_address is not None) == cpu_kernels.available()
+    if cpu_kernels.available():  # up to the block kernel's rows: its matmuls take them either way
+        assert llm.engine._params_by_address["layers"].max_rows == cpu_kernels.BLOCK_MAX_ROWS
     assert quant.weight_bytes(params) == file_bytes  # norms in f32 as the file holds them, blocks as they are
     prompt = llm.model.tokenizer("The Eiffel Tower is in the city of")["input_ids"]
     sampling = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -1214,6 +1214,9 @@ ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> address
     ok = ok && p[i].data && p[i].kind >= 0 && p[i].kind <= kF32 && (p[i].kind == kF32 || K % 32 == 0);
   }
   if (!ok) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer_at: a weight has no address or kind");
+  if (x.dimensions().front() > kMaxBlockRows) {  // the blocks' scalar path keeps an accumulator per row
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer_at: too many rows");
+  }
   return decoder_layer(w, intermediate, head_dim, x, cos, sin, cache_k, cache_v, tables, positions, valid, x_out,
                        k_out, v_out, eps, scale, num_heads, num_kv_heads, window, page_size, head_stride,
                        page_stride, num_pages);

@@ -192,7 +192,8 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     weights and cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
     `LayerAt` layer is one by construction)."""
     b, t = x.shape[:2]
-    rows = (t == 1 and 0 < b <= MAX_ROWS and x.dtype == jnp.float32 and layer_k.dtype == jnp.float32
+    limit = p.max_rows if isinstance(p, LayerAt) else MAX_ROWS
+    rows = (t == 1 and 0 < b <= limit and x.dtype == jnp.float32 and layer_k.dtype == jnp.float32
             and available())
     if isinstance(p, LayerAt):
         return rows
@@ -251,6 +252,7 @@ class LayerAt:
 
     table: jax.Array
     index: int
+    max_rows: int = MAX_ROWS
 
 
 @jax.tree_util.register_dataclass
@@ -268,12 +270,16 @@ class LayerAddresses:
     engine keeps its params), and weights are never donated or written."""
 
     table: jax.Array
+    # Static: rows up to which the programs take the table (the layer kernel runs them):
+    # BLOCK_MAX_ROWS where every matrix is GGUF blocks (the block kernel takes those rows
+    # either way; the layer call drops XLA's ops between them), MAX_ROWS where f32 ones are.
+    max_rows: int = dataclasses.field(default=MAX_ROWS, metadata=dict(static=True))
 
     def __len__(self) -> int:
         return self.table.shape[0]
 
     def __iter__(self):
-        return (LayerAt(self.table, i) for i in range(len(self)))
+        return (LayerAt(self.table, i, self.max_rows) for i in range(len(self)))
 
 
 def _kind(a, shape: tuple) -> int | None:
@@ -301,7 +307,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
     if (not layers or not available() or config.position_embedding != "rope" or not required <= set(expected)
             or not set(expected) <= set(LAYER_WEIGHTS)):
         return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
-    rows = []
+    rows, all_blocks = [], True
     for p in layers:
         if set(p) != set(expected) or len(jax.tree.leaves(p)) != len(expected):
             return None  # a layer of another shape than the config's
@@ -309,13 +315,14 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         kinds = {n: _kind(a, expected[n]) for n, a in arrays.items()}
         if None in kinds.values() or any(kinds[n] != F32_KIND for n in arrays if "norm" in n):
             return None
+        all_blocks = all_blocks and all(k != F32_KIND for n, k in kinds.items() if "norm" not in n)
         row = []
         for n in LAYER_WEIGHTS:
             a = arrays.get(n)
             address = 0 if a is None else (a.blocks if isinstance(a, GGUFWeight) else a).unsafe_buffer_pointer()
             row += [address & 0xFFFFFFFF, address >> 32, kinds.get(n, F32_KIND)]
         rows.append(row)
-    return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)))
+    return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)), BLOCK_MAX_ROWS if all_blocks else MAX_ROWS)
 
 
 class CpuKernelOps(Ops):

@@ -223,7 +223,8 @@ class Engine:
         return self._step(packed, steps)
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
-        by_address = self._params_by_address is not None and packed[0].shape[1] <= cpu_kernels.MAX_ROWS
+        by_address = (self._params_by_address is not None
+                      and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
