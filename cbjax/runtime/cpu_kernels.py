@@ -7,7 +7,8 @@
   Mistral, Qwen3) over at most `MAX_ROWS` rows of one token each (`BLOCK_MAX_ROWS` where every
   matrix is GGUF Q8_0/Q4_0/Q4_1 blocks; decode and the mixed step's flat rows), its keys and
   values written into the slot or paged cache in place, in one call: the layer's seven
-  matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor (SmolLM2 one-sequence step 15.8 -> 15.0 ms, same run);
+  matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor
+  (SmolLM2 one-sequence step 15.8 -> 15.0 ms, same run);
 - `dense`: the other matmuls of at most `MAX_ROWS` rows (the LM head; the layers of
   families the layer kernel does not take); prefill's larger ones stay with XLA's GEMM,
   which is as fast there;
