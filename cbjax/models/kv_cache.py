@@ -21,7 +21,6 @@ valid sequence.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import jax
@@ -198,9 +197,12 @@ class SlotCache:
     def get_sequence(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one slot, `[layers, kv_heads, length, head_dim]` (host-side helper)."""
         n = int(self.lengths[slot])
-        back = lambda x, layer: rotate(x, x.shape[-1], back=True) if isinstance(layer, QuantizedKV) else x  # noqa
-        return tuple(jnp.stack([back(decode(jax.tree.map(lambda a: a[:, slot, :n], layer)), layer) for layer in kv])
-                     for kv in (self.k, self.v))
+
+        def held(layer):  # an 8-bit layer's vectors rotated back (forward stored them rotated)
+            x = decode(jax.tree.map(lambda a: a[:, slot, :n], layer))
+            return rotate(x, x.shape[-1], back=True) if isinstance(layer, QuantizedKV) else x
+
+        return tuple(jnp.stack([held(layer) for layer in kv]) for kv in (self.k, self.v))
 
     # One sequence out and in (a KV move between engines), and copies (a fork's prompt).
     paged = False

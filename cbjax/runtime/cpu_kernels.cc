@@ -437,6 +437,12 @@ inline float sum8(__m256 v) {
   return s;
 }
 
+// A mask of the first `m` of 8 lanes (m <= 8).
+inline __m256 first_lanes(int64_t m) {
+  return _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 // The sums of eight vectors' lanes, in their order: [sum a0, ..., sum a7].
 inline __m256 lane_sums(const __m256 v[8]) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -628,32 +634,30 @@ void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, 
   if (kind == kQ4_0) return block_rows_avx2<kQ4_0>(x, xp, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
   return block_rows_avx2<kQ4_1>(x, xp, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
 #endif
-  const BlockInput& p = in;
-  const int64_t blocks = p.K / 32, size = kBlockBytes[kind];
+  const int64_t blocks = in.K / 32, size = kBlockBytes[kind];
   constexpr int kVectors = 32 / kLanes;
   alignas(64) float widened[32];
   // An accumulator per input row and vector of the block: no add waits on the one before it.
   vw acc[kMaxBlockRows][kVectors];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t m = 0; m < in.M; ++m)
       for (int v = 0; v < kVectors; ++v) acc[m][v] = vw{};
     for (int64_t b = 0; b < blocks; ++b) {
       widen_block(row + b * size, kind, widened);
       for (int v = 0; v < kVectors; ++v) {
         const vw t = loadw(widened + v * kLanes);
-        const float* x = p.x + b * 32 + v * kLanes;
-        for (int64_t m = 0; m < p.M; ++m) acc[m][v] += loadw(x + m * p.K) * t;
+        const float* x = in.x + b * 32 + v * kLanes;
+        for (int64_t m = 0; m < in.M; ++m) acc[m][v] += loadw(x + m * in.K) * t;
       }
     }
-    for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t m = 0; m < in.M; ++m) {
       vw total = acc[m][0];
       for (int v = 1; v < kVectors; ++v) total += acc[m][v];
       y[m * N + n] = sumw(total);
     }
   }
 }
-
 
 // The input as block_rows reads it: for one row, permuted into a buffer of this thread's that
 // stays valid until its next call (a layer prepares each matmul's input before its job runs).
@@ -784,7 +788,6 @@ void attention_head_scalar(const Head& head) {
   a.top[head.index] = top, a.total[head.index] = total;
 }
 
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // e^x for x <= 0 in 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n put in
 // the exponent), within ~2 ulp of std::exp; below -87 it gives e^-87 (the softmax's weights
@@ -805,7 +808,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-
 
 // Query head g of (row b, kv head h) for head sizes of whole 8-float vectors. Scores eight
 // positions at a time, each key's dot product in its own accumulator and the eight summed
@@ -834,9 +836,7 @@ void attention_head_avx2(const Head& head) {
         if (j < m) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[i + j] + d), acc[j]);
     }
     __m256 s = _mm256_mul_ps(lane_sums(acc), scale);
-    if (m < 8) s = _mm256_blendv_ps(_mm256_set1_ps(kMasked), s,
-                                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m)),
-                                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    if (m < 8) s = _mm256_blendv_ps(_mm256_set1_ps(kMasked), s, first_lanes(m));
     _mm256_storeu_ps(scores.data() + i, s);
     top = _mm256_max_ps(top, s);
   }
@@ -849,8 +849,7 @@ void attention_head_avx2(const Head& head) {
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + i), _mm256_set1_ps(max)));
     _mm256_storeu_ps(scores.data() + i, e);  // past n the masked lanes give 0 (clamped to e^-87 of ~-1e30: ~0)
-    total = _mm256_add_ps(total, n - i >= 8 ? e : _mm256_blendv_ps(_mm256_setzero_ps(), e, _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+    total = _mm256_add_ps(total, n - i >= 8 ? e : _mm256_and_ps(e, first_lanes(n - i)));
   }
   a.top[head.index] = max;
   a.total[head.index] = sum8(total);
@@ -920,20 +919,21 @@ struct Weight {
   int64_t kind;
 };
 
-// The input of a layer's matmul as both kinds read it (block_input: permuted for one row when a
-// block weight reads it).
-struct LayerInput {
-  BlockInput in;
-  static LayerInput of(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
-    for (const Weight& w : readers)
-      if (w.kind != kF32) return {block_input(x, M, K)};
-    return {{x, nullptr, nullptr, M, K}};
-  }
-};
+// The input of a layer's matmul as its weights read it: permuted for one row (block_input) only
+// when a block weight reads it.
+BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    if (readers[i].kind != kF32) return block_input(x, M, K);
+  return {x, nullptr, nullptr, M, K};
+}
 
-void any_rows(const LayerInput& in, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if (w.kind == kF32) return weight_rows(in.in.x, static_cast<const float*>(w.data), y, in.in.M, N, in.in.K, n0, n1);
-  block_rows(in.in, static_cast<const uint8_t*>(w.data), w.kind, y, N, n0, n1);
+BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
+  return layer_input(x, M, K, readers.begin(), static_cast<int64_t>(readers.size()));
+}
+
+void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if (w.kind == kF32) return weight_rows(in.x, static_cast<const float*>(w.data), y, in.M, N, in.K, n0, n1);
+  block_rows(in, static_cast<const uint8_t*>(w.data), w.kind, y, N, n0, n1);
 }
 
 int64_t rows_per_chunk_for(Weight w, int64_t K) {
@@ -942,7 +942,7 @@ int64_t rows_per_chunk_for(Weight w, int64_t K) {
 
 // Several matmuls sharing one input, chunked over all their weight rows as one job.
 struct Segments {
-  LayerInput x;
+  BlockInput x;
   Weight w[3];
   float* y[3];
   int64_t N[3];
@@ -953,13 +953,13 @@ struct Segments {
 
 Segments segments(const float* x, int64_t M, int64_t K, std::initializer_list<std::tuple<Weight, float*, int64_t>> parts) {
   Segments s{};
+  s.rows_per_chunk = rows_per_chunk_for(std::get<0>(*parts.begin()), K);
   for (const auto& [w, y, n] : parts) {
-    if (s.count == 0) s.x = LayerInput::of(x, M, K, {w}), s.rows_per_chunk = rows_per_chunk_for(w, K);
-    else if (w.kind != kF32 && s.w[0].kind == kF32) s.x = LayerInput::of(x, M, K, {w});
     s.w[s.count] = w, s.y[s.count] = y, s.N[s.count] = n;
     s.first_chunk[s.count + 1] = s.first_chunk[s.count] + chunk_count(n, s.rows_per_chunk);
     ++s.count;
   }
+  s.x = layer_input(x, M, K, s.w, s.count);
   return s;
 }
 
@@ -973,7 +973,7 @@ void segments_chunk(const void* context, int64_t c) {
 
 // out = residual + x @ w.T (out may be residual: each element is read, then written, by one chunk).
 struct ResidualMatmul {
-  LayerInput x;
+  BlockInput x;
   Weight w;
   float* y;  // scratch [M, N]
   int64_t N, rows_per_chunk;
@@ -983,20 +983,20 @@ struct ResidualMatmul {
 
 ResidualMatmul residual_matmul(const float* x, int64_t M, int64_t K, Weight w, float* y, int64_t N,
                                const float* residual, float* out) {
-  return {LayerInput::of(x, M, K, {w}), w, y, N, rows_per_chunk_for(w, K), residual, out};
+  return {layer_input(x, M, K, {w}), w, y, N, rows_per_chunk_for(w, K), residual, out};
 }
 
 void residual_chunk(const void* context, int64_t c) {
   const ResidualMatmul& r = *static_cast<const ResidualMatmul*>(context);
   const int64_t n0 = c * r.rows_per_chunk, n1 = chunk_end(c, r.rows_per_chunk, r.N);
   any_rows(r.x, r.w, r.y, r.N, n0, n1);
-  for (int64_t i = 0; i < r.x.in.M; ++i)
+  for (int64_t i = 0; i < r.x.M; ++i)
     for (int64_t n = n0; n < n1; ++n) r.out[i * r.N + n] = r.residual[i * r.N + n] + r.y[i * r.N + n];
 }
 
 // act = silu(x @ gate.T) * (x @ up.T): a chunk takes the same rows of both weights.
 struct GatedMatmul {
-  LayerInput x;
+  BlockInput x;
   Weight gate, up;
   float *gate_y, *up_y;  // scratch [M, N] each
   int64_t N, rows_per_chunk;
@@ -1008,7 +1008,7 @@ void gated_chunk(const void* context, int64_t c) {
   const int64_t N = g.N, n0 = c * g.rows_per_chunk, n1 = chunk_end(c, g.rows_per_chunk, N);
   any_rows(g.x, g.gate, g.gate_y, N, n0, n1);
   any_rows(g.x, g.up, g.up_y, N, n0, n1);
-  for (int64_t i = 0; i < g.x.in.M; ++i)
+  for (int64_t i = 0; i < g.x.M; ++i)
     for (int64_t n = n0; n < n1; ++n) {
       const float a = g.gate_y[i * N + n];
       g.act[i * N + n] = a / (1.f + std::exp(-a)) * g.up_y[i * N + n];
@@ -1136,7 +1136,7 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
 
   rms_norm_rows(out, w.mlp_norm, h, M, H, eps);
   const int64_t rows_f = rows_per_chunk_for(w.w_gate, H);
-  const GatedMatmul mlp{LayerInput::of(h, M, H, {w.w_gate, w.w_up}), w.w_gate, w.w_up, gate, up, F, rows_f, act};
+  const GatedMatmul mlp{layer_input(h, M, H, {w.w_gate, w.w_up}), w.w_gate, w.w_up, gate, up, F, rows_f, act};
   pool().run(gated_chunk, &mlp, chunk_count(F, rows_f));
 
   const ResidualMatmul down = residual_matmul(act, M, F, w.w_down, tmp, H, out, out);

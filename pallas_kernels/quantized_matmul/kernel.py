@@ -53,6 +53,11 @@ def _largest_power_of_two_dividing(n: int, cap: int) -> int:
     return b
 
 
+def _block_k(in_dim: int, groups: int) -> int:
+    """Inputs a step reads: a scale group, or (one scale a row) up to 256."""
+    return in_dim // groups if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
+
+
 def _power_of_two(name: str, value: int | None) -> None:
     if value is not None and (value < 1 or value & (value - 1)):
         raise ValueError(f"quantized_matmul: {name}={value} must be a power of two")
@@ -71,7 +76,7 @@ def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -
     form = launch.form or ("reduce" if rows <= REDUCE_ROWS else "dot")
     if form not in triton_kernel.FORMS:
         raise ValueError(f"quantized_matmul: form={form!r}: expected one of {triton_kernel.FORMS}")
-    block_k = in_dim // groups if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
+    block_k = _block_k(in_dim, groups)
     block_n = _largest_power_of_two_dividing(out_dim, launch.block_n or (64 if form == "dot" else 32))
     blocks = in_dim // block_k
     unroll = _largest_power_of_two_dividing(blocks, launch.unroll or 1)
@@ -94,8 +99,7 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
     if groups > 1 and (group < 16 or group & (group - 1) or in_dim % groups):
         return f"groups of {group} inputs: the kernel takes power-of-two groups >= 16"
     block_n = _largest_power_of_two_dividing(out_dim, 64)
-    block_k = group if groups > 1 else _largest_power_of_two_dividing(in_dim, 256)
-    if block_n < 16 or block_k < 16:
+    if block_n < 16 or _block_k(in_dim, groups) < 16:
         return f"a [{out_dim}, {in_dim}] weight has no power-of-two blocks >= 16"
     return None
 
