@@ -233,7 +233,7 @@ class Pool {
     joined_.store(1, std::memory_order_relaxed);  // the caller is participant 0
     const uint64_t id = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     for (int r = 0; r < regions; ++r)
-      region_[r].store((id << 32) | static_cast<uint64_t>(region_start(r)), std::memory_order_relaxed);
+      region_[r].next.store((id << 32) | static_cast<uint64_t>(region_start(r)), std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ticket_.store(id << 32, std::memory_order_release);  // publishes job_, done_ and the regions
@@ -247,7 +247,7 @@ class Pool {
     // done_ past that job's count, so its caller spun forever (seen once: a hang after 600
     // decode calls). No compare-exchange on a counter of `id` can succeed after these stores,
     // since ids only grow.
-    for (int r = 0; r < regions; ++r) region_[r].store((id << 32) | 0xffffffffu, std::memory_order_release);
+    for (int r = 0; r < regions; ++r) region_[r].next.store((id << 32) | 0xffffffffu, std::memory_order_release);
     busy_.store(false, std::memory_order_release);
   }
 
@@ -270,11 +270,11 @@ class Pool {
       const int r = (first + i) % regions;
       const int64_t end = region_start(r + 1);
       for (;;) {
-        uint64_t t = region_[r].load(std::memory_order_acquire);
+        uint64_t t = region_[r].next.load(std::memory_order_acquire);
         if ((t >> 32) != id) return;
         const int64_t c = static_cast<int64_t>(t & 0xffffffffu);
         if (c >= end) break;
-        if (!region_[r].compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+        if (!region_[r].next.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
         // Job `id` cannot end (nor job_ change) before this claimed chunk is done.
         job_.fn(job_.context, c);
         done_.fetch_add(1, std::memory_order_acq_rel);
@@ -303,8 +303,13 @@ class Pool {
 
   const int size_;
   std::atomic<uint64_t> ticket_{0};  // (job id << 32): the job now published
-  std::atomic<uint64_t> region_[kMaxThreads];  // (job id << 32) | next unclaimed chunk of region r
-  std::atomic<int64_t> done_{0};
+  // Each region's counter on its own cache line, and done_ on another: one line shared by the
+  // threads' claims bounced between the cores on every chunk.
+  struct alignas(64) Region {
+    std::atomic<uint64_t> next;  // (job id << 32) | next unclaimed chunk of region r
+  };
+  Region region_[kMaxThreads];
+  alignas(64) std::atomic<int64_t> done_{0};
   std::atomic<int> joined_{0};
   std::atomic<bool> busy_{false};
   Job job_{};
