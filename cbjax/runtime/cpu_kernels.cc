@@ -857,7 +857,8 @@ void attention_head_avx2(const Head& head) {
   float* out = head.out();
   thread_local std::vector<float> scores;
   thread_local std::vector<const float*> keys, values;
-  scores.resize(static_cast<size_t>(n + 8)), keys.resize(static_cast<size_t>(n + 8)), values.resize(static_cast<size_t>(n));
+  scores.resize(static_cast<size_t>(n + 8)), keys.resize(static_cast<size_t>(n + 8));
+  values.resize(static_cast<size_t>(n));
   head.rows(keys.data(), values.data());
   // The last group of eight reads real keys past n (their scores are masked below): no test per
   // key in the loop, which kept the accumulators on the stack.
