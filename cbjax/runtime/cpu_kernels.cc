@@ -511,20 +511,19 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
 }
 
 // One input row (a sequence's decode): per block d * sum(x q) (+ m * sum(x) for Q4_1, - 8 d * sum(x)
-// for Q4_0), two weight rows at a time. The block's bytes go to 32-bit lanes by shifts and masks
-// on the integer ALUs instead of byte-to-int32 shuffles, which leaves the weights in the order
-// "lane j of vector k is weight 4j + k" (Q4: the 16 bytes in both halves, the high half shifted
-// by 4, so lane j < 4 holds low nibbles 4j..4j+3 and lane j >= 4 the high ones, weights 16 +
-// 4(j - 4) = 4j); x is permuted to that order once per call (`permute_input`), and each block's
-// sum(x) / 8 broadcast to 8 lanes carries the m (or -8) term through the same accumulator.
-// SmolLM2's Q4_1 matrices, one row, 2-core EPYC, 57 MB of blocks: 13.4 GB/s against 8.2-9.9 for
-// widening each block to d * q + m floats first (6.8 against 5.0 GB/s on one thread); the sums
-// differ from the widened ones in the last bits (3e-7 of the largest output).
-void permute_input(const float* x, int64_t K, float* xp, float* eighth_sums) {
+// for Q4_0), two weight rows at a time (Q4). Each block's sum(x) / 8, broadcast to 8 lanes, carries
+// the m (or -8) term through the same accumulator. The bytes go to 32-bit lanes by byte-to-int32
+// loads (`vpmovzxbd` / `vpmovsxbd`, 8 bytes each): a Q4 byte j holds weights j and j + 16, so
+// bytes 0-7 masked are weights 0-7, shifted 16-23, and x is read in its own order. That is 10
+// vector ops a Q4 block against 13 for the earlier shifts and masks of one broadcast load (which
+// needed x permuted): the Q4 loop is bound by its f32 products, and the engine's one-sequence
+// Q4_1 step went 10.5 -> 9.5 ms (means of 12 step blocks, alternating runs, 2-core EPYC).
+// SmolLM2's Q4_1 matrices, one row, 57 MB of blocks: 13.4 GB/s (shifts) against 8.2-9.9 for
+// widening each block to d * q + m floats first; the sums differ from the widened ones in the
+// last bits (3e-7 of the largest output).
+void block_sums(const float* x, int64_t K, float* eighth_sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
     float sum = 0.f;
-    for (int k = 0; k < 4; ++k)
-      for (int j = 0; j < 8; ++j) xp[b * 32 + 8 * k + j] = x[b * 32 + 4 * j + k];
     for (int j = 0; j < 32; ++j) sum += x[b * 32 + j];
     eighth_sums[b] = sum * 0.125f;
   }
@@ -536,34 +535,26 @@ inline __m256 half_lanes(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_set1_epi16(bits));
 }
 
-// Byte k of each 32-bit lane of q, as 8 floats (signed for Q8_0).
-template <int64_t Kind, int K>
-inline __m256 lane_byte(__m256i q) {
-  if constexpr (Kind == kQ8_0) {
-    const __m256i up = K == 3 ? q : _mm256_slli_epi32(q, 24 - 8 * K);
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(up, 24));
-  } else if constexpr (K == 3) {
-    return _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 24));
-  } else {
-    const __m256i down = K == 0 ? q : _mm256_srli_epi32(q, 8 * K);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(down, _mm256_set1_epi32(0xFF)));
-  }
+// 8 bytes at p as 8 int32 lanes (signed for Q8_0; Q4 bytes, their nibbles split by the caller).
+inline __m256i bytes_at(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
 }
 
 template <int64_t Kind>
 inline __m256 block_dot(const uint8_t* b, const __m256 x[4], __m256 eighth_sum, __m256 acc) {
-  __m256i q;
+  __m256 t;
   if constexpr (Kind == kQ8_0) {
-    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    t = _mm256_mul_ps(x[0], _mm256_cvtepi32_ps(bytes_at(b + 2, true)));
+    for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(x[i], _mm256_cvtepi32_ps(bytes_at(b + 2 + 8 * i, true)), t);
   } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Kind == kQ4_1 ? 4 : 2)));
-    q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(bytes), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                         _mm256_set1_epi32(0x0F0F0F0F));
+    const uint8_t* q = b + (Kind == kQ4_1 ? 4 : 2);
+    const __m256i first = bytes_at(q, false), second = bytes_at(q + 8, false), low = _mm256_set1_epi32(0x0F);
+    t = _mm256_mul_ps(x[0], _mm256_cvtepi32_ps(_mm256_and_si256(first, low)));
+    t = _mm256_fmadd_ps(x[1], _mm256_cvtepi32_ps(_mm256_and_si256(second, low)), t);
+    t = _mm256_fmadd_ps(x[2], _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), t);
+    t = _mm256_fmadd_ps(x[3], _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), t);
   }
-  __m256 t = _mm256_mul_ps(x[0], lane_byte<Kind, 0>(q));
-  t = _mm256_fmadd_ps(x[1], lane_byte<Kind, 1>(q), t);
-  t = _mm256_fmadd_ps(x[2], lane_byte<Kind, 2>(q), t);
-  t = _mm256_fmadd_ps(x[3], lane_byte<Kind, 3>(q), t);
   if constexpr (Kind == kQ4_0) t = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), eighth_sum, t);
   acc = _mm256_fmadd_ps(half_lanes(b), t, acc);
   if constexpr (Kind == kQ4_1) acc = _mm256_fmadd_ps(half_lanes(b + 2), eighth_sum, acc);
@@ -571,7 +562,7 @@ inline __m256 block_dot(const uint8_t* b, const __m256 x[4], __m256 eighth_sum, 
 }
 
 template <int64_t Kind>
-void block_rows_one_input(const float* xp, const float* eighth_sums, const uint8_t* w, float* y, int64_t K,
+void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_t* w, float* y, int64_t K,
                           int64_t row_bytes, int64_t n0, int64_t n1) {
   constexpr int64_t size = kBlockBytes[Kind];
   const int64_t blocks = K / 32;
@@ -584,24 +575,24 @@ void block_rows_one_input(const float* xp, const float* eighth_sums, const uint8
     const uint8_t* r1 = pair ? r0 + row_bytes : r0;
     __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = xp + b * 32;
-      const __m256 x[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
-                           _mm256_loadu_ps(xb + 24)};
+      const float* xb = x + b * 32;
+      const __m256 xv[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
+                            _mm256_loadu_ps(xb + 24)};
       const __m256 eighth_sum = _mm256_broadcast_ss(eighth_sums + b);
-      a = block_dot<Kind>(r0 + b * size, x, eighth_sum, a);
-      if (step == 2) c = block_dot<Kind>(r1 + b * size, x, eighth_sum, c);
+      a = block_dot<Kind>(r0 + b * size, xv, eighth_sum, a);
+      if (step == 2) c = block_dot<Kind>(r1 + b * size, xv, eighth_sum, c);
     }
     y[n] = sum8(a);
     if (pair) y[n + 1] = sum8(c);
   }
 }
 
-// Weight rows [n0, n1) against M input rows: one (block_rows_one_input, on the permuted row), or
-// tiles of kTileRows weight rows (block_tile_rows).
+// Weight rows [n0, n1) against M input rows: one (block_rows_one_input), or tiles of kTileRows
+// weight rows (block_tile_rows).
 template <int64_t Kind>
-void block_rows_avx2(const float* x, const float* xp, const float* eighth_sums, const uint8_t* w, float* y, int64_t M,
-                     int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
-  if (M == 1) return block_rows_one_input<Kind>(xp, eighth_sums, w, y, K, row_bytes, n0, n1);
+void block_rows_avx2(const float* x, const float* eighth_sums, const uint8_t* w, float* y, int64_t M, int64_t N,
+                     int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  if (M == 1) return block_rows_one_input<Kind>(x, eighth_sums, w, y, K, row_bytes, n0, n1);
   for (int64_t n = n0; n < n1; n += kTileRows)
     block_tile_rows<Kind>(x, w, y, M, N, K, row_bytes, n, static_cast<int>(std::min<int64_t>(kTileRows, n1 - n)));
 }
@@ -628,11 +619,10 @@ inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
 }
 #endif
 
-// A block matmul's operands; one input row also comes permuted for block_rows_one_input.
+// A block matmul's operands; one input row also comes with its blocks' sums for block_rows_one_input.
 struct BlockInput {
   const float* x;  // [M, K]
-  const float* xp;  // M == 1: x permuted (permute_input), and its blocks' sums / 8
-  const float* eighth_sums;
+  const float* eighth_sums;  // M == 1: each 32-block's sum(x) / 8 (block_sums)
   int64_t M, K;
 };
 
@@ -640,10 +630,10 @@ struct BlockInput {
 void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t row_bytes = in.K / 32 * kBlockBytes[kind];
 #if defined(__AVX2__) && defined(__F16C__)
-  const float *x = in.x, *xp = in.xp, *sums = in.eighth_sums;
-  if (kind == kQ8_0) return block_rows_avx2<kQ8_0>(x, xp, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
-  if (kind == kQ4_0) return block_rows_avx2<kQ4_0>(x, xp, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
-  return block_rows_avx2<kQ4_1>(x, xp, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  const float *x = in.x, *sums = in.eighth_sums;
+  if (kind == kQ8_0) return block_rows_avx2<kQ8_0>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  if (kind == kQ4_0) return block_rows_avx2<kQ4_0>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  return block_rows_avx2<kQ4_1>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
 #endif
   const int64_t blocks = in.K / 32, size = kBlockBytes[kind];
   constexpr int kVectors = 32 / kLanes;
@@ -670,17 +660,17 @@ void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, 
   }
 }
 
-// The input as block_rows reads it: for one row, permuted into a buffer of this thread's that
+// The input as block_rows reads it: for one row, its block sums in a buffer of this thread's that
 // stays valid until its next call (a layer prepares each matmul's input before its job runs).
 BlockInput block_input(const float* x, int64_t M, int64_t K) {
-  thread_local std::vector<float> permuted, eighth_sums;
+  thread_local std::vector<float> eighth_sums;
 #if defined(__AVX2__) && defined(__F16C__)
   if (M == 1) {
-    permuted.resize(K), eighth_sums.resize(K / 32);
-    permute_input(x, K, permuted.data(), eighth_sums.data());
+    eighth_sums.resize(K / 32);
+    block_sums(x, K, eighth_sums.data());
   }
 #endif
-  return {x, permuted.data(), eighth_sums.data(), M, K};
+  return {x, eighth_sums.data(), M, K};
 }
 
 // About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows.
@@ -956,12 +946,12 @@ struct Weight {
   int64_t kind;
 };
 
-// The input of a layer's matmul as its weights read it: permuted for one row (block_input) only
+// The input of a layer's matmul as its weights read it: one row's block sums (block_input) only
 // when a block weight reads it.
 BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
   for (int64_t i = 0; i < count; ++i)
     if (readers[i].kind != kF32) return block_input(x, M, K);
-  return {x, nullptr, nullptr, M, K};
+  return {x, nullptr, M, K};
 }
 
 BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
