@@ -107,16 +107,17 @@ def test_cpu_block_kernel_matches_the_dequantized_product(kind):
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.build_error())
     rng = np.random.default_rng(3)
-    w = rng.normal(size=(37, 192)).astype(np.float32)  # an odd number of weight rows: a last row alone
-    blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
-    weight = GGUFWeight(jnp.asarray(blocks), kind)
-    dense = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
-    for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
-        x = rng.normal(size=(rows, 192)).astype(np.float32)
-        assert cpu_kernels.blocks_fit(jnp.asarray(x), weight)
-        got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
-        np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
-    assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, 192)), weight)
+    for width in (192, 224):  # 6 and 7 blocks a row: one row's loop takes blocks in pairs, then the last alone
+        w = rng.normal(size=(37, width)).astype(np.float32)  # an odd number of weight rows: a last row alone
+        blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
+        weight = GGUFWeight(jnp.asarray(blocks), kind)
+        dense = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
+        for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
+            x = rng.normal(size=(rows, width)).astype(np.float32)
+            assert cpu_kernels.blocks_fit(jnp.asarray(x), weight)
+            got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
+            np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
+        assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, width)), weight)
 
 
 def test_a_q8_0_copy_runs_from_its_blocks(tmp_path):
