@@ -541,19 +541,21 @@ inline __m256i bytes_at(const uint8_t* p, bool is_signed) {
   return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
 }
 
+// acc + the block at b times its 32 inputs x (eighth_sum: their sum / 8 in every lane, for the Q4 offsets).
 template <int64_t Kind>
-inline __m256 block_dot(const uint8_t* b, const __m256 x[4], __m256 eighth_sum, __m256 acc) {
+inline __m256 block_dot(const uint8_t* b, const float* x, __m256 eighth_sum, __m256 acc) {
   __m256 t;
   if constexpr (Kind == kQ8_0) {
-    t = _mm256_mul_ps(x[0], _mm256_cvtepi32_ps(bytes_at(b + 2, true)));
-    for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(x[i], _mm256_cvtepi32_ps(bytes_at(b + 2 + 8 * i, true)), t);
+    t = _mm256_mul_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(bytes_at(b + 2, true)));
+    for (int i = 1; i < 4; ++i)
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * i), _mm256_cvtepi32_ps(bytes_at(b + 2 + 8 * i, true)), t);
   } else {
     const uint8_t* q = b + (Kind == kQ4_1 ? 4 : 2);
     const __m256i first = bytes_at(q, false), second = bytes_at(q + 8, false), low = _mm256_set1_epi32(0x0F);
-    t = _mm256_mul_ps(x[0], _mm256_cvtepi32_ps(_mm256_and_si256(first, low)));
-    t = _mm256_fmadd_ps(x[1], _mm256_cvtepi32_ps(_mm256_and_si256(second, low)), t);
-    t = _mm256_fmadd_ps(x[2], _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), t);
-    t = _mm256_fmadd_ps(x[3], _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), t);
+    t = _mm256_mul_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(_mm256_and_si256(first, low)));
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), _mm256_cvtepi32_ps(_mm256_and_si256(second, low)), t);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), t);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), t);
   }
   if constexpr (Kind == kQ4_0) t = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), eighth_sum, t);
   acc = _mm256_fmadd_ps(half_lanes(b), t, acc);
@@ -581,24 +583,15 @@ void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_
       // (a 4-cycle chain a block); Q8_0, 40 MB synthetic matrix, 2 threads: 25-27 against 23-25
       // GB/s; one-sequence decode 8.4 -> 8.1 ms (means of 12 step blocks, alternating runs).
       for (; b + 1 < blocks; b += 2) {
-        const float* xb = x + b * 32;
-        const __m256 x0[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
-                              _mm256_loadu_ps(xb + 24)};
-        const __m256 x1[4] = {_mm256_loadu_ps(xb + 32), _mm256_loadu_ps(xb + 40), _mm256_loadu_ps(xb + 48),
-                              _mm256_loadu_ps(xb + 56)};
-        a = block_dot<Kind>(r0 + b * size, x0, _mm256_broadcast_ss(eighth_sums + b), a);
-        c = block_dot<Kind>(r0 + (b + 1) * size, x1, _mm256_broadcast_ss(eighth_sums + b + 1), c);
+        a = block_dot<Kind>(r0 + b * size, x + b * 32, _mm256_broadcast_ss(eighth_sums + b), a);
+        c = block_dot<Kind>(r0 + (b + 1) * size, x + (b + 1) * 32, _mm256_broadcast_ss(eighth_sums + b + 1), c);
       }
       a = _mm256_add_ps(a, c);
-      c = _mm256_setzero_ps();
     }
     for (; b < blocks; ++b) {
-      const float* xb = x + b * 32;
-      const __m256 xv[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
-                            _mm256_loadu_ps(xb + 24)};
       const __m256 eighth_sum = _mm256_broadcast_ss(eighth_sums + b);
-      a = block_dot<Kind>(r0 + b * size, xv, eighth_sum, a);
-      if (step == 2) c = block_dot<Kind>(r1 + b * size, xv, eighth_sum, c);
+      a = block_dot<Kind>(r0 + b * size, x + b * 32, eighth_sum, a);
+      if (step == 2) c = block_dot<Kind>(r1 + b * size, x + b * 32, eighth_sum, c);
     }
     y[n] = sum8(a);
     if (pair) y[n + 1] = sum8(c);
