@@ -529,9 +529,10 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
 // last bits (3e-7 of the largest output).
 void block_sums(const float* x, int64_t K, float* eighth_sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
-    float sum = 0.f;
-    for (int j = 0; j < 32; ++j) sum += x[b * 32 + j];
-    eighth_sums[b] = sum * 0.125f;
+    const float* v = x + b * 32;
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+    eighth_sums[b] = sum8(sum) * 0.125f;
   }
 }
 
@@ -569,6 +570,13 @@ inline __m256 block_dot(const uint8_t* b, const float* x, __m256 eighth_sum, __m
   return acc;
 }
 
+// Block b's sum(x) / 8 in every lane; Q8_0 rows have no offset term (and no sums: null).
+template <int64_t Kind>
+inline __m256 eighth_sum_lanes(const float* eighth_sums, int64_t b) {
+  if constexpr (Kind == kQ8_0) return _mm256_setzero_ps();
+  else return _mm256_broadcast_ss(eighth_sums + b);
+}
+
 // A block row's stream asks for the bytes 1 KB ahead of the block it reads. The hardware
 // prefetchers alone left the one-row loop short of memory: SmolLM2's 211 matmuls at one row,
 // alternating runs, Q8_0 7.4-8.7 -> 6.9-7.5 ms, Q4_1 7.6-8.8 -> 7.3-7.6 ms; 512 and 2048 bytes
@@ -597,14 +605,14 @@ void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_
       // GB/s; one-sequence decode 8.4 -> 8.1 ms (means of 12 step blocks, alternating runs).
       for (; b + 1 < blocks; b += 2) {
         prefetch(r0 + b * size + kPrefetchAhead);
-        a = block_dot<Kind>(r0 + b * size, x + b * 32, _mm256_broadcast_ss(eighth_sums + b), a);
-        c = block_dot<Kind>(r0 + (b + 1) * size, x + (b + 1) * 32, _mm256_broadcast_ss(eighth_sums + b + 1), c);
+        a = block_dot<Kind>(r0 + b * size, x + b * 32, eighth_sum_lanes<Kind>(eighth_sums, b), a);
+        c = block_dot<Kind>(r0 + (b + 1) * size, x + (b + 1) * 32, eighth_sum_lanes<Kind>(eighth_sums, b + 1), c);
       }
       a = _mm256_add_ps(a, c);
     }
     for (; b < blocks; ++b) {
       if (step == 2) prefetch(r0 + b * size + kPrefetchAhead), prefetch(r1 + b * size + kPrefetchAhead);
-      const __m256 eighth_sum = _mm256_broadcast_ss(eighth_sums + b);
+      const __m256 eighth_sum = eighth_sum_lanes<Kind>(eighth_sums, b);
       a = block_dot<Kind>(r0 + b * size, x + b * 32, eighth_sum, a);
       if (step == 2) c = block_dot<Kind>(r1 + b * size, x + b * 32, eighth_sum, c);
     }
@@ -686,17 +694,19 @@ void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, 
   }
 }
 
-// The input as block_rows reads it: for one row, its block sums in a buffer of this thread's that
-// stays valid until its next call (a layer prepares each matmul's input before its job runs).
-BlockInput block_input(const float* x, int64_t M, int64_t K) {
-  thread_local std::vector<float> eighth_sums;
+// The input as block_rows reads it: for one row read by Q4 blocks (`q4`), its block sums in a
+// buffer of this thread's that stays valid until its next call (a layer prepares each matmul's
+// input before its job runs); else none.
+BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4) {
 #if defined(__AVX2__) && defined(__F16C__)
-  if (M == 1) {
+  if (M == 1 && q4) {
+    thread_local std::vector<float> eighth_sums;
     eighth_sums.resize(K / 32);
     block_sums(x, K, eighth_sums.data());
+    return {x, eighth_sums.data(), M, K};
   }
 #endif
-  return {x, eighth_sums.data(), M, K};
+  return {x, nullptr, M, K};
 }
 
 // About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows.
@@ -731,7 +741,7 @@ ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Re
   if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: too many rows");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const int64_t rows = block_rows_per_chunk(wd[1]);
-  const BlockMatmul m{block_input(x.typed_data(), M, K), w.typed_data(), y->typed_data(), N, kind, rows};
+  const BlockMatmul m{block_input(x.typed_data(), M, K, kind != kQ8_0), w.typed_data(), y->typed_data(), N, kind, rows};
   pool().run(block_matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
@@ -973,11 +983,11 @@ struct Weight {
 };
 
 // The input of a layer's matmul as its weights read it: one row's block sums (block_input) only
-// when a block weight reads it.
+// when a Q4 weight reads it.
 BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
-  for (int64_t i = 0; i < count; ++i)
-    if (readers[i].kind != kF32) return block_input(x, M, K);
-  return {x, nullptr, M, K};
+  bool q4 = false;
+  for (int64_t i = 0; i < count; ++i) q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
+  return block_input(x, M, K, q4);
 }
 
 BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
@@ -1071,8 +1081,11 @@ void gated_chunk(const void* context, int64_t c) {
 void rms_norm_rows(const float* x, const float* scale, float* out, int64_t M, int64_t D, float eps) {
   for (int64_t i = 0; i < M; ++i) {
     const float* r = x + i * D;
-    float ss = 0.f;
-    for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+    vw squares = {};  // lanes of partial sums: one running sum made a 4-cycle chain an element
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) squares += loadw(r + d) * loadw(r + d);
+    float ss = sumw(squares);
+    for (; d < D; ++d) ss += r[d] * r[d];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
     for (int64_t d = 0; d < D; ++d) out[i * D + d] = scale[d] * (r[d] * inv);
   }
