@@ -4,7 +4,9 @@ For each batch size (default 1, 8 and 32 sequences of a 64-token prompt making 1
 new tokens each, greedy, EOS ignored) this prints:
 
 - cbjax: the engine's decode steps alone (time per step and generated tokens/s, as
-  llama.cpp's S_TG counts them), also with the CPU kernels off (`--compare_xla`), and the
+  llama.cpp's S_TG counts them), also at several steps a device call (`--multi_step`: the
+  engine's `decode_steps`, which drops the per-call dispatch from the step), with the CPU
+  kernels off (`--compare_xla`), and the
   whole `LLM.generate` (prefill, scheduling and decode: tokens/s as llama.cpp's S t/s
   counts them);
 - llama.cpp's `llama-batched-bench` on the same weights (SmolLM2's GGUF requantized
@@ -50,6 +52,9 @@ flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax
 flags.DEFINE_enum("quantization", "none", ["none", "int8", "gguf"], "cbjax's weights: f32 (none), int8 groups, "
                   "or the GGUF file's own blocks (gguf; llama.cpp then runs that same file, not an F32 copy).")
 flags.DEFINE_enum("cpu_kernels", "auto", ["auto", "on", "off"], "cbjax's CPU kernels (EngineConfig.cpu_kernels).")
+flags.DEFINE_integer("multi_step", 8, "Also time cbjax's decode at this many steps per device call "
+                     "(EngineConfig.decode_steps: the host syncs once per call), beside one step a call; "
+                     "1 turns the column off.", lower_bound=1)
 flags.DEFINE_bool("compare_xla", True, "Also time cbjax's decode with the CPU kernels off (XLA only), side by side.")
 flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to write the results.")
 
@@ -78,9 +83,10 @@ def matvec_bandwidth(matrix, kernel: bool = False) -> float:
     return matrix.nbytes / float(np.median(times))
 
 
-def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
+def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str, decode_steps: int = 1) -> dict:
     """Prefill `batch` prompts into an engine of `batch` slots, then time `new_tokens - 1`
-    decode steps (the first token comes from the prefill)."""
+    decode steps (the first token comes from the prefill), `decode_steps` a call (whole calls:
+    the steps are rounded down to a multiple of it)."""
     import jax
     import numpy as np
 
@@ -89,10 +95,13 @@ def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
     from cbjax.runtime.step import split_logprobs
     from cbjax.scheduling.plan import Row
 
-    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels))
+    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
+                                        decode_steps=decode_steps))
     rng = np.random.default_rng(batch)
     sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
-    steps = FLAGS.new_tokens - 1
+    steps = (FLAGS.new_tokens - 1) // decode_steps * decode_steps
+    if steps == 0:
+        raise ValueError(f"--new_tokens={FLAGS.new_tokens} leaves no whole call of {decode_steps} decode steps")
     runs = []
     # One untimed run first: it compiles (and runs once) the two programs the timed runs use,
     # where `warmup()` would compile every token bucket of the engine.
@@ -104,8 +113,8 @@ def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str) -> dict:
             jax.block_until_ready(out)
         decodes = [Row(s, [], 0) for s in range(batch)]  # a decode row reads its slot's token on the device
         t0 = time.perf_counter()
-        for i in range(steps):
-            (out, _), = engine.run(decodes)
+        for i in range(steps // decode_steps):
+            (out, _), = engine.run(decodes, decode_steps)
         tokens = np.asarray(split_logprobs(out)[0])[..., 0]
         runs.append(time.perf_counter() - t0)
         assert (tokens >= 0).all(), "a sequence stopped early"
@@ -211,39 +220,53 @@ def main(argv):
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidths.items())
           + f": roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
     ours = {}
+    multi_step = min(FLAGS.multi_step, FLAGS.new_tokens - 1)  # at least one whole call
     for b in batches:
         ours[b] = {**cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels), **cbjax_generate(model, b, max_seq_len)}
         common.release_programs()
+        if multi_step > 1:
+            multi = cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels, multi_step)
+            ours[b]["multi_step_ms_per_step"] = multi["ms_per_step"]
+            ours[b]["multi_step_tg_tokens_per_s"] = multi["tg_tokens_per_s"]
+            common.release_programs()
         if FLAGS.compare_xla and FLAGS.cpu_kernels != "off":
             ours[b]["xla_only_ms_per_step"] = cbjax_decode(model, b, max_seq_len, "off")["ms_per_step"]
             common.release_programs()
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
     xla_column = all("xla_only_ms_per_step" in ours[b] for b in batches)
+    multi_column = all("multi_step_ms_per_step" in ours[b] for b in batches)
+    multi_name = f"{multi_step} steps/call"
     with tempfile.TemporaryDirectory() as tmp:
         if FLAGS.quantization == "gguf" and FLAGS.llama_cpp_gguf is None:
             FLAGS.llama_cpp_gguf = gguf  # the same blocks on both sides
         peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
 
     header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}" + (
+        f" | {multi_name + ' ms/step':>22}" if multi_column else "") + (
         f" | {'XLA-only ms/step':>16}" if xla_column else "")
     if peer:
-        header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>15}"
+        header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>15}" + (
+            f" | {multi_name + ' / llama.cpp':>25}" if multi_column else "")
     print("\n" + header + "\n" + "-" * len(header))
     for b in batches:
         r = ours[b]
         r["fraction_of_roofline"] = roofline_ms / r["ms_per_step"] if b == 1 else None
         line = f"{b:>5} | {r['ms_per_step']:>13.1f} | {r['tg_tokens_per_s']:>11.1f} | " + (
             f"{100 * r['fraction_of_roofline']:>7.0f}%" if b == 1 else f"{'':>8}") + (
+            f" | {r['multi_step_ms_per_step']:>22.1f}" if multi_column else "") + (
             f" | {r['xla_only_ms_per_step']:>16.1f}" if xla_column else "")
         if peer and b in peer["rows"]:
             theirs = peer["rows"][b]
             r["throughput_vs_llama_cpp"] = r["tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
             line += (f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | "
                      f"{r['throughput_vs_llama_cpp']:>14.2f}x")
+            if multi_column:
+                r["multi_step_throughput_vs_llama_cpp"] = r["multi_step_tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
+                line += f" | {r['multi_step_throughput_vs_llama_cpp']:>24.2f}x"
         print(line)
     result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len,
-              "new_tokens": FLAGS.new_tokens,
+              "new_tokens": FLAGS.new_tokens, "multi_step": multi_step,
               "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
               "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
               "cbjax": ours, "llama_cpp": peer,

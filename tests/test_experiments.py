@@ -441,6 +441,10 @@ def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
         assert ours["ms_per_step"] > 0
         assert ours["throughput_vs_llama_cpp"] == pytest.approx(
             ours["tg_tokens_per_s"] / result["llama_cpp"]["rows"][b]["tg_tokens_per_s"])
+        # 3 new tokens after the prefill's: one call of 3 steps (the default 8, capped)
+        assert result["multi_step"] == 3 and ours["multi_step_ms_per_step"] > 0
+        assert ours["multi_step_throughput_vs_llama_cpp"] == pytest.approx(
+            ours["multi_step_tg_tokens_per_s"] / result["llama_cpp"]["rows"][b]["tg_tokens_per_s"])
 
 
 def test_bench_overlap_reports_both_settings_with_equal_tokens(tmp_path):
