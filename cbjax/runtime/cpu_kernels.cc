@@ -455,14 +455,14 @@ inline __m256 lane_sums(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
 // Several input rows: kTileRows weight rows widened once into a thread-local buffer (L1), then
 // every pair of input rows multiplied against all of them in one pass over k, a kTileRows x 2
 // register tile (12 accumulators): each x vector loaded serves kTileRows weight rows and each
 // widened vector two inputs, so x streams from L2 once per kTileRows weight rows. Two rows a
 // pass, before, left SmolLM2's Q4_1 at 0.9x llama.cpp at 8 and 32 sequences; 6 x 2 took the
 // layers' matmuls at 32 rows from 185 to 101 ms (4 x 2: 127).
-inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-
 template <int64_t Kind>
 void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
                      int64_t n, int rows_here) {
@@ -516,17 +516,7 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
   }
 }
 
-// One input row (a sequence's decode): per block d * sum(x q) (+ m * sum(x) for Q4_1, - 8 d * sum(x)
-// for Q4_0), two weight rows at a time (Q4). Each block's sum(x) / 8, broadcast to 8 lanes, carries
-// the m (or -8) term through the same accumulator. The bytes go to 32-bit lanes by byte-to-int32
-// loads (`vpmovzxbd` / `vpmovsxbd`, 8 bytes each): a Q4 byte j holds weights j and j + 16, so
-// bytes 0-7 masked are weights 0-7, shifted 16-23, and x is read in its own order. That is 10
-// vector ops a Q4 block against 13 for the earlier shifts and masks of one broadcast load (which
-// needed x permuted): the Q4 loop is bound by its f32 products, and the engine's one-sequence
-// Q4_1 step went 10.5 -> 9.5 ms (means of 12 step blocks, alternating runs, 2-core EPYC).
-// SmolLM2's Q4_1 matrices, one row, 57 MB of blocks: 13.4 GB/s (shifts) against 8.2-9.9 for
-// widening each block to d * q + m floats first; the sums differ from the widened ones in the
-// last bits (3e-7 of the largest output).
+// Each 32-block's sum(x) / 8, the one-row loop's Q4 offset terms.
 void block_sums(const float* x, int64_t K, float* eighth_sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* v = x + b * 32;
@@ -584,6 +574,17 @@ inline __m256 eighth_sum_lanes(const float* eighth_sums, int64_t b) {
 // A prefetch past the end of the matrix is harmless: it never faults.
 constexpr int64_t kPrefetchAhead = 1024;
 
+// One input row (a sequence's decode): per block d * sum(x q) (+ m * sum(x) for Q4_1, - 8 d * sum(x)
+// for Q4_0), two weight rows at a time (Q4). Each block's sum(x) / 8, broadcast to 8 lanes, carries
+// the m (or -8) term through the same accumulator. The bytes go to 32-bit lanes by byte-to-int32
+// loads (`vpmovzxbd` / `vpmovsxbd`, 8 bytes each): a Q4 byte j holds weights j and j + 16, so
+// bytes 0-7 masked are weights 0-7, shifted 16-23, and x is read in its own order. That is 10
+// vector ops a Q4 block against 13 for the earlier shifts and masks of one broadcast load (which
+// needed x permuted): the Q4 loop is bound by its f32 products, and the engine's one-sequence
+// Q4_1 step went 10.5 -> 9.5 ms (means of 12 step blocks, alternating runs, 2-core EPYC).
+// SmolLM2's Q4_1 matrices, one row, 57 MB of blocks: 13.4 GB/s (shifts) against 8.2-9.9 for
+// widening each block to d * q + m floats first; the sums differ from the widened ones in the
+// last bits (3e-7 of the largest output).
 template <int64_t Kind>
 void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_t* w, float* y, int64_t K,
                           int64_t row_bytes, int64_t n0, int64_t n1) {
