@@ -53,6 +53,26 @@ def test_matmul_fits_only_decode_sized_f32():
     assert not cpu_kernels.fits(jnp.zeros((0, 16), jnp.float32), w)
 
 
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 1000), (2, 5, 37), (7,), (1, 1)])
+def test_argmax_equals_jnp_argmax(shape):
+    """First maximum, ties and signed zeros included; the first NaN where a row has one; -inf rows."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.integers(-4, 5, shape).astype(np.float32)  # small integers: many ties
+    flat = x.reshape(-1, shape[-1])
+    flat[0, -1] = 9.0  # the maximum in the scalar tail
+    if flat.shape[0] > 1:
+        flat[1, :] = -np.inf
+    if flat.shape[0] > 2:
+        flat[2, [shape[-1] // 2, shape[-1] - 1]] = np.nan
+        flat[-1, :] = 0.0
+        flat[-1, 1::2] = -0.0
+    got = np.asarray(jax.jit(cpu_kernels.CPU_KERNELS.argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32 and got.shape == shape[:-1]
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got, np.asarray(XLA.argmax(jnp.asarray(x))))
+
+
 def _history_reference(q, cache, layer_k, layer_v, slot_ids, lo, hi, kv_len):
     keys = cache.read(layer_k, slot_ids, kv_len, False)
     values = cache.read(layer_v, slot_ids, kv_len, False)

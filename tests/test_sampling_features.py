@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import transformers
 
 from cbjax import LLM, SamplingParams
-from cbjax.runtime.device_state import SlotState
+from cbjax.runtime.device_state import FREQUENCY, PRESENCE, REPETITION, SlotState
 from cbjax.runtime.sampling import process_logits
 from tests.hf_models import make_hf_model, save_hf_model
 
@@ -61,9 +63,13 @@ def test_logprobs_equal_transformers_log_softmax(hf_and_dir, layout):
     assert all(o.logprobs is None for o in plain)
 
 
-def _rows(vocab, **fields):
-    state = SlotState.init(2, 4, 4, vocab)
-    return state.rows(np.arange(2)).__class__(**{**state.rows(np.arange(2)).__dict__, **fields})
+def _rows(vocab, seen, counts, **floats):
+    """Two rows of a fresh `SlotState` with the penalties' history and the float columns given."""
+    rows = dataclasses.replace(SlotState.init(2, 4, 4, vocab).rows(np.arange(2)), seen=seen, counts=counts)
+    columns = {"presence": PRESENCE, "frequency": FREQUENCY, "repetition": REPETITION}
+    for name, value in floats.items():
+        rows = dataclasses.replace(rows, floats=rows.floats.at[:, columns[name]].set(value))
+    return rows
 
 
 def test_penalties_equal_transformers_and_openai_formula():

@@ -48,7 +48,7 @@ from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_history_attention", "cbjax_decoder_layer",
-           "cbjax_decoder_layer_at")
+           "cbjax_decoder_layer_at", "cbjax_argmax")
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)
 # Rows up to which the block kernel takes a GGUF matmul; above, XLA dequantizes the weight once
@@ -142,6 +142,14 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     _require()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
     return jax.ffi.ffi_call("cbjax_matmul_nt", out, vmap_method="sequential")(x, w)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`Ops.argmax` (the first maximum of the last axis, the first NaN where there is one) by the
+    kernel, for f32 `x [..., n]`, n > 0."""
+    _require()
+    return jax.ffi.ffi_call("cbjax_argmax", jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
+                            vmap_method="sequential")(x)
 
 
 def blocks_fit(x: jax.Array, w) -> bool:
@@ -333,6 +341,11 @@ class CpuKernelOps(Ops):
         if blocks_fit(x, w):
             return matmul_blocks(x, w)
         return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
+
+    def argmax(self, x):
+        if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 0 and available():
+            return argmax(x)
+        return super().argmax(x)
 
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
         if not attends(q, layer_k):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cbjax.models.ops import XLA, Ops
+
 
 def skip_unless(pred, branch, otherwise, operand):
     """`branch(operand)` where `pred`, else `otherwise(operand)`: a work-skipping branch on a CPU
@@ -60,16 +62,7 @@ def _draw(scaled, keep_by_id, seed, index):
     # counter-based hash of (seed, index, token id): threefry's rounds made sampling a
     # fifth of every step program's compile time (0.15 s of ~0.8 s on the tiny model).
     gumbel = -jnp.log(-jnp.log(_hash_uniform(seed, index, scaled.shape[-1])))
-    return argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel)
-
-
-def argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax(x, -1)` as int32 (the first maximum; the first NaN where there is one), by
-    two plain reductions: XLA:CPU runs argmax's (value, index) reduce one element at a time,
-    243 us over SmolLM2's 49,152 logits against 74 (967 against 253 for 8 rows)."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    hit = (x == top) | jnp.isnan(x)
-    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+    return XLA.argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel)
 
 
 def _hash_uniform(seed, index, n: int) -> jax.Array:
@@ -92,9 +85,10 @@ def sample(
     min_p: jax.Array,  # [S] float32, 0 = off
     seeds: jax.Array,  # [S] int32
     indices: jax.Array,  # [S] int32: index of the token being sampled in its output
+    ops: Ops = XLA,  # whose argmax takes the greedy rows
 ) -> jax.Array:
     """Next token per row, `[S]` int32."""
-    greedy = argmax(logits)
+    greedy = ops.argmax(logits)
 
     rows = (logits, temperature, top_k, top_p, min_p, seeds, indices)
 
@@ -132,9 +126,13 @@ def process_logits(logits, rows, index, history=None) -> jax.Array:
         return (logits - rows.frequency[:, None] * counts.astype(logits.dtype)
                 - rows.presence[:, None] * (counts > 0))
 
-    on = ((rows.repetition != 1) | (rows.presence != 0) | (rows.frequency != 0) | (index < rows.min_tokens)
-          | jnp.any(rows.bias_ids >= 0, axis=-1))
-    return skip_unless(jnp.any(on), apply, lambda x: x, logits)
+    return skip_unless(jnp.any(processes(rows, index)), apply, lambda x: x, logits)
+
+
+def processes(rows, index) -> jax.Array:
+    """`[R]` bool: whether `process_logits` changes the row's logits."""
+    return ((rows.repetition != 1) | (rows.presence != 0) | (rows.frequency != 0) | (index < rows.min_tokens)
+            | jnp.any(rows.bias_ids >= 0, axis=-1))
 
 
 def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
@@ -157,16 +155,27 @@ def allowed_tokens(mask, vocab: int) -> jax.Array:
     return bits.reshape(mask.shape[0], -1)[:, :vocab] > 0
 
 
-def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None):
+def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None, ops: Ops = XLA):
     """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
     `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`.
     `mask`: the structured-output bitmask (`allowed_tokens`), applied after the logits
     processors; None in the programs of steps without a constrained row. `history`: as
-    `process_logits`'."""
-    processed = process_logits(logits, rows, index, history)
-    if mask is not None:
-        processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
-    token = sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index)
+    `process_logits`'. `ops`: the backend's, for the greedy argmax."""
+    def processed_and_sampled(logits):
+        processed = process_logits(logits, rows, index, history)
+        if mask is not None:
+            processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
+        return sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index, ops)
+
+    if mask is None:
+        # Greedy rows without a logits processor (most decode steps): the argmax of the logits as
+        # they are. Deciding it here, around everything, leaves no branch that passes the
+        # `[R, V]` logits through unchanged: XLA:CPU copies a conditional's result, ~50 us of
+        # SmolLM2's one-sequence step for its 49,152 logits.
+        plain = ~jnp.any(processes(rows, index) | (rows.temperature > 0))
+        token = skip_unless(plain, ops.argmax, processed_and_sampled, logits)
+    else:
+        token = processed_and_sampled(logits)
     return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
 
 

@@ -39,15 +39,9 @@ from cbjax.runtime.sampling import count_sampled, sample_next
 from cbjax.scheduling.plan import Row
 
 # Packed int32 columns of one row (one host-to-device copy for every row's scalars), then the
-# sampling parameters of a row that ends its prompt (`sampling_fields`).
+# sampling parameters of a row that ends its prompt, packed as `SlotState.ints` and `.floats` are.
 SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN = range(7)
 HEADER = 7
-# A request's sampling parameters, packed per row (one host-to-device copy for every row's
-# scalars): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
-MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
-TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P = range(6)
-NUM_INTS, NUM_FLOATS = 5, 6
-
 
 def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1, smallest: int = 1) -> list[int]:
     """Flat-buffer sizes up to the first one holding `max_tokens`: powers of two from 1, and
@@ -155,19 +149,8 @@ def grammar_masks(rows: list[Row], num_rows: int, vocab_size: int) -> np.ndarray
 
 
 # ---------------------------------------------------------------- host side: the packed rows
-def sampling_fields(ints, floats, num_stops: int) -> dict:
-    """The per-row sampling parameters of packed `ints [B, NUM_INTS + stops + bias]` and
-    `floats [B, NUM_FLOATS + bias]`, by `SlotState` field name."""
-    return dict(max_tokens=ints[:, MAX_TOKENS], top_k=ints[:, TOP_K], seeds=ints[:, SEED],
-                min_tokens=ints[:, MIN_TOKENS], logprobs=ints[:, LOGPROBS],
-                stop_ids=ints[:, NUM_INTS:NUM_INTS + num_stops], bias_ids=ints[:, NUM_INTS + num_stops:],
-                temperature=floats[:, TEMPERATURE], top_p=floats[:, TOP_P], min_p=floats[:, MIN_P],
-                presence=floats[:, PRESENCE], frequency=floats[:, FREQUENCY], repetition=floats[:, REPETITION],
-                bias_values=floats[:, NUM_FLOATS:])
-
-
 def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's `(ints, floats)` for `sampling_fields`."""
+    """One row's `(ints, floats)`, in `SlotState.ints` and `.floats` columns."""
     bias_ids = np.full(max_logit_bias, -1, np.int32)
     bias_values = np.zeros(max_logit_bias, np.float32)
     for i, (token, bias) in enumerate(sampling.logit_bias):
@@ -294,10 +277,11 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention
     return out, dataclasses.replace(cache, lengths=lengths)
 
 
-def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None):
+def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None, ops=XLA):
     """Sample each row that ends its prompt or decodes, and update its slot's state; record the
     prompt tokens for the penalties. Returns `[R, 2]` (token or -1, done), logprob columns
-    (or None) and the state. `mask`: the rows' structured-output bitmasks, or None."""
+    (or None) and the state. `mask`: the rows' structured-output bitmasks, or None; `ops`: the
+    backend's (its argmax takes the greedy rows)."""
     num_slots = state.active.shape[0]
     num_rows = ints.shape[0]
     prompt_row = (batch.q_len > 0) & ~batch.decode
@@ -308,21 +292,21 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.
     slots = jnp.minimum(batch.slot, num_slots - 1)
     rows = state.sampling_rows(slots)
-    own = sampling_fields(ints[:, HEADER:], floats, state.stop_ids.shape[1])
     is_last = batch.is_last
-    rows = dataclasses.replace(rows, **{name: jnp.where(is_last.reshape((-1,) + (1,) * (value.ndim - 1)), value,
-                                                        getattr(rows, name)) for name, value in own.items()})
+    rows = dataclasses.replace(rows, ints=jnp.where(is_last[:, None], ints[:, HEADER:], rows.ints),
+                               floats=jnp.where(is_last[:, None], floats, rows.floats))
     # A request resumed after preemption has `generated` tokens already: its next token is
     # sampled as output index `generated`, so seeded sampling continues where it was.
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
     token, logprobs = sample_next(logits, rows, before, max_logprobs, mask,
-                                  history=lambda seen=state.seen, counts=state.counts: (seen[slots], counts[slots]))
+                                  history=lambda seen=state.seen, counts=state.counts: (seen[slots], counts[slots]),
+                                  ops=ops)
     samples = (batch.decode & (batch.q_len > 0)) | is_last
     done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
                    max_len) & samples
     target = jnp.where(samples, batch.slot, num_slots)
-    state = state.set_rows(target, tokens=token, active=~done, num_generated=before + 1,
-                           **{name: getattr(rows, name) for name in own})
+    state = state.set_rows(target, tokens=token, active=~done, num_generated=before + 1, ints=rows.ints,
+                           floats=rows.floats)
     state = dataclasses.replace(state, counts=count_sampled(state.counts, target, token))
     out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
     return out, logprobs, state
@@ -347,7 +331,7 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
         logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                    history_block=history_block, ops=ops)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
-                                           max_logprobs=max_logprobs, mask=mask)
+                                           max_logprobs=max_logprobs, mask=mask, ops=ops)
         return (cache, state), (out, logprobs)
 
     if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)
