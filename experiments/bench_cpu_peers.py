@@ -47,7 +47,10 @@ flags.DEFINE_string("llama_cpp_dir", None, "Directory with llama-batched-bench a
 flags.DEFINE_string("llama_cpp_gguf", None, "An F32 GGUF for llama.cpp (default: the model's GGUF requantized to "
                     "F32 into a temporary directory).")
 flags.DEFINE_integer("threads", None, "llama.cpp threads (default: the cores this process may use).", lower_bound=1)
-flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax (the median is kept).",
+flags.DEFINE_integer("repeats", 1, "Timed decode passes per batch size for cbjax in each round (the median is "
+                     "kept).", lower_bound=1)
+flags.DEFINE_integer("rounds", 3, "Rounds in turn of cbjax's decode and llama.cpp's run at every batch size; "
+                     "each ratio printed is the median of the rounds' own ratios (their range beside it).",
                      lower_bound=1)
 flags.DEFINE_enum("quantization", "none", ["none", "int8", "gguf"], "cbjax's weights: f32 (none), int8 groups, "
                   "or the GGUF file's own blocks (gguf; llama.cpp then runs that same file, not an F32 copy).")
@@ -83,41 +86,58 @@ def matvec_bandwidth(matrix, kernel: bool = False) -> float:
     return matrix.nbytes / float(np.median(times))
 
 
-def cbjax_decode(model, batch: int, max_seq_len: int, cpu_kernels: str, decode_steps: int = 1) -> dict:
-    """Prefill `batch` prompts into an engine of `batch` slots, then time `new_tokens - 1`
-    decode steps (the first token comes from the prefill), `decode_steps` a call (whole calls:
-    the steps are rounded down to a multiple of it)."""
-    import jax
-    import numpy as np
+class Decoder:
+    """An engine of `batch` slots whose decode the script times: `batch` prompts prefilled, then
+    `new_tokens - 1` decode steps (the first token comes from the prefill), `decode_steps` a
+    call (whole calls: the steps are rounded down to a multiple of it). Built once and timed
+    in every round."""
 
-    from cbjax.request import SamplingParams
-    from cbjax.runtime.engine import Engine, EngineConfig
-    from cbjax.runtime.step import split_logprobs
-    from cbjax.scheduling.plan import Row
+    def __init__(self, model, batch: int, max_seq_len: int, cpu_kernels: str, decode_steps: int = 1):
+        import numpy as np
 
-    engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
-                                        decode_steps=decode_steps))
-    rng = np.random.default_rng(batch)
-    sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
-    steps = (FLAGS.new_tokens - 1) // decode_steps * decode_steps  # main caps decode_steps at new_tokens - 1
-    runs = []
-    # One untimed run first: it compiles (and runs once) the two programs the timed runs use,
-    # where `warmup()` would compile every token bucket of the engine.
-    for _ in range(FLAGS.repeats + 1):
+        from cbjax.runtime.engine import Engine, EngineConfig
+
+        self.model, self.batch, self.decode_steps = model, batch, decode_steps
+        self.engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
+                                                 decode_steps=decode_steps))
+        self.steps = (FLAGS.new_tokens - 1) // decode_steps * decode_steps  # main caps decode_steps
+        self.rng = np.random.default_rng(batch)
+        # One untimed pass first: it compiles (and runs once) the two programs the timed passes
+        # use, where `warmup()` would compile every token bucket of the engine.
+        self.seconds()
+
+    def seconds(self) -> float:
+        """One pass: the decode's seconds."""
+        import jax
+        import numpy as np
+
+        from cbjax.request import SamplingParams
+        from cbjax.runtime.step import split_logprobs
+        from cbjax.scheduling.plan import Row
+
+        engine, batch = self.engine, self.batch
+        sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
         engine.reset()
-        rows = [Row(s, rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True, sampling)
-                for s in range(batch)]
+        rows = [Row(s, self.rng.integers(3, self.model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True,
+                    sampling) for s in range(batch)]
         for out, _ in engine.run(rows):
             jax.block_until_ready(out)
         decodes = [Row(s, [], 0) for s in range(batch)]  # a decode row reads its slot's token on the device
         t0 = time.perf_counter()
-        for i in range(steps // decode_steps):
-            (out, _), = engine.run(decodes, decode_steps)
+        for _ in range(self.steps // self.decode_steps):
+            (out, _), = engine.run(decodes, self.decode_steps)
         tokens = np.asarray(split_logprobs(out)[0])[..., 0]
-        runs.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         assert (tokens >= 0).all(), "a sequence stopped early"
-    seconds = float(np.median(runs[1:]))
-    return {"decode_s": seconds, "ms_per_step": 1000 * seconds / steps, "tg_tokens_per_s": batch * steps / seconds}
+        return seconds
+
+    def timed(self) -> dict:
+        """The median of `--repeats` passes."""
+        import numpy as np
+
+        seconds = float(np.median([self.seconds() for _ in range(FLAGS.repeats)]))
+        return {"decode_s": seconds, "ms_per_step": 1000 * seconds / self.steps,
+                "tg_tokens_per_s": self.batch * self.steps / seconds}
 
 
 def cbjax_generate(model, batch: int, max_seq_len: int) -> dict:
@@ -147,23 +167,30 @@ def _binary(name: str) -> str | None:
     return shutil.which(name)
 
 
-def llama_cpp(gguf: str, batches: list[int], tmp: str) -> dict | None:
-    """llama-batched-bench rows by batch size, or None when llama.cpp is not found."""
-    bench, quantize = _binary("llama-batched-bench"), _binary("llama-quantize")
-    if bench is None:
+def llama_cpp_file(gguf: str, tmp: str) -> str | None:
+    """The GGUF llama.cpp runs (an F32 copy of `gguf` unless `--llama_cpp_gguf`), or None when
+    llama.cpp is not found."""
+    if _binary("llama-batched-bench") is None:
         print("llama.cpp not found (--llama_cpp_dir or PATH): its rows are skipped")
         return None
-    f32 = FLAGS.llama_cpp_gguf
-    if f32 is None:
-        if quantize is None:
-            print("llama-quantize not found: pass --llama_cpp_gguf=<an F32 GGUF>")
-            return None
-        f32 = os.path.join(tmp, "model-f32.gguf")
-        subprocess.run([quantize, "--allow-requantize", gguf, f32, "F32"], check=True, capture_output=True)
+    if FLAGS.llama_cpp_gguf is not None:
+        return FLAGS.llama_cpp_gguf
+    quantize = _binary("llama-quantize")
+    if quantize is None:
+        print("llama-quantize not found: pass --llama_cpp_gguf=<an F32 GGUF>")
+        return None
+    f32 = os.path.join(tmp, "model-f32.gguf")
+    subprocess.run([quantize, "--allow-requantize", gguf, f32, "F32"], check=True, capture_output=True)
+    return f32
+
+
+def llama_cpp(path: str, batches: list[int]) -> dict:
+    """One llama-batched-bench run over `path`: its rows by batch size."""
     threads = FLAGS.threads or _cores()
     context = max(batches) * (FLAGS.prompt_len + FLAGS.new_tokens)
-    cmd = [bench, "-m", f32, "-t", str(threads), "-c", str(context), "-b", "2048", "-ub", "512",
-           "-npp", str(FLAGS.prompt_len), "-ntg", str(FLAGS.new_tokens), "-npl", ",".join(map(str, batches))]
+    cmd = [_binary("llama-batched-bench"), "-m", path, "-t", str(threads), "-c", str(context), "-b", "2048",
+           "-ub", "512", "-npp", str(FLAGS.prompt_len), "-ntg", str(FLAGS.new_tokens),
+           "-npl", ",".join(map(str, batches))]
     print("running", " ".join(cmd), flush=True)
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = {}
@@ -174,7 +201,22 @@ def llama_cpp(gguf: str, batches: list[int], tmp: str) -> dict | None:
             t_tg, s_tg, t_all, s_all = (float(c) for c in cells[6:10])
             rows[b] = {"ms_per_step": 1000 * t_tg / tg, "tg_tokens_per_s": s_tg, "seconds": t_all,
                        "tokens_per_s": s_all}
-    return {"threads": threads, "gguf": f32, "rows": rows}
+    return {"threads": threads, "gguf": path, "rows": rows}
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """Per key, the median of the rounds' values."""
+    import numpy as np
+
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+
+
+def _ratio(ratios: list[float], width: int) -> str:
+    """The median of the rounds' ratios, with their range when there are several."""
+    import numpy as np
+
+    text = f"{np.median(ratios):.2f}x" + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
+    return f"{text:>{width}}"
 
 
 def main(argv):
@@ -203,6 +245,7 @@ def main(argv):
     # 31-42 GB/s where a weights-sized matrix streams at 24-27 GB/s.
     import jax.numpy as jnp
     import numpy as np
+    from tqdm.auto import tqdm
 
     d = model.params["embed"].shape[1]
     streamed = jnp.asarray(np.random.default_rng(0).standard_normal((weight_bytes // (4 * d), d), np.float32))
@@ -217,28 +260,46 @@ def main(argv):
     print(f"weights {weight_bytes / 1e6:.0f} MB, matvec bandwidth "
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidths.items())
           + f": roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
-    ours = {}
     multi_step = min(FLAGS.multi_step, FLAGS.new_tokens - 1)  # at least one whole call
+    ours = {}
+    decoders = {}
     for b in batches:
-        ours[b] = {**cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels), **cbjax_generate(model, b, max_seq_len)}
-        common.release_programs()
-        if multi_step > 1:
-            multi = cbjax_decode(model, b, max_seq_len, FLAGS.cpu_kernels, multi_step)
-            ours[b]["multi_step_ms_per_step"] = multi["ms_per_step"]
-            ours[b]["multi_step_tg_tokens_per_s"] = multi["tg_tokens_per_s"]
-            common.release_programs()
+        ours[b] = cbjax_generate(model, b, max_seq_len)
         if FLAGS.compare_xla and FLAGS.cpu_kernels != "off":
-            ours[b]["xla_only_ms_per_step"] = cbjax_decode(model, b, max_seq_len, "off")["ms_per_step"]
-            common.release_programs()
+            ours[b]["xla_only_ms_per_step"] = Decoder(model, b, max_seq_len, "off").timed()["ms_per_step"]
+        common.release_programs()
+        decoders[b] = [Decoder(model, b, max_seq_len, FLAGS.cpu_kernels)] + (
+            [Decoder(model, b, max_seq_len, FLAGS.cpu_kernels, multi_step)] if multi_step > 1 else [])
+    # Rounds in turn, cbjax then llama.cpp: each ratio is the median of the rounds' own ratios,
+    # so a drift in the machine's speed (30% within an hour on the 2-core VM) falls on both
+    # sides of each ratio rather than on one side of it.
+    rounds = {b: [] for b in batches}
+    peer_rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if FLAGS.quantization == "gguf" and FLAGS.llama_cpp_gguf is None:
+            FLAGS.llama_cpp_gguf = gguf  # the same blocks on both sides
+        peer_file = llama_cpp_file(gguf, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
+        for _ in tqdm(range(FLAGS.rounds), desc="rounds"):
+            for b in batches:
+                one = decoders[b][0].timed()
+                rounds[b].append({**one, **({f"multi_step_{k}": v for k, v in decoders[b][1].timed().items()}
+                                            if len(decoders[b]) > 1 else {})})
+            if peer_file is not None:
+                peer_rounds.append(llama_cpp(peer_file, batches))
+    peer = None
+    if peer_rounds:
+        peer = {"threads": peer_rounds[0]["threads"], "gguf": peer_rounds[0]["gguf"],
+                "rows": {b: {**_median_row([p["rows"][b] for p in peer_rounds]),
+                             "rounds": [p["rows"][b] for p in peer_rounds]}
+                         for b in batches if all(b in p["rows"] for p in peer_rounds)}}
+    for b in batches:
+        ours[b].update(_median_row(rounds[b]))
+        ours[b]["rounds"] = rounds[b]
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)
     xla_column = all("xla_only_ms_per_step" in ours[b] for b in batches)
     multi_column = all("multi_step_ms_per_step" in ours[b] for b in batches)
     multi_name = f"{multi_step} steps/call"
-    with tempfile.TemporaryDirectory() as tmp:
-        if FLAGS.quantization == "gguf" and FLAGS.llama_cpp_gguf is None:
-            FLAGS.llama_cpp_gguf = gguf  # the same blocks on both sides
-        peer = llama_cpp(gguf, batches, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
 
     header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}" + (
         f" | {multi_name + ' ms/step':>22}" if multi_column else "") + (
@@ -256,12 +317,15 @@ def main(argv):
             f" | {r['xla_only_ms_per_step']:>16.1f}" if xla_column else "")
         if peer and b in peer["rows"]:
             theirs = peer["rows"][b]
-            r["throughput_vs_llama_cpp"] = r["tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
-            line += (f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | "
-                     f"{r['throughput_vs_llama_cpp']:>14.2f}x")
+            for prefix in ("", "multi_step_") if multi_column else ("",):
+                ratios = [ours_r[f"{prefix}tg_tokens_per_s"] / theirs_r["tg_tokens_per_s"]
+                          for ours_r, theirs_r in zip(r["rounds"], theirs["rounds"])]
+                r[f"{prefix}throughput_vs_llama_cpp"] = float(np.median(ratios))
+                r[f"{prefix}throughput_vs_llama_cpp_rounds"] = ratios
+            line += f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | " + _ratio(
+                r["throughput_vs_llama_cpp_rounds"], 15)
             if multi_column:
-                r["multi_step_throughput_vs_llama_cpp"] = r["multi_step_tg_tokens_per_s"] / theirs["tg_tokens_per_s"]
-                line += f" | {r['multi_step_throughput_vs_llama_cpp']:>24.2f}x"
+                line += " | " + _ratio(r["multi_step_throughput_vs_llama_cpp_rounds"], 25)
         print(line)
     result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len,
               "new_tokens": FLAGS.new_tokens, "multi_step": multi_step,

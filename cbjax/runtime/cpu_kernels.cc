@@ -9,6 +9,7 @@
 // Here every weight row is read once for all input rows (4 x 4 register tiles), attention
 // reads each row's keys and values once up to its own length, and the caller and a small pool
 // of briefly spinning workers share the work in chunks.
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -283,6 +284,7 @@ class Pool {
   }
 
   void work() {
+    pthread_setname_np(pthread_self(), "cbjax-kernels");  // told apart from XLA's in profiles and top
     uint64_t seen = 0;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
