@@ -305,7 +305,7 @@ def main(argv):
         f" | {multi_name + ' ms/step':>22}" if multi_column else "") + (
         f" | {'XLA-only ms/step':>16}" if xla_column else "")
     if peer:
-        header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>15}" + (
+        header += f" | {'llama.cpp ms/step':>17} | {'llama.cpp tok/s':>15} | {'cbjax/llama.cpp':>19}" + (
             f" | {multi_name + ' / llama.cpp':>25}" if multi_column else "")
     print("\n" + header + "\n" + "-" * len(header))
     for b in batches:
@@ -323,7 +323,7 @@ def main(argv):
                 r[f"{prefix}throughput_vs_llama_cpp"] = float(np.median(ratios))
                 r[f"{prefix}throughput_vs_llama_cpp_rounds"] = ratios
             line += f" | {theirs['ms_per_step']:>17.1f} | {theirs['tg_tokens_per_s']:>15.1f} | " + _ratio(
-                r["throughput_vs_llama_cpp_rounds"], 15)
+                r["throughput_vs_llama_cpp_rounds"], 19)
             if multi_column:
                 line += " | " + _ratio(r["multi_step_throughput_vs_llama_cpp_rounds"], 25)
         print(line)
