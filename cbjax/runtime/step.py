@@ -43,6 +43,7 @@ from cbjax.scheduling.plan import Row
 SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN = range(7)
 HEADER = 7
 
+
 def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1, smallest: int = 1) -> list[int]:
     """Flat-buffer sizes up to the first one holding `max_tokens`: powers of two from 1, and
     from `floor` on `steps` evenly spaced sizes per doubling (2: 16, 24, 32, 48, 64, 96, ...);
