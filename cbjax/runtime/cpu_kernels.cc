@@ -414,11 +414,14 @@ struct HalfTable {
 };
 const HalfTable half_table;
 
-inline float half_at(const uint8_t* p) {
+// The table entry of the f16 at p.
+inline const float* half_entry(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return half_table.value[bits];
+  return &half_table.value[bits];
 }
+
+inline float half_at(const uint8_t* p) { return *half_entry(p); }
 
 template <int64_t Kind>
 inline void widen_registers(const uint8_t* b, __m256 v[4]) {
@@ -542,11 +545,7 @@ void block_sums(const float* x, int64_t K, float* eighth_sums) {
   }
 }
 
-inline __m256 half_lanes(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _mm256_broadcast_ss(&half_table.value[bits]);
-}
+inline __m256 half_lanes(const uint8_t* p) { return _mm256_broadcast_ss(half_entry(p)); }
 
 // 8 bytes at p as 8 int32 lanes (signed for Q8_0; Q4 bytes, their nibbles split by the caller).
 inline __m256i bytes_at(const uint8_t* p, bool is_signed) {

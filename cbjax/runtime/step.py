@@ -34,7 +34,9 @@ from cbjax.checks import FieldError
 from cbjax.models import forward
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
-from cbjax.runtime.device_state import TRACE_COUNTS, is_done, record_tokens
+from cbjax.runtime.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
+                                        PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, TRACE_COUNTS,
+                                        is_done, record_tokens)
 from cbjax.runtime.sampling import count_sampled, sample_next
 from cbjax.scheduling.plan import Row
 
@@ -157,12 +159,14 @@ def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int
     for i, (token, bias) in enumerate(sampling.logit_bias):
         bias_ids[i], bias_values[i] = token, bias
     logprobs = -1 if sampling.logprobs is None else sampling.logprobs
-    ints = np.concatenate([np.array([sampling.max_tokens, sampling.top_k, seed, sampling.min_tokens, logprobs],
-                                    np.int32), stop_ids, bias_ids])
-    floats = np.concatenate([np.array([sampling.temperature, sampling.top_p, sampling.presence_penalty,
-                                       sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p],
-                                      np.float32),
-                             bias_values])
+    head_ints, head_floats = np.zeros(NUM_INTS, np.int32), np.zeros(NUM_FLOATS, np.float32)
+    head_ints[[MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS]] = (sampling.max_tokens, sampling.top_k, seed,
+                                                                   sampling.min_tokens, logprobs)
+    head_floats[[TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P]] = (
+        sampling.temperature, sampling.top_p, sampling.presence_penalty, sampling.frequency_penalty,
+        sampling.repetition_penalty, sampling.min_p)
+    ints = np.concatenate([head_ints, stop_ids, bias_ids])
+    floats = np.concatenate([head_floats, bias_values])
     return ints, floats
 
 
