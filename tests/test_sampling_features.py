@@ -106,6 +106,11 @@ def test_greedy_repetition_penalty_equals_transformers_generate(hf_and_dir, layo
     hf, path = hf_and_dir
     llm = LLM(path, max_seq_len=MAX_SEQ_LEN, num_slots=4, **LAYOUTS[layout])
     prompts = _prompts(4, seed=2)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    # Requests without penalties leave their tokens in every slot's history first: a penalized
+    # request that takes a slot after them starts from a cleared one, and a later request
+    # without penalties is not touched by what the penalized ones left.
+    before = llm.generate(prompts, plain, use_tqdm=False)
     for penalty in (1.5, 0.8):
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, min_tokens=12, repetition_penalty=penalty),
                             use_tqdm=False)
@@ -113,6 +118,7 @@ def test_greedy_repetition_penalty_equals_transformers_generate(hf_and_dir, layo
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                               repetition_penalty=penalty, min_new_tokens=12, pad_token_id=0)[0, len(prompt):]
             assert out.token_ids == ref.tolist()
+    assert [o.token_ids for o in llm.generate(prompts, plain, use_tqdm=False)] == [o.token_ids for o in before]
 
 
 def _greedy_with_openai_penalties(hf, prompt, steps, presence, frequency):

@@ -94,12 +94,16 @@ class SlotState:
         return dataclasses.replace(self, **{name: put(getattr(self, name), value) for name, value in fields.items()})
 
 
-def record_tokens(state: SlotState, reset_slots, token_slots, tokens, in_prompt) -> SlotState:
-    """The penalties' history: rows `reset_slots` cleared (a request starts there), then each
-    token of `tokens` marked seen in its slot's prompt (`in_prompt`) or counted as an output
-    token (as a resumed request's prefill holds). Slot `num_slots` means none."""
-    seen = state.seen.at[reset_slots].set(False, mode="drop")
-    counts = state.counts.at[reset_slots].set(0, mode="drop")
+def clear_history(state: SlotState, slot) -> SlotState:
+    """Slot `slot`'s row of the penalties' history cleared: a request that reads it starts there."""
+    return dataclasses.replace(state, seen=state.seen.at[slot].set(False), counts=state.counts.at[slot].set(0))
+
+
+def record_tokens(state: SlotState, token_slots, tokens, in_prompt) -> SlotState:
+    """The penalties' history: each token of `tokens` marked seen in its slot's prompt
+    (`in_prompt`) or counted as an output token (as a resumed request's prefill holds). Slot
+    `num_slots` means none."""
+    seen, counts = state.seen, state.counts
     num_slots = seen.shape[0]
     seen = seen.at[jnp.where(in_prompt, token_slots, num_slots), tokens].set(True, mode="drop")
     counts = counts.at[jnp.where(in_prompt, num_slots, token_slots), tokens].add(1, mode="drop")

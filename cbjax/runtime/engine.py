@@ -160,9 +160,10 @@ class Engine:
         return step.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
 
     def _record_histories(self, rows: list[Row]) -> None:
-        """The penalties' history of rows whose request starts past position 0."""
+        """The penalties' history of rows that start a request whose logits processors read it:
+        set from the tokens before it past position 0, cleared at 0 (no tokens)."""
         for row in rows:
-            if row.history:
+            if row.history or row.starts_history:
                 self.state = programs.record_history(self.state, np.int32(row.slot),
                                                      step.history_tokens(row, self.buckets),
                                                      np.int32(row.prompt_len))

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cbjax.runtime.device_state import record_tokens
+from cbjax.runtime import device_state
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
@@ -25,13 +25,13 @@ def copy_kv(cache, src, dst):
 
 @functools.partial(jax.jit, donate_argnames="state")
 def record_history(state, slot, tokens, prompt_len):
-    """A request that starts at a position past 0 (cached prefix pages, or a fork of a
-    sibling's prompt) brings the tokens before it (`tokens`, -1 padded to a bucket): its
-    penalties' history is set from them."""
+    """Slot `slot`'s penalties' history cleared, then set from the tokens before the request's
+    start (`tokens`, -1 padded to a bucket; all -1 at position 0): a request past position 0
+    (cached prefix pages, a fork of a sibling's prompt) brings them."""
     valid = tokens >= 0
     num_slots = state.seen.shape[0]
-    return record_tokens(state, slot[None], jnp.where(valid, slot, num_slots), jnp.maximum(tokens, 0),
-                         jnp.arange(tokens.shape[0]) < prompt_len)
+    return device_state.record_tokens(device_state.clear_history(state, slot), jnp.where(valid, slot, num_slots),
+                                      jnp.maximum(tokens, 0), jnp.arange(tokens.shape[0]) < prompt_len)
 
 
 @functools.partial(jax.jit, donate_argnames="state")

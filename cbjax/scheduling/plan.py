@@ -57,6 +57,12 @@ class Row:
         return not self.tokens
 
     @property
+    def starts_history(self) -> bool:
+        """Whether the row starts at position 0 a request whose logits processors read the
+        penalties' history (its slot's row is cleared first)."""
+        return self.start == 0 and not self.is_decode and self.sampling is not None and self.sampling.processes_logits
+
+    @property
     def num_tokens(self) -> int:
         return len(self.tokens) or 1
 
