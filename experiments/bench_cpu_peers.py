@@ -54,6 +54,9 @@ flags.DEFINE_integer("rounds", 3, "Rounds in turn of cbjax's decode and llama.cp
                      lower_bound=1)
 flags.DEFINE_enum("quantization", "none", ["none", "int8", "gguf"], "cbjax's weights: f32 (none), int8 groups, "
                   "or the GGUF file's own blocks (gguf; llama.cpp then runs that same file, not an F32 copy).")
+flags.DEFINE_enum("kv_cache_dtype", "float16", ["float16", "auto"], "The KV cache's storage on both sides, so "
+                  "each streams the same KV bytes: float16 (cbjax's kv_cache_dtype float16; llama.cpp's default "
+                  "f16) or auto (cbjax's f32 activations; llama.cpp -ctk f32 -ctv f32).")
 flags.DEFINE_enum("cpu_kernels", "auto", ["auto", "on", "off"], "cbjax's CPU kernels (EngineConfig.cpu_kernels).")
 flags.DEFINE_integer("multi_step", 8, "Also time cbjax's decode at this many steps per device call "
                      "(EngineConfig.decode_steps: the host syncs once per call), beside one step a call; "
@@ -99,7 +102,7 @@ class Decoder:
 
         self.model, self.batch, self.decode_steps = model, batch, decode_steps
         self.engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
-                                                 decode_steps=decode_steps))
+                                                 decode_steps=decode_steps, kv_cache_dtype=FLAGS.kv_cache_dtype))
         self.steps = (FLAGS.new_tokens - 1) // decode_steps * decode_steps  # main caps decode_steps
         self.rng = np.random.default_rng(batch)
         # One untimed pass first: it compiles (and runs once) the two programs the timed passes
@@ -146,7 +149,8 @@ def cbjax_generate(model, batch: int, max_seq_len: int) -> dict:
 
     from cbjax import LLM, SamplingParams
 
-    llm = LLM(model, policy="continuous", num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=FLAGS.cpu_kernels)
+    llm = LLM(model, policy="continuous", num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=FLAGS.cpu_kernels,
+              kv_cache_dtype=FLAGS.kv_cache_dtype)
     rng = np.random.default_rng(1000 + batch)
     warm, prompts = ([rng.integers(3, model.config.vocab_size, FLAGS.prompt_len).tolist() for _ in range(batch)]
                      for _ in range(2))
@@ -184,13 +188,18 @@ def llama_cpp_file(gguf: str, tmp: str) -> str | None:
     return f32
 
 
+def _llama_cpp_cache_type() -> str:
+    """llama.cpp's KV cache type holding what cbjax's holds (its activations are f32 here)."""
+    return "f16" if FLAGS.kv_cache_dtype == "float16" else "f32"
+
+
 def llama_cpp(path: str, batches: list[int]) -> dict:
     """One llama-batched-bench run over `path`: its rows by batch size."""
     threads = FLAGS.threads or _cores()
     context = max(batches) * (FLAGS.prompt_len + FLAGS.new_tokens)
     cmd = [_binary("llama-batched-bench"), "-m", path, "-t", str(threads), "-c", str(context), "-b", "2048",
            "-ub", "512", "-npp", str(FLAGS.prompt_len), "-ntg", str(FLAGS.new_tokens),
-           "-npl", ",".join(map(str, batches))]
+           "-npl", ",".join(map(str, batches)), "-ctk", _llama_cpp_cache_type(), "-ctv", _llama_cpp_cache_type()]
     print("running", " ".join(cmd), flush=True)
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = {}
@@ -327,8 +336,8 @@ def main(argv):
             if multi_column:
                 line += " | " + _ratio(r["multi_step_throughput_vs_llama_cpp_rounds"], 25)
         print(line)
-    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "prompt_len": FLAGS.prompt_len,
-              "new_tokens": FLAGS.new_tokens, "multi_step": multi_step,
+    result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "kv_cache_dtype": FLAGS.kv_cache_dtype,
+              "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens, "multi_step": multi_step,
               "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
               "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
               "cbjax": ours, "llama_cpp": peer,

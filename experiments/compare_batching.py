@@ -32,6 +32,7 @@ from absl import app, flags
 import common
 from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
+from cbjax.models.kv_cache import KV_DTYPES
 from hf_peers import load_peer
 
 FLAGS = flags.FLAGS
@@ -86,7 +87,7 @@ flags.DEFINE_string("output_dir", "results/compare_batching", "Where the JSON an
 
 
 common.validate_list("max_gen_lens", int, 1, "positive integers")
-common.validate_list("kv_cache_dtypes", lambda d: 0 if d in ("auto", "int8", "fp8") else -1, 0, "of auto, int8, fp8")
+common.validate_list("kv_cache_dtypes", lambda d: 0 if d in KV_DTYPES else -1, 0, ", ".join(KV_DTYPES))
 common.validate_list("peers", lambda p: 0 if p in PEERS else -1, 0, "transformers rows among " + ", ".join(PEERS),
                      allow_empty=True)
 common.validate_list("policies", lambda p: 0 if p in ("static", "dynamic", "continuous") else -1, 0,

@@ -84,13 +84,14 @@ def _history_reference(q, cache, layer_k, layer_v, slot_ids, lo, hi, kv_len):
 @needs_kernels
 @pytest.mark.parametrize("layout", ["slots", "paged"])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (6, 1, 20), (4, 2, 8)])
-def test_history_attention_equals_reference(layout, q_heads, kv_heads, head_dim):
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_history_attention_equals_reference(layout, q_heads, kv_heads, head_dim, cache_dtype):
     rng = np.random.default_rng(q_heads * 100 + head_dim)
     slots, max_len, page_size, rows = 5, 48, 8, 7
     num_pages = slots * max_len // page_size + 3
     shape = (kv_heads, slots, max_len, head_dim) if layout == "slots" else (kv_heads, num_pages, page_size, head_dim)
-    layer_k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
-    layer_v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    layer_k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), cache_dtype)
+    layer_v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), cache_dtype)
     lengths = jnp.zeros((slots,), jnp.int32)
     if layout == "slots":
         cache = SlotCache(k=(layer_k,), v=(layer_v,), lengths=lengths)
@@ -141,6 +142,24 @@ def test_greedy_outputs_equal_with_kernels_on_and_off():
             llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
                       merge_mode="chunked", max_num_batched_tokens=9)
             assert llm.engine.ops == (cpu_kernels.CPU_KERNELS if choice == "on" else XLA)
+            outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
+
+
+@needs_kernels
+def test_float16_kv_cache_runs_through_the_layer_kernel():
+    """kv_cache_dtype float16 under f32 weights: the cache holds f16 (half the bytes of f32),
+    the layer kernel takes every layer by address, and greedy outputs equal the XLA path's on
+    the same f16 cache, slots and pages."""
+    prompts = [[5, 9, 2, 7], [11, 3], list(range(3, 30))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = {}
+    for choice in ("on", "off"):
+        for kv in ("slots", "paged"):
+            llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
+                      kv_cache_dtype="float16")
+            assert all(a.dtype == jnp.float16 for a in llm.engine.cache.k + llm.engine.cache.v)
+            assert (llm.engine._params_by_address is not None) == (choice == "on")
             outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
 
@@ -203,20 +222,20 @@ def _layer_config(family: str):
     return config
 
 
-def _mixed_step(config, params, layout):
-    """A cache holding three slots' prompts and a flat batch of one-token rows as the mixed step
-    makes it: decode rows, three tokens of one sequence (they see each other's new keys), a
-    padding row and a row past its slot's room (dropped). Returns (cache, step(ops, params,
-    cache), num_valid)."""
+def _mixed_step(config, params, layout, cache_dtype=jnp.float32):
+    """A cache (of `cache_dtype`) holding three slots' prompts and a flat batch of one-token rows
+    as the mixed step makes it: decode rows, three tokens of one sequence (they see each other's
+    new keys), a padding row and a row past its slot's room (dropped). Returns (cache,
+    step(ops, params, cache), num_valid)."""
     from cbjax.models.transformer import forward
 
     slots, max_len, page_size = 3, 32, 4
     if layout == "slots":
-        cache = SlotCache.init(config, slots, max_len)
+        cache = SlotCache.init(config, slots, max_len, cache_dtype)
     else:  # each slot's pages scattered over the pool
         num_pages = slots * max_len // page_size + 2
         tables = np.random.default_rng(0).permutation(num_pages)[:slots * max_len // page_size]
-        cache = PagedCache.init(config, slots, max_len, num_pages, page_size)
+        cache = PagedCache.init(config, slots, max_len, num_pages, page_size, cache_dtype)
         cache = PagedCache(k=cache.k, v=cache.v, block_tables=jnp.asarray(tables.reshape(slots, -1), jnp.int32),
                            lengths=cache.lengths)
     rng = np.random.default_rng(1)
@@ -245,15 +264,17 @@ def _mixed_step(config, params, layout):
 @needs_kernels
 @pytest.mark.parametrize("layout", ["slots", "paged"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "window", "llama3"])
-def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16])
+def test_decoder_layer_equals_the_layer_op_by_op(layout, family, cache_dtype):
     """The whole-layer kernel against the transformer's layer op by op (XLA) on a flat batch of
     one-token rows as the mixed step makes it: decode rows, three tokens of one sequence (they
-    see each other's new keys), a padding row and a row past its slot's room (dropped)."""
+    see each other's new keys), a padding row and a row past its slot's room (dropped); an f32
+    cache, or an f16 one (kv_cache_dtype float16: written rounded as XLA rounds, read widened)."""
     from cbjax.models.params import init_params
 
     config = _layer_config(family)
     params = init_params(config, seed=3, std=0.2)
-    cache, step, num_valid = _mixed_step(config, params, layout)
+    cache, step, num_valid = _mixed_step(config, params, layout, cache_dtype)
     lowered = jax.jit(step, static_argnums=0).lower(cpu_kernels.CPU_KERNELS, params, cache).as_text()
     assert lowered.count("cbjax_decoder_layer") == config.num_layers
     got_logits, got = jax.jit(step, static_argnums=0)(cpu_kernels.CPU_KERNELS, params, cache)
@@ -271,7 +292,8 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family):
     real[-1] = False  # the dropped token attends to nothing written; only its cache write is checked
     np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real], rtol=2e-4, atol=2e-4)
     for g, w in zip(got.k + got.v, want.k + want.v):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+        assert g.dtype == w.dtype == cache_dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-4, atol=2e-5)
 
 
 @needs_kernels

@@ -419,7 +419,7 @@ def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
 def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
     # A stand-in for llama-batched-bench that prints its table, so the parsing is tested without llama.cpp.
     fake = tmp_path / "llama-batched-bench"
-    fake.write_text("#!/bin/sh\ncat <<'TABLE'\n"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'args'}\ncat <<'TABLE'\n"
                     "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
                     "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
                     "|     4 |      4 |    1 |      8 |    0.010 |   400.00 |    0.040 |   100.00 |    0.050 |   160.00 |\n"
@@ -434,6 +434,9 @@ def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
     result = json.loads(out.read_text())
     assert result["roofline_ms_per_step"] > 0 and result["matvec_bytes_per_s"] > 0
     assert set(result["cbjax"]) == {"1", "2"}
+    # Both sides hold the KV cache in f16 (llama.cpp's default, cbjax's kv_cache_dtype float16).
+    assert result["kv_cache_dtype"] == "float16"
+    assert [line.count("-ctk f16 -ctv f16") for line in (tmp_path / "args").read_text().splitlines()] == [1, 1]
     row = {"ms_per_step": 12.5, "tg_tokens_per_s": 160.0, "seconds": 0.07, "tokens_per_s": 228.57}
     assert result["llama_cpp"]["rows"]["2"] == {**row, "rounds": [row, row]}  # two rounds, the median of each key
     for b in ("1", "2"):

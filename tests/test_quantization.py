@@ -239,6 +239,10 @@ def test_kv_bytes_budget_holds_about_twice_the_bf16_sequences():
     assert paged.engine.config.num_pages == budget // SlotCache.bytes_per_slot(config, 16, jnp.int8)
     held = sum(a.nbytes for a in jax.tree.leaves((paged.engine.cache.k, paged.engine.cache.v)))
     assert held <= budget
+    # f32 weights with a float16 cache (no scales): exactly twice the f32 cache's sequences.
+    f32 = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget)
+    f16 = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget, kv_cache_dtype="float16")
+    assert f16.engine.num_slots == 2 * f32.engine.num_slots == 8
 
 
 def test_int8_kv_pages_and_swaps_through_the_host_tier():

@@ -80,7 +80,8 @@ class EngineArgs:
                               "or fp8 (e4m3; GPUs with fp8 dots), each with a scale per group of 128 inputs, or "
                               "gguf (a .gguf file's own blocks, kept as they are).", QUANTIZATIONS)
     seed: int = _knob(0, "Seed of the sampling noise of requests without their own seed.", lower=0)
-    kv_cache_dtype: str = _knob("auto", "KV-cache storage: auto (dtype), int8 or fp8 (e4m3), each 8-bit vector with "
+    kv_cache_dtype: str = _knob("auto", "KV-cache storage: auto (dtype); float16 or bfloat16 (half of float32's "
+                                "bytes: the CPU kernels read float16); int8 or fp8 (e4m3), each 8-bit vector with "
                                 "a float32 scale per position and head: about twice the sequences of bf16 in "
                                 "kv_cache_bytes.", KV_DTYPES)
     kv_cache: str = _knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))

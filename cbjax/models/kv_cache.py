@@ -31,14 +31,14 @@ from cbjax.config import ModelConfig
 from cbjax.models.quant import ScaledValues
 
 
-KV_DTYPES = ("auto", "int8", "fp8")  # EngineArgs.kv_cache_dtype: auto is the model's dtype
+KV_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")  # EngineArgs.kv_cache_dtype: auto is the model's dtype
 _KV_FORMATS = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
     """The dtype a cache stores its keys and values in."""
-    return {"auto": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
-            "fp8": jnp.dtype(jnp.float8_e4m3fn)}[kv_cache_dtype]
+    return {"auto": jnp.dtype(model_dtype), "float16": jnp.dtype(jnp.float16), "bfloat16": jnp.dtype(jnp.bfloat16),
+            "int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}[kv_cache_dtype]
 
 
 def is_quantized_kv(dtype) -> bool:
@@ -102,9 +102,12 @@ def decode(stored) -> jax.Array:
 
 
 def as_stored(new: jax.Array, like) -> jax.Array:
-    """`new` as a read of `like`'s storage would give it back: through 8 bits and back for a
-    quantized layer (so a chunk's own keys count as its cached ones do), else unchanged."""
-    return decode(encode(new, like)).astype(new.dtype) if isinstance(like, QuantizedKV) else new
+    """`new` as a read of `like`'s storage would give it back (so a chunk's own keys count as
+    its cached ones do): through 8 bits and back for a quantized layer, through a narrower
+    float (f16 under f32) and back, else unchanged."""
+    if isinstance(like, QuantizedKV):
+        return decode(encode(new, like)).astype(new.dtype)
+    return new.astype(like.dtype).astype(new.dtype) if like.dtype != new.dtype else new
 
 
 def _zeros_per_layer(num_layers: int, shape: tuple, dtype) -> tuple:

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #include <chrono>
 #include <initializer_list>
@@ -768,10 +769,12 @@ ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Re
 // The cache is pages: position p of row b is in page tables[b, p / page_size], at element
 // head * head_stride + page * page_stride + (p % page_size) * D of the layer's buffer. The slot
 // layout [slots, kv_heads, max_len, D] is one page per slot (page_size = max_len).
+// A cache holds f32, or f16 (`half`: kv_cache_dtype float16, half the bytes each read streams).
 struct Attention {
   const float* q;       // [B, kv_heads * G, D]
-  const float* k;       // the layer's cache
-  const float* v;
+  const void* k;        // the layer's cache, float or _Float16
+  const void* v;
+  bool half;
   const int32_t* tables;  // [B, pages_per_row]
   const int32_t* lo;      // [B]
   const int32_t* hi;      // [B]
@@ -784,14 +787,17 @@ struct Attention {
 
 constexpr float kMasked = -1e30f;  // as cbjax/models/attention.py: a row that sees nothing stays finite
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  if (D % 16 == 0) {
-    v16 acc = {};
-    for (int64_t d = 0; d < D; d += 16) acc += load16(a + d) * load16(b + d);
-    return sum16(acc);
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (D % 16 == 0) {
+      v16 acc = {};
+      for (int64_t d = 0; d < D; d += 16) acc += load16(a + d) * load16(b + d);
+      return sum16(acc);
+    }
   }
   float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  for (int64_t d = 0; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;
 }
 
@@ -810,16 +816,18 @@ struct Head {
   }
   const float* q() const { return a.q + index * a.D; }
   float* out() const { return a.out + index * a.D; }
-  const float* row(const float* cache, int64_t p) const {
+  template <typename T>
+  const T* row(const void* cache, int64_t p) const {
     int64_t page = a.tables[b * a.pages_per_row + p / a.page_size];
     page = page < 0 ? 0 : (page >= a.num_pages ? a.num_pages - 1 : page);  // as the reference's clip
-    return cache + h * a.head_stride + page * a.page_stride + (p % a.page_size) * a.D;
+    return static_cast<const T*>(cache) + h * a.head_stride + page * a.page_stride + (p % a.page_size) * a.D;
   }
   // keys[i], values[i]: position lo + i's key and value, one page lookup (and division) a page:
   // two divisions a position were ~half of SmolLM2's attention time at eight sequences.
-  void rows(const float** keys, const float** values) const {
+  template <typename T>
+  void rows(const T** keys, const T** values) const {
     for (int64_t p = lo; p < hi;) {
-      const float *k = row(a.k, p), *v = row(a.v, p);
+      const T *k = row<T>(a.k, p), *v = row<T>(a.v, p);
       const int64_t run = std::min(hi - p, a.page_size - p % a.page_size);
       for (int64_t i = 0; i < run; ++i) keys[p - lo + i] = k + i * a.D, values[p - lo + i] = v + i * a.D;
       p += run;
@@ -828,6 +836,7 @@ struct Head {
 };
 
 // Query head g of (row b, kv head h), any head size: scores, then e^(s - max) and the values.
+template <typename T>
 void attention_head_scalar(const Head& head) {
   const Attention& a = head.a;
   const int64_t D = a.D, lo = head.lo, hi = head.hi;
@@ -838,15 +847,15 @@ void attention_head_scalar(const Head& head) {
   scores.resize(static_cast<size_t>(hi - lo));
   float top = kMasked, total = 0.f;
   for (int64_t p = lo; p < hi; ++p) {
-    const float s = dot(q, head.row(a.k, p), D) * a.scale;
+    const float s = dot(q, head.row<T>(a.k, p), D) * a.scale;
     scores[p - lo] = s;
     top = s > top ? s : top;
   }
   for (int64_t p = lo; p < hi; ++p) {
-    const float* value = head.row(a.v, p);
+    const T* value = head.row<T>(a.v, p);
     const float e = std::exp(scores[p - lo] - top);
     total += e;
-    for (int64_t d = 0; d < D; ++d) out[d] += e * value[d];
+    for (int64_t d = 0; d < D; ++d) out[d] += e * static_cast<float>(value[d]);
   }
   a.top[head.index] = top, a.total[head.index] = total;
 }
@@ -872,16 +881,20 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// 8 cached floats at p (f16 widened by F16C).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // out[d0, d0 + 8 V) = sum_i e_i values[i][d0, d0 + 8 V), out held in V registers (a count fixed at
 // compile time: a runtime one left them on the stack).
-template <int V>
-inline void weighted_values(const float* e, const float* const* values, int64_t n, int64_t d0, float* out) {
+template <int V, typename T>
+inline void weighted_values(const float* e, const T* const* values, int64_t n, int64_t d0, float* out) {
   __m256 o[V];
   for (int v = 0; v < V; ++v) o[v] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m256 ei = _mm256_broadcast_ss(e + i);
-    const float* value = values[i] + d0;
-    for (int v = 0; v < V; ++v) o[v] = _mm256_fmadd_ps(ei, _mm256_loadu_ps(value + 8 * v), o[v]);
+    const T* value = values[i] + d0;
+    for (int v = 0; v < V; ++v) o[v] = _mm256_fmadd_ps(ei, load8(value + 8 * v), o[v]);
   }
   for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + d0 + 8 * v, o[v]);
 }
@@ -891,6 +904,7 @@ inline void weighted_values(const float* e, const float* const* values, int64_t 
 // together (one horizontal reduction per eight keys instead of one per key), e^(s - max) eight
 // at a time, then out = sum e_p v_p with out in registers. SmolLM2's decode (9 query heads over 3
 // kv heads of 64) spent 14% of a step at one sequence and 22% at eight in the per-key version.
+template <typename T>
 void attention_head_avx2(const Head& head) {
   const Attention& a = head.a;
   const int64_t D = a.D, n = head.hi - head.lo;
@@ -898,7 +912,7 @@ void attention_head_avx2(const Head& head) {
   const float* q = head.q();
   float* out = head.out();
   thread_local std::vector<float> scores;
-  thread_local std::vector<const float*> keys, values;
+  thread_local std::vector<const T*> keys, values;
   scores.resize(static_cast<size_t>(n + 8)), keys.resize(static_cast<size_t>(n + 8));
   values.resize(static_cast<size_t>(n));
   head.rows(keys.data(), values.data());
@@ -913,7 +927,7 @@ void attention_head_avx2(const Head& head) {
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qd = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[i + j] + d), acc[j]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(keys[i + j] + d), acc[j]);
     }
     __m256 s = _mm256_mul_ps(lane_sums(acc), scale);
     if (m < 8) s = _mm256_blendv_ps(_mm256_set1_ps(kMasked), s, first_lanes(m));
@@ -935,14 +949,14 @@ void attention_head_avx2(const Head& head) {
   a.total[head.index] = sum8(total);
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     switch (std::min<int64_t>(8, (D - d0) / 8)) {
-      case 8: weighted_values<8>(scores.data(), values.data(), n, d0, out); break;
-      case 7: weighted_values<7>(scores.data(), values.data(), n, d0, out); break;
-      case 6: weighted_values<6>(scores.data(), values.data(), n, d0, out); break;
-      case 5: weighted_values<5>(scores.data(), values.data(), n, d0, out); break;
-      case 4: weighted_values<4>(scores.data(), values.data(), n, d0, out); break;
-      case 3: weighted_values<3>(scores.data(), values.data(), n, d0, out); break;
-      case 2: weighted_values<2>(scores.data(), values.data(), n, d0, out); break;
-      default: weighted_values<1>(scores.data(), values.data(), n, d0, out);
+      case 8: weighted_values<8, T>(scores.data(), values.data(), n, d0, out); break;
+      case 7: weighted_values<7, T>(scores.data(), values.data(), n, d0, out); break;
+      case 6: weighted_values<6, T>(scores.data(), values.data(), n, d0, out); break;
+      case 5: weighted_values<5, T>(scores.data(), values.data(), n, d0, out); break;
+      case 4: weighted_values<4, T>(scores.data(), values.data(), n, d0, out); break;
+      case 3: weighted_values<3, T>(scores.data(), values.data(), n, d0, out); break;
+      case 2: weighted_values<2, T>(scores.data(), values.data(), n, d0, out); break;
+      default: weighted_values<1, T>(scores.data(), values.data(), n, d0, out);
     }
   }
 }
@@ -954,24 +968,32 @@ void attention_chunk(const void* context, int64_t c) {
   const int64_t g = c % a.G, h = c / a.G % a.kv_heads, b = c / a.G / a.kv_heads;
   const Head head(a, b, h, g);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (a.D % 8 == 0) return attention_head_avx2(head);
+  if (a.D % 8 == 0) return a.half ? attention_head_avx2<_Float16>(head) : attention_head_avx2<float>(head);
 #endif
-  attention_head_scalar(head);
+  a.half ? attention_head_scalar<_Float16>(head) : attention_head_scalar<float>(head);
 }
 
-ffi::Error HistoryAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+// Whether a layer's caches are one of the kernel's kinds, both alike (f32 or f16).
+bool cache_kind(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, bool* half) {
+  *half = k.element_type() == ffi::DataType::F16;
+  return k.element_type() == v.element_type() && (*half || k.element_type() == ffi::DataType::F32) &&
+         k.element_count() == v.element_count();
+}
+
+ffi::Error HistoryAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
                             ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> top,
                             ffi::ResultBuffer<ffi::F32> total, float scale, int64_t page_size, int64_t head_stride,
                             int64_t page_stride, int64_t num_pages) {
   const auto od = out->dimensions();  // [B, kv_heads, G, D]
   const auto td = tables.dimensions();  // [B, pages_per_row]
+  bool half = false;
   if (od.size() != 4 || td.size() != 2 || td[0] != od[0] || q.element_count() != out->element_count() ||
-      k.element_count() != v.element_count() || num_pages < 1 || page_size < 1) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_history_attention: inconsistent shapes");
+      !cache_kind(k, v, &half) || num_pages < 1 || page_size < 1) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_history_attention: inconsistent shapes or cache kinds");
   }
   const int64_t B = od[0];
-  const Attention a{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(), lo.typed_data(),
+  const Attention a{q.typed_data(), k.untyped_data(), v.untyped_data(), half, tables.typed_data(), lo.typed_data(),
                     hi.typed_data(), out->typed_data(), top->typed_data(), total->typed_data(),
                     od[1], od[2], od[3], td[1], page_size, head_stride, page_stride, num_pages, scale};
   const int64_t last = (num_pages - 1) * page_stride + (od[1] - 1) * head_stride + page_size * od[3];
@@ -1129,11 +1151,19 @@ struct LayerWeights {
   Weight w_gate, w_up, w_down;
 };
 
+// D floats into a cache at element `at`: copied, or rounded to f16 (to nearest even, as XLA's
+// convert: the reference path stores the same values).
+inline void store_cached(void* cache, bool half, int64_t at, const float* x, int64_t D) {
+  if (!half) return static_cast<void>(std::memcpy(static_cast<float*>(cache) + at, x, D * sizeof(float)));
+  _Float16* out = static_cast<_Float16*>(cache) + at;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<_Float16>(x[d]);
+}
+
 ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffer<ffi::F32> x,
-                         ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> cache_k,
-                         ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                         ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k,
+                         ffi::AnyBuffer cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                          ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> x_out,
-                         ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale,
+                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t window, int64_t page_size,
                          int64_t head_stride, int64_t page_stride, int64_t num_pages) {
   const auto xd = x.dimensions();     // [M, H]
@@ -1146,16 +1176,18 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
   const int64_t QD = num_heads * D, KD = num_kv_heads * D, G = num_heads / num_kv_heads;
   const int64_t pages_per_row = td[1];
   const bool qk_norm = w.q_norm != nullptr && w.k_norm != nullptr;
-  if (static_cast<int64_t>(cos.element_count()) != M * (D / 2) ||
+  bool half = false;
+  if (!cache_kind(cache_k, cache_v, &half) || k_out->element_type() != cache_k.element_type() ||
+      static_cast<int64_t>(cos.element_count()) != M * (D / 2) ||
       (num_kv_heads - 1) * head_stride + (num_pages - 1) * page_stride + page_size * D >
           static_cast<int64_t>(cache_k.element_count())) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer: inconsistent shapes");
   }
   // The caches are aliased to k_out / v_out (updated in place); should XLA hand over copies, fill them.
-  float* ck = k_out->typed_data();
-  float* cv = v_out->typed_data();
-  if (ck != cache_k.typed_data()) std::memcpy(ck, cache_k.typed_data(), cache_k.element_count() * sizeof(float));
-  if (cv != cache_v.typed_data()) std::memcpy(cv, cache_v.typed_data(), cache_v.element_count() * sizeof(float));
+  void* ck = k_out->untyped_data();
+  void* cv = v_out->untyped_data();
+  if (ck != cache_k.untyped_data()) std::memcpy(ck, cache_k.untyped_data(), cache_k.size_bytes());
+  if (cv != cache_v.untyped_data()) std::memcpy(cv, cache_v.untyped_data(), cache_v.size_bytes());
 
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(M * (H + QD + 2 * KD + QD + 3 * F + H)));
@@ -1199,13 +1231,13 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
     if (page < 0 || page >= num_pages) continue;
     for (int64_t hh = 0; hh < num_kv_heads; ++hh) {
       const int64_t at = hh * head_stride + page * page_stride + (p % page_size) * D;
-      std::memcpy(ck + at, k + i * KD + hh * D, D * sizeof(float));
-      std::memcpy(cv + at, v + i * KD + hh * D, D * sizeof(float));
+      store_cached(ck, half, at, k + i * KD + hh * D, D);
+      store_cached(cv, half, at, v + i * KD + hh * D, D);
     }
   }
   thread_local std::vector<float> top, total;
   top.resize(M * num_heads), total.resize(M * num_heads);
-  const Attention a{q, ck, cv, table, lo.data(), hi.data(), attn, top.data(), total.data(),
+  const Attention a{q, ck, cv, half, table, lo.data(), hi.data(), attn, top.data(), total.data(),
                     num_kv_heads, G, D, pages_per_row, page_size, head_stride, page_stride, num_pages, scale};
   pool().run(attention_chunk, &a, M * num_kv_heads * G);
   for (int64_t i = 0; i < M * num_heads; ++i) {
@@ -1231,10 +1263,10 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
                         ffi::Buffer<ffi::F32> wk, ffi::Buffer<ffi::F32> wv, ffi::Buffer<ffi::F32> wo,
                         ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> mlp_norm,
                         ffi::Buffer<ffi::F32> w_gate, ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
-                        ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> cache_k,
-                        ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                        ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k,
+                        ffi::AnyBuffer cache_v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                         ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> x_out,
-                        ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale,
+                        ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale,
                         int64_t num_heads, int64_t num_kv_heads, int64_t window, int64_t page_size,
                         int64_t head_stride, int64_t page_stride, int64_t num_pages, bool qk_norm) {
   const auto xd = x.dimensions();
@@ -1269,10 +1301,10 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
 // dispatch costs ~2.5 us per argument, ~0.5 ms of a SmolLM2 decode step over its 272 weight
 // arrays (cbjax/runtime/cpu_kernels.py, `LayerAddresses`).
 ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> addresses, ffi::Buffer<ffi::F32> cos,
-                          ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v,
+                          ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> valid,
-                          ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> k_out,
-                          ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale, int64_t num_heads,
+                          ffi::ResultBuffer<ffi::F32> x_out, ffi::Result<ffi::AnyBuffer> k_out,
+                          ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale, int64_t num_heads,
                           int64_t num_kv_heads, int64_t window, int64_t page_size, int64_t head_stride,
                           int64_t page_stride, int64_t num_pages, int64_t layer, int64_t intermediate,
                           int64_t head_dim) {
@@ -1397,8 +1429,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, MatmulBlocks,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -1416,14 +1448,14 @@ template <typename Binding>
 auto with_rows_and_cache(Binding&& binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::F32>>()  // cos
       .template Arg<ffi::Buffer<ffi::F32>>()             // sin
-      .template Arg<ffi::Buffer<ffi::F32>>()             // cache_k
-      .template Arg<ffi::Buffer<ffi::F32>>()             // cache_v
+      .template Arg<ffi::AnyBuffer>()                    // cache_k (f32 or f16)
+      .template Arg<ffi::AnyBuffer>()                    // cache_v
       .template Arg<ffi::Buffer<ffi::S32>>()             // tables
       .template Arg<ffi::Buffer<ffi::S32>>()             // positions
       .template Arg<ffi::Buffer<ffi::S32>>()             // valid
       .template Ret<ffi::Buffer<ffi::F32>>()             // x_out
-      .template Ret<ffi::Buffer<ffi::F32>>()             // cache_k (aliased)
-      .template Ret<ffi::Buffer<ffi::F32>>()             // cache_v (aliased)
+      .template Ret<ffi::AnyBuffer>()                    // cache_k (aliased)
+      .template Ret<ffi::AnyBuffer>()                    // cache_v (aliased)
       .template Attr<float>("eps")
       .template Attr<float>("scale")
       .template Attr<int64_t>("num_heads")

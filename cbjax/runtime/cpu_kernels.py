@@ -167,9 +167,14 @@ def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
         x, w.blocks, kind=np.int64(BLOCK_KINDS[w.kind]))
 
 
+def reads_cache(dtype) -> bool:
+    """Whether the kernels read a KV cache of `dtype`: f32, or f16 (widened as it is read)."""
+    return jnp.dtype(dtype) in (jnp.float32, jnp.float16)
+
+
 def attends(q: jax.Array, layer_k: jax.Array) -> bool:
-    """Whether `history_attention` takes this read: one f32 query token per row."""
-    return q.shape[1] == 1 and q.dtype == jnp.float32 and layer_k.dtype == jnp.float32 and available()
+    """Whether `history_attention` takes this read: one f32 query token per row, an f32 or f16 cache."""
+    return q.shape[1] == 1 and q.dtype == jnp.float32 and reads_cache(layer_k.dtype) and available()
 
 
 def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Array, slot_ids: jax.Array,
@@ -198,12 +203,11 @@ _BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down")
 
 def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     """Whether `decoder_layer` runs this layer: rows of one token (at most MAX_ROWS), f32
-    weights and cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
+    weights, an f32 or f16 cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
     `LayerAt` layer is one by construction)."""
     b, t = x.shape[:2]
     limit = p.max_rows if isinstance(p, LayerAt) else MAX_ROWS
-    rows = (t == 1 and 0 < b <= limit and x.dtype == jnp.float32 and layer_k.dtype == jnp.float32
-            and available())
+    rows = (t == 1 and 0 < b <= limit and x.dtype == jnp.float32 and reads_cache(layer_k.dtype) and available())
     if isinstance(p, LayerAt):
         return rows
     return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
