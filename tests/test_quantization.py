@@ -269,6 +269,8 @@ def test_bad_kv_cache_dtype_settings():
         LLM("tiny-llama", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="page_size a power of two >= 16 for int8 KV"):
         LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=8, attention="pallas", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16' stores float16 under float32 activations"):
+        LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=16, attention="pallas", kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' runs on a device"):
         LLM("tiny-llama", kv_cache_dtype="int8", simulate="h100")
 

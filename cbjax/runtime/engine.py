@@ -24,7 +24,7 @@ import numpy as np
 
 from cbjax import grammar
 from cbjax.models import quant
-from cbjax.models.kv_cache import PagedCache, SlotCache, kv_storage_dtype
+from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
@@ -56,6 +56,10 @@ def kernel_refusal(model, config: EngineConfig) -> str | None:
     None: checked when the engine is built rather than when a program lowers on the device."""
     mc = model.config
     dtype = kv_dtype(model, config)
+    activations = quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16
+    if not is_quantized_kv(dtype) and dtype != activations:  # the kernels' dots take q and k alike
+        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under {jax.numpy.dtype(activations).name} "
+                "activations: the kernels read the model's own dtype or 8 bits (int8, fp8)")
     if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
         return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
                 f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
