@@ -58,8 +58,9 @@ def kernel_refusal(model, config: EngineConfig) -> str | None:
     dtype = kv_dtype(model, config)
     activations = quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16
     if not is_quantized_kv(dtype) and dtype != activations:  # the kernels' dots take q and k alike
-        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under {jax.numpy.dtype(activations).name} "
-                "activations: the kernels read the model's own dtype or 8 bits (int8, fp8)")
+        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under "
+                f"{jax.numpy.dtype(activations).name} activations: the kernels read the model's own dtype or 8 bits "
+                "(int8, fp8)")
     if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
         return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
                 f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
