@@ -133,32 +133,20 @@ def test_cpu_kernels_on_refuses_what_they_cannot_run():
 
 
 @needs_kernels
-def test_greedy_outputs_equal_with_kernels_on_and_off():
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
+def test_greedy_outputs_equal_with_kernels_on_and_off(kv_dtype):
+    """Slots and pages, f32 weights with the cache in f32 (auto) or f16 (half the bytes; the
+    layer kernel takes every layer by address either way)."""
     prompts = [[5, 9, 2, 7], [11, 3], list(range(3, 30))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = {}
     for choice in ("on", "off"):
         for kv in ("slots", "paged"):
             llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
-                      merge_mode="chunked", max_num_batched_tokens=9)
+                      merge_mode="chunked", max_num_batched_tokens=9, kv_cache_dtype=kv_dtype)
             assert llm.engine.ops == (cpu_kernels.CPU_KERNELS if choice == "on" else XLA)
-            outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
-
-
-@needs_kernels
-def test_float16_kv_cache_runs_through_the_layer_kernel():
-    """kv_cache_dtype float16 under f32 weights: the cache holds f16 (half the bytes of f32),
-    the layer kernel takes every layer by address, and greedy outputs equal the XLA path's on
-    the same f16 cache, slots and pages."""
-    prompts = [[5, 9, 2, 7], [11, 3], list(range(3, 30))]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    outs = {}
-    for choice in ("on", "off"):
-        for kv in ("slots", "paged"):
-            llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
-                      kv_cache_dtype="float16")
-            assert all(a.dtype == jnp.float16 for a in llm.engine.cache.k + llm.engine.cache.v)
+            want = jnp.float16 if kv_dtype == "float16" else jnp.float32
+            assert all(a.dtype == want for a in llm.engine.cache.k + llm.engine.cache.v)
             assert (llm.engine._params_by_address is not None) == (choice == "on")
             outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
