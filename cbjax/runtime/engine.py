@@ -113,8 +113,8 @@ class Engine:
         # The operations the programs are traced with: the C++ CPU kernels, the Pallas quantized matmul, or XLA's.
         self.ops = engine_ops(config, self.params, mesh)
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
-        addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas"
-                     and cpu_kernels.reads_cache(kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
+        addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
+            kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
         self._programs, self._slot_decodes = {}, {}
