@@ -1104,16 +1104,36 @@ struct GatedMatmul {
   float* act;
 };
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// silu(a) * u in 8 lanes: a * sigmoid(a), the sigmoid from t = e^-|a| (exp_nonpositive, ~2 ulp of
+// std::exp): 1 / (1 + t) where a >= 0, t / (1 + t) below. std::exp one element at a time was ~3%
+// of the CPU time of a 32-sequence SmolLM2 step (`perf`: the gated chunks' own time and libm's
+// expf). A NaN stays NaN (a * anything).
+inline __m256 silu_times(__m256 a, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), a);
+  const __m256 t = exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), magnitude));
+  const __m256 below = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, t, below), _mm256_add_ps(one, t));
+  return _mm256_mul_ps(_mm256_mul_ps(a, sigmoid), u);
+}
+#endif
+
 void gated_chunk(const void* context, int64_t c) {
   const GatedMatmul& g = *static_cast<const GatedMatmul*>(context);
   const int64_t N = g.N, n0 = c * g.rows_per_chunk, n1 = chunk_end(c, g.rows_per_chunk, N);
   any_rows(g.x, g.gate, g.gate_y, N, n0, n1);
   any_rows(g.x, g.up, g.up_y, N, n0, n1);
-  for (int64_t i = 0; i < g.x.M; ++i)
-    for (int64_t n = n0; n < n1; ++n) {
-      const float a = g.gate_y[i * N + n];
-      g.act[i * N + n] = a / (1.f + std::exp(-a)) * g.up_y[i * N + n];
-    }
+  for (int64_t i = 0; i < g.x.M; ++i) {
+    const float *gate = g.gate_y + i * N, *up = g.up_y + i * N;
+    float* act = g.act + i * N;
+    int64_t n = n0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    for (; n + 8 <= n1; n += 8)
+      _mm256_storeu_ps(act + n, silu_times(_mm256_loadu_ps(gate + n), _mm256_loadu_ps(up + n)));
+#endif
+    for (; n < n1; ++n) act[n] = gate[n] / (1.f + std::exp(-gate[n])) * up[n];
+  }
 }
 
 void rms_norm_rows(const float* x, const float* scale, float* out, int64_t M, int64_t D, float eps) {
@@ -1152,11 +1172,18 @@ struct LayerWeights {
 };
 
 // D floats into a cache at element `at`: copied, or rounded to f16 (to nearest even, as XLA's
-// convert: the reference path stores the same values).
+// convert: the reference path stores the same values), 8 at a time by F16C (one conversion at a
+// time was ~1% of a 32-sequence step's CPU time).
 inline void store_cached(void* cache, bool half, int64_t at, const float* x, int64_t D) {
   if (!half) return static_cast<void>(std::memcpy(static_cast<float*>(cache) + at, x, D * sizeof(float)));
   _Float16* out = static_cast<_Float16*>(cache) + at;
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<_Float16>(x[d]);
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; d + 8 <= D; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; d < D; ++d) out[d] = static_cast<_Float16>(x[d]);
 }
 
 ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffer<ffi::F32> x,
