@@ -197,9 +197,10 @@ def llama_cpp(path: str, batches: list[int]) -> dict:
     """One llama-batched-bench run over `path`: its rows by batch size."""
     threads = FLAGS.threads or _cores()
     context = max(batches) * (FLAGS.prompt_len + FLAGS.new_tokens)
+    cache = _llama_cpp_cache_type()
     cmd = [_binary("llama-batched-bench"), "-m", path, "-t", str(threads), "-c", str(context), "-b", "2048",
            "-ub", "512", "-npp", str(FLAGS.prompt_len), "-ntg", str(FLAGS.new_tokens),
-           "-npl", ",".join(map(str, batches)), "-ctk", _llama_cpp_cache_type(), "-ctv", _llama_cpp_cache_type()]
+           "-npl", ",".join(map(str, batches)), "-ctk", cache, "-ctv", cache]
     print("running", " ".join(cmd), flush=True)
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = {}

@@ -45,10 +45,14 @@ Call = tuple[object, list[int]]
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
 
+def activation_dtype(model):
+    """The dtype the model computes in (a simulated model, without params: 16 bits)."""
+    return jax.numpy.dtype(quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16)
+
+
 def kv_dtype(model, config: EngineConfig):
-    """The dtype the engine's KV cache stores (a simulated model, without params: 16 bits)."""
-    return kv_storage_dtype(config.kv_cache_dtype,
-                            quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16)
+    """The dtype the engine's KV cache stores."""
+    return kv_storage_dtype(config.kv_cache_dtype, activation_dtype(model))
 
 
 def kernel_refusal(model, config: EngineConfig) -> str | None:
@@ -56,11 +60,10 @@ def kernel_refusal(model, config: EngineConfig) -> str | None:
     None: checked when the engine is built rather than when a program lowers on the device."""
     mc = model.config
     dtype = kv_dtype(model, config)
-    activations = quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16
+    activations = activation_dtype(model)
     if not is_quantized_kv(dtype) and dtype != activations:  # the kernels' dots take q and k alike
-        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under "
-                f"{jax.numpy.dtype(activations).name} activations: the kernels read the model's own dtype or 8 bits "
-                "(int8, fp8)")
+        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under {activations.name} "
+                "activations: the kernels read the model's own dtype or 8 bits (int8, fp8)")
     if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
         return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
                 f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
