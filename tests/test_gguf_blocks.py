@@ -5,6 +5,9 @@ resident weight bytes those of the file's tensors), and the errors."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -136,6 +139,8 @@ def test_a_q8_0_copy_runs_from_its_blocks(tmp_path):
     kinds = {leaf.kind for leaf in jax.tree.leaves(llm.engine.params, is_leaf=quant.is_quantized)
              if quant.is_quantized(leaf)}
     assert kinds == {"Q8_0"} and quant.weight_bytes(llm.engine.params) == sizes["target_tensor_bytes"]
+    gc.collect()  # and only those: no tensor keeps the file's map (and its read pages) alive
+    assert not [o for o in gc.get_objects() if isinstance(o, np.memmap) and o.filename == os.path.abspath(target)]
     prompt = llm.model.tokenizer("The Eiffel Tower is in")["input_ids"]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     reference = LLM(target, num_slots=2, max_seq_len=64, cpu_kernels="off")
