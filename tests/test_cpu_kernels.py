@@ -285,32 +285,42 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family, cache_dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_gguf_layers_by_address_equal_the_dequantized_reference(layout):
-    """Layers whose matrices are GGUF blocks (Q8_0, Q4_0 and Q4_1 mixed within a layer, as
-    k-quant files mix types) run as one layer-kernel call each, by address, and give the XLA
-    path's results on the same blocks (dequantized whole) on the mixed step's rows."""
+def _quantized_matrix(w, kind: str):
+    """`w` as GGUF blocks of `kind`, or quantization='int8' (groups of 32, 64 or 128 inputs)."""
     import gguf
 
+    from cbjax.models import quant
     from cbjax.models.gguf_blocks import GGUFWeight
+
+    if kind == "int8":
+        return quant.quantize(w, "int8")
+    return GGUFWeight(jnp.asarray(gguf.quants.quantize(np.asarray(w), getattr(gguf.GGMLQuantizationType, kind))), kind)
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+@pytest.mark.parametrize("weights", ["gguf", "int8"])
+def test_quantized_layers_by_address_equal_the_dequantized_reference(layout, weights):
+    """Layers whose matrices are GGUF blocks (Q8_0, Q4_0 and Q4_1 mixed within a layer, as
+    k-quant files mix types) or int8 with their groups' scales run as one layer-kernel call
+    each, by address, and give the XLA path's results on the same weights (dequantized whole)
+    on the mixed step's rows."""
     from cbjax.models.params import init_params
 
     config = _layer_config("llama")
     params = init_params(config, seed=3, std=0.2)
-    kinds = list(cpu_kernels.BLOCK_KINDS)
+    kinds = list(cpu_kernels.BLOCK_KINDS) if weights == "gguf" else ["int8"]
     layers = []
     for i, p in enumerate(params["layers"]):
         layer = dict(p)
         for j, name in enumerate(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")):
-            kind = kinds[(i + j) % len(kinds)]
-            blocks = gguf.quants.quantize(np.asarray(p[name]), getattr(gguf.GGMLQuantizationType, kind))
-            layer[name] = GGUFWeight(jnp.asarray(blocks), kind)
+            layer[name] = _quantized_matrix(p[name], kinds[(i + j) % len(kinds)])
         layers.append(layer)
     blocked = {**params, "layers": layers}
     table = cpu_kernels.layer_addresses(blocked, config)
-    assert table is not None and table.max_rows == cpu_kernels.BLOCK_MAX_ROWS  # every matrix blocks
-    column = 3 * cpu_kernels.LAYER_WEIGHTS.index("wo") + 2
-    assert [int(k) for k in np.asarray(table.table)[:, column]] == [cpu_kernels.BLOCK_KINDS[kinds[(i + 3) % 3]]
+    assert table is not None and table.max_rows == cpu_kernels.BLOCK_MAX_ROWS  # every matrix quantized
+    column = 6 * cpu_kernels.LAYER_WEIGHTS.index("wo") + 2
+    kind_ids = {**cpu_kernels.BLOCK_KINDS, "int8": cpu_kernels.INT8_KIND}
+    assert [int(k) for k in np.asarray(table.table)[:, column]] == [kind_ids[kinds[(i + 3) % len(kinds)]]
                                                                     for i in range(config.num_layers)]
     cache, step, num_valid = _mixed_step(config, blocked, layout)
     by_address = {**blocked, "layers": table}
@@ -341,13 +351,13 @@ def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
     params = init_params(config, seed=3, std=0.2)
     table = cpu_kernels.layer_addresses(params, config)
     rows = np.asarray(table.table)
-    assert rows.shape == (config.num_layers, 3 * len(cpu_kernels.LAYER_WEIGHTS))
+    assert rows.shape == (config.num_layers, 6 * len(cpu_kernels.LAYER_WEIGHTS))
     assert table.max_rows == cpu_kernels.MAX_ROWS  # f32 matrices: XLA's matmul wins past MAX_ROWS
     wq = params["layers"][1]["wq"].unsafe_buffer_pointer()
-    at = 3 * cpu_kernels.LAYER_WEIGHTS.index("wq")
+    at = 6 * cpu_kernels.LAYER_WEIGHTS.index("wq")
     assert int(rows[1, at]) | int(rows[1, at + 1]) << 32 == wq
-    assert (rows[:, 2::3] == cpu_kernels.F32_KIND).all()
-    assert not rows[:, 3 * cpu_kernels.LAYER_WEIGHTS.index("q_norm")].any()  # llama has none
+    assert (rows[:, 2::6] == cpu_kernels.F32_KIND).all() and not rows[:, 3::6].any()  # no int8 scales
+    assert not rows[:, 6 * cpu_kernels.LAYER_WEIGHTS.index("q_norm")].any()  # llama has none
 
     biased = {**params, "layers": [{**p, "bq": jnp.zeros(p["wq"].shape[0])} for p in params["layers"]]}
     assert cpu_kernels.layer_addresses(biased, config) is None

@@ -47,9 +47,35 @@ def test_int8_tokens_equal_the_dequantized_reference(hf_dirs, family):
     model = load_model(hf_dirs[family])
     llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8, quantization="int8")
     assert quant.quantization_of(llm.engine.params) == "int8"
+    from cbjax.runtime import cpu_kernels
+
+    assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # the int8 kernel decodes
     reference = LLM(dequantized(dataclasses.replace(model, params=llm.engine.params)), num_slots=4, max_seq_len=64,
                     kv_cache=kv_cache, page_size=8, cpu_kernels="off")
     assert tokens(llm) == tokens(reference)
+
+
+def test_cpu_int8_kernel_matches_the_dequantized_product():
+    """The C++ int8 kernel (each 32 weights scaled by their group's scale) against
+    x @ dequantized.T: groups of 32, 64 and 128 inputs, one row, odd row counts and the most rows
+    it takes, an odd number of weight rows; what it does not take stays with XLA."""
+    from cbjax.runtime import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.build_error())
+    rng = np.random.default_rng(4)
+    product = jax.jit(cpu_kernels.matmul_int8)
+    for width, group in ((96, 32), (192, 64), (384, 128), (160, 32)):  # 160: 5 blocks, the last alone
+        w = quant.quantize(jnp.asarray(rng.normal(size=(37, width)), jnp.float32), "int8")
+        assert w.values.shape[1] // w.scale.shape[1] == group
+        dense = np.asarray(w.dequantize())
+        for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
+            x = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+            assert cpu_kernels.int8_fits(x, w)
+            np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x) @ dense.T, rtol=1e-5, atol=1e-4)
+        assert not cpu_kernels.int8_fits(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, width)), w)
+    one_group = quant.quantize(jnp.ones((4, 48)), "int8")  # 48 inputs: one group of 48, not whole blocks
+    assert not cpu_kernels.int8_fits(jnp.ones((1, 48)), one_group)
 
 
 def logits(model, prompt):

@@ -477,29 +477,33 @@ inline __m256 lane_sums(const __m256 v[8]) {
 
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
-// Several input rows: kTileRows weight rows widened once into a thread-local buffer (L1), then
+// Several input rows: kTileRows weight rows widened once (`widen(row, b, v)`: the 32 floats of
+// the row's b-th 32-weight block) into a thread-local buffer (L1), then
 // every pair of input rows multiplied against all of them in one pass over k, a kTileRows x 2
 // register tile (12 accumulators): each x vector loaded serves kTileRows weight rows and each
 // widened vector two inputs, so x streams from L2 once per kTileRows weight rows. Two rows a
 // pass, before, left SmolLM2's Q4_1 at 0.9x llama.cpp at 8 and 32 sequences; 6 x 2 took the
-// layers' matmuls at 32 rows from 185 to 101 ms (4 x 2: 127).
-template <int64_t Kind>
-void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
-                     int64_t n, int rows_here) {
-  constexpr int64_t size = kBlockBytes[Kind];
+// layers' matmuls at 32 rows from 185 to 101 ms (4 x 2: 127). `next_tile`: the next tile's
+// `tile_bytes`, asked for while this one computes.
+template <typename Widen>
+void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t tile_bytes, float* y, int64_t M,
+               int64_t N, int64_t K, int64_t n, int rows_here) {
   const int64_t blocks = K / 32;
   thread_local std::vector<float> widened;
   widened.resize(kTileRows * K);
+  // Read once: GCC otherwise fetched the thread-local's address (a __tls_get_addr call) at
+  // every block of the int8 widening (SmolLM2's int8 matrices at 8 rows 27 -> 21 ms).
+  float* const buffer = widened.data();
   for (int r = 0; r < kTileRows; ++r) {
-    const uint8_t* row = w + (n + std::min(r, rows_here - 1)) * row_bytes;  // a short tile repeats its last row
+    const int64_t row = n + std::min(r, rows_here - 1);  // a short tile repeats its last row
     for (int64_t b = 0; b < blocks; ++b) {
       __m256 v[4];
-      widen_registers<Kind>(row + b * size, v);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(widened.data() + r * K + b * 32 + 8 * i, v[i]);
+      widen(row, b, v);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(buffer + r * K + b * 32 + 8 * i, v[i]);
     }
   }
   const float* wr[kTileRows];
-  for (int r = 0; r < kTileRows; ++r) wr[r] = widened.data() + r * K;
+  for (int r = 0; r < kTileRows; ++r) wr[r] = buffer + r * K;
   for (int64_t m = 0; m < M; m += 2) {
     const bool two = m + 1 < M;
     const float* x0p = x + m * K;
@@ -510,7 +514,7 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
       // The first pass asks for the next tile's blocks (64 bytes a step) while it computes, so
       // memory is not idle until the next tile's widening (SmolLM2 Q8_0, 211 matmuls at 8 rows
       // 21.3-21.8 -> 19.6-20.4 ms, 32 rows 2% less, alternating runs).
-      if (m == 0 && k * 8 < kTileRows * row_bytes) prefetch(w + (n + kTileRows) * row_bytes + k * 8);
+      if (m == 0 && k * 8 < tile_bytes) prefetch(next_tile + k * 8);
       const __m256 x0 = _mm256_loadu_ps(x0p + k), x1 = _mm256_loadu_ps(x1p + k);
       for (int r = 0; r < kTileRows; ++r) {
         __m256 v = _mm256_loadu_ps(wr[r] + k);
@@ -536,6 +540,16 @@ void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int6
   }
 }
 
+// kTileRows rows of blocks of `Kind` from row n (tile_rows).
+template <int64_t Kind>
+void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
+                     int64_t n, int rows_here) {
+  const auto widen = [&](int64_t row, int64_t b, __m256 v[4]) {
+    widen_registers<Kind>(w + row * row_bytes + b * kBlockBytes[Kind], v);
+  };
+  tile_rows(x, widen, w + (n + kTileRows) * row_bytes, kTileRows * row_bytes, y, M, N, K, n, rows_here);
+}
+
 // Each 32-block's sum(x) / 8, the one-row loop's Q4 offset terms.
 void block_sums(const float* x, int64_t K, float* eighth_sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -554,14 +568,20 @@ inline __m256i bytes_at(const uint8_t* p, bool is_signed) {
   return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
 }
 
+// 32 int8 weights at q times their inputs x, summed to 8 lanes (Q8_0 blocks and int8 rows).
+inline __m256 int8_times_x(const uint8_t* q, const float* x) {
+  __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(bytes_at(q, true)));
+  for (int i = 1; i < 4; ++i)
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * i), _mm256_cvtepi32_ps(bytes_at(q + 8 * i, true)), t);
+  return t;
+}
+
 // acc + the block at b times its 32 inputs x (eighth_sum: their sum / 8 in every lane, for the Q4 offsets).
 template <int64_t Kind>
 inline __m256 block_dot(const uint8_t* b, const float* x, __m256 eighth_sum, __m256 acc) {
   __m256 t;
   if constexpr (Kind == kQ8_0) {
-    t = _mm256_mul_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(bytes_at(b + 2, true)));
-    for (int i = 1; i < 4; ++i)
-      t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * i), _mm256_cvtepi32_ps(bytes_at(b + 2 + 8 * i, true)), t);
+    t = int8_times_x(b + 2, x);
   } else {
     const uint8_t* q = b + (Kind == kQ4_1 ? 4 : 2);
     const __m256i first = bytes_at(q, false), second = bytes_at(q + 8, false), low = _mm256_set1_epi32(0x0F);
@@ -726,6 +746,75 @@ BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4) {
   return {x, nullptr, M, K};
 }
 
+// ---------------------------------------------------------------- int8 rows
+
+// quantization='int8' weights (cbjax/models/quant.py, QuantizedWeight): int8 values [N, K] and an
+// f32 scale per `group` inputs of a row ([N, K / group]), group 32 times a power of two. Q8_0's
+// loops with each 32 weights' scale read from their group's: one input row, scale * sum(x q) a
+// block into two accumulators; several, kTileRows rows widened to scale * q floats (the
+// reference's own products) for tile_rows. XLA widened every matrix to f32 in memory each
+// call instead: SmolLM2 int8 decoded at 160 ms a step against 19 for its f32 weights, and
+// its process held ~1 GB more than the f32 one.
+struct Int8Weight {
+  const int8_t* q;
+  const float* scale;
+  int64_t group;
+};
+
+// Whether the int8 loops take groups of `group` inputs in rows of K.
+inline bool int8_group_fits(int64_t group, int64_t K) {
+  const int64_t blocks = group / 32;
+  return group >= 32 && group % 32 == 0 && (blocks & (blocks - 1)) == 0 && K % group == 0;
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t K = in.K, blocks = K / 32, groups = K / w.group;
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(w.group / 32));  // block b is in group b >> shift
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(w.q);
+  if (in.M == 1) {
+    const float* x = in.x;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* r = q + n * K;
+      const float* s = w.scale + n * groups;
+      __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 1 < blocks; b += 2) {
+        prefetch(r + b * 32 + kPrefetchAhead);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), a);
+        c = _mm256_fmadd_ps(_mm256_broadcast_ss(s + ((b + 1) >> shift)), int8_times_x(r + b * 32 + 32, x + b * 32 + 32), c);
+      }
+      if (b < blocks) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), a);
+      y[n] = sum8(_mm256_add_ps(a, c));
+    }
+    return;
+  }
+  const float* scale = w.scale;
+  const auto widen = [=](int64_t row, int64_t b, __m256 v[4]) {
+    const __m256 d = _mm256_broadcast_ss(scale + row * groups + (b >> shift));
+    const uint8_t* block = q + row * K + b * 32;
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes_at(block + 8 * i, true)));
+  };
+  for (int64_t n = n0; n < n1; n += kTileRows)
+    tile_rows(in.x, widen, q + (n + kTileRows) * K, kTileRows * K, y, in.M, N, K, n,
+              static_cast<int>(std::min<int64_t>(kTileRows, n1 - n)));
+}
+#else
+void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t K = in.K, groups = K / w.group;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < in.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) t += in.x[m * K + k] * static_cast<float>(w.q[n * K + k]);
+        acc += w.scale[n * groups + g] * t;
+      }
+      y[m * N + n] = acc;
+    }
+}
+#endif
+
 // About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows.
 int64_t block_rows_per_chunk(int64_t row_bytes) {
   return std::max<int64_t>(16384 / row_bytes / kTileRows * kTileRows, kTileRows);
@@ -760,6 +849,37 @@ ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Re
   const int64_t rows = block_rows_per_chunk(wd[1]);
   const BlockMatmul m{block_input(x.typed_data(), M, K, kind != kQ8_0), w.typed_data(), y->typed_data(), N, kind, rows};
   pool().run(block_matmul_chunk, &m, chunk_count(N, rows));
+  return ffi::Error::Success();
+}
+
+struct Int8Matmul {
+  BlockInput in;
+  Int8Weight w;
+  float* y;
+  int64_t N, rows_per_chunk;
+};
+
+void int8_matmul_chunk(const void* context, int64_t c) {
+  const Int8Matmul& p = *static_cast<const Int8Matmul*>(context);
+  int8_rows(p.in, p.w, p.y, p.N, c * p.rows_per_chunk, chunk_end(c, p.rows_per_chunk, p.N));
+}
+
+ffi::Error MatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions(), sd = scale.dimensions(), xd = x.dimensions();
+  if (qd.size() != 2 || sd.size() != 2 || xd.size() < 1 || sd[0] != qd[0] || sd[1] < 1 || xd.back() != qd[1] ||
+      qd[1] % sd[1] || !int8_group_fits(qd[1] / sd[1], qd[1])) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "cbjax_matmul_int8: x [..., K], q [N, K], scale [N, K / group], group 32 times a power of two");
+  }
+  const int64_t N = qd[0], K = qd[1];
+  const int64_t M = static_cast<int64_t>(x.element_count()) / K;
+  if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_int8: too many rows");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t rows = block_rows_per_chunk(K);
+  const Int8Matmul m{block_input(x.typed_data(), M, K, false), {q.typed_data(), scale.typed_data(), K / sd[1]},
+                     y->typed_data(), N, rows};
+  pool().run(int8_matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
 
@@ -1013,11 +1133,15 @@ ffi::Error HistoryAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyB
 // own threads beside ours; here the layer is five jobs of this file's pool and a few loops on
 // the caller.
 
-// A layer's matrix: f32 rows, or rows of GGUF blocks of a kind (a file's layer may mix kinds).
+// A layer's matrix: f32 rows, rows of GGUF blocks of a kind (a file's layer may mix kinds), or
+// int8 rows with their groups' scales.
 constexpr int64_t kF32 = 3;  // after the block kinds
+constexpr int64_t kI8 = 4;
 struct Weight {
   const void* data;
   int64_t kind;
+  const float* scale = nullptr;  // kI8: [N, K / group]
+  int64_t group = 0;
 };
 
 // The input of a layer's matmul as its weights read it: one row's block sums (block_input) only
@@ -1034,11 +1158,13 @@ BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_li
 
 void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
   if (w.kind == kF32) return weight_rows(in.x, static_cast<const float*>(w.data), y, in.M, N, in.K, n0, n1);
+  if (w.kind == kI8) return int8_rows(in, {static_cast<const int8_t*>(w.data), w.scale, w.group}, y, N, n0, n1);
   block_rows(in, static_cast<const uint8_t*>(w.data), w.kind, y, N, n0, n1);
 }
 
 int64_t rows_per_chunk_for(Weight w, int64_t K) {
-  return w.kind == kF32 ? rows_per_chunk_for(K) : block_rows_per_chunk(K / 32 * kBlockBytes[w.kind]);
+  if (w.kind == kF32) return rows_per_chunk_for(K);
+  return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind]);
 }
 
 // Several matmuls sharing one input, chunked over all their weight rows as one job.
@@ -1321,9 +1447,10 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
                        scale, num_heads, num_kv_heads, window, page_size, head_stride, page_stride, num_pages);
 }
 
-// The same layer with its weights named by address: row `layer` of `addresses` [layers, 33] holds
-// the eleven weights in the order of LayerWeights' fields as (low, high, kind): the address's
-// 32-bit halves (0 for none) and kF32 or a GGUF block kind (norms are f32). A program whose every
+// The same layer with its weights named by address: row `layer` of `addresses` [layers, 66] holds
+// the eleven weights in the order of LayerWeights' fields as (low, high, kind, scale low, scale
+// high, group): the address's 32-bit halves (0 for none), kF32, a GGUF block kind or kI8 (norms
+// are f32), and for kI8 its scales' address and group. A program whose every
 // layer this kernel runs then takes one small table instead of eleven arguments per layer: JAX's
 // dispatch costs ~2.5 us per argument, ~0.5 ms of a SmolLM2 decode step over its 272 weight
 // arrays (cbjax/runtime/cpu_kernels.py, `LayerAddresses`).
@@ -1337,22 +1464,27 @@ ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> address
                           int64_t head_dim) {
   constexpr int64_t kWeights = 11;
   const auto ad = addresses.dimensions();
-  if (ad.size() != 2 || ad[1] != 3 * kWeights || layer < 0 || layer >= ad[0]) {
+  constexpr int64_t kFields = 6;
+  if (ad.size() != 2 || ad[1] != kFields * kWeights || layer < 0 || layer >= ad[0]) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer_at: bad address table");
   }
-  const uint32_t* row = addresses.typed_data() + layer * 3 * kWeights;
+  const uint32_t* row = addresses.typed_data() + layer * kFields * kWeights;
+  const auto address = [](const uint32_t* halves) {
+    return reinterpret_cast<const void*>(static_cast<uintptr_t>(halves[0]) | static_cast<uintptr_t>(halves[1]) << 32);
+  };
   Weight p[kWeights];
-  for (int64_t i = 0; i < kWeights; ++i)
-    p[i] = {reinterpret_cast<const void*>(static_cast<uintptr_t>(row[3 * i]) |
-                                          static_cast<uintptr_t>(row[3 * i + 1]) << 32),
-            static_cast<int64_t>(row[3 * i + 2])};
+  for (int64_t i = 0; i < kWeights; ++i) {
+    const uint32_t* f = row + kFields * i;
+    p[i] = {address(f), static_cast<int64_t>(f[2]), static_cast<const float*>(address(f + 3)), static_cast<int64_t>(f[5])};
+  }
   const auto norm = [](Weight w) { return w.kind == kF32 ? static_cast<const float*>(w.data) : nullptr; };
   const LayerWeights w{norm(p[0]), p[1], p[2], p[3], p[4], norm(p[5]), norm(p[6]), norm(p[7]), p[8], p[9], p[10]};
   const int64_t H = x.dimensions().back(), QD = num_heads * head_dim;
   bool ok = w.attn_norm && w.mlp_norm && (p[5].data == nullptr || w.q_norm) && (p[6].data == nullptr || w.k_norm);
   for (int i : {1, 2, 3, 4, 8, 9, 10}) {
     const int64_t K = i == 4 ? QD : i == 10 ? intermediate : H;  // wo reads attention, w_down the MLP's act
-    ok = ok && p[i].data && p[i].kind >= 0 && p[i].kind <= kF32 && (p[i].kind == kF32 || K % 32 == 0);
+    ok = ok && p[i].data && p[i].kind >= 0 && p[i].kind <= kI8 && (p[i].kind == kF32 || K % 32 == 0) &&
+         (p[i].kind != kI8 || (p[i].scale && int8_group_fits(p[i].group, K)));
   }
   if (!ok) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_decoder_layer_at: a weight has no address or kind");
   if (x.dimensions().front() > kMaxBlockRows) {  // the blocks' scalar path keeps an accumulator per row
@@ -1452,6 +1584,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, MatmulBlocks,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_int8, MatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
                               ffi::Ffi::Bind()

@@ -5,7 +5,7 @@
 
 - `decoder_layer`: a whole RMSNorm / RoPE / gated-SiLU layer without biases (Llama,
   Mistral, Qwen3) over at most `MAX_ROWS` rows of one token each (`BLOCK_MAX_ROWS` where every
-  matrix is GGUF Q8_0/Q4_0/Q4_1 blocks; decode and the mixed step's flat rows), its keys and
+  matrix is GGUF Q8_0/Q4_0/Q4_1 blocks or int8; decode and the mixed step's flat rows), its keys and
   values written into the slot or paged cache in place, in one call: the layer's seven
   matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor
   (SmolLM2 one-sequence step 15.8 -> 15.0 ms, same run);
@@ -44,15 +44,17 @@ import numpy as np
 
 from cbjax.compile_cache import cache_root
 from cbjax.models.gguf_blocks import GGUFWeight
+from cbjax.models.quant import QuantizedWeight
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
 
-TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_history_attention", "cbjax_decoder_layer",
-           "cbjax_decoder_layer_at", "cbjax_argmax")
+TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8", "cbjax_history_attention",
+           "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_argmax")
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)
-# Rows up to which the block kernel takes a GGUF matmul; above, XLA dequantizes the weight once
-# per call (a prefill's GEMM amortizes that; a decode step's would not).
+INT8_KIND = 4  # an int8 matrix (quantization='int8') there (kI8)
+# Rows up to which the block kernel takes a GGUF (or int8) matmul; above, XLA dequantizes the
+# weight once per call (a prefill's GEMM amortizes that; a decode step's would not).
 BLOCK_MAX_ROWS = 64
 # Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
 # layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
@@ -167,6 +169,28 @@ def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
         x, w.blocks, kind=np.int64(BLOCK_KINDS[w.kind]))
 
 
+def int8_fits(x: jax.Array, w) -> bool:
+    """Whether `x @ w.T` for a quantization='int8' weight is the int8 kernel's: f32, at most
+    BLOCK_MAX_ROWS rows, groups of 32 inputs times a power of two, on the CPU."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (isinstance(w, QuantizedWeight) and w.values.dtype == jnp.int8 and _int8_groups_fit(w)
+            and x.dtype == jnp.float32 and 0 < rows <= BLOCK_MAX_ROWS and available())
+
+
+def _int8_groups_fit(w: QuantizedWeight) -> bool:
+    k = w.values.shape[-1]
+    group = k // w.scale.shape[-1]
+    blocks = group // 32
+    return group * w.scale.shape[-1] == k and group % 32 == 0 and blocks > 0 and blocks & (blocks - 1) == 0
+
+
+def matmul_int8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """`x @ w.T` for x `[..., K]` (f32) and int8 w `[N, K]` with its groups' scales, widened in the kernel."""
+    _require()
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.values.shape[0],), x.dtype)
+    return jax.ffi.ffi_call("cbjax_matmul_int8", out, vmap_method="sequential")(x, w.values, w.scale)
+
+
 def reads_cache(dtype) -> bool:
     """Whether the kernels read a KV cache of `dtype`: f32, or f16 (widened as it is read)."""
     return jnp.dtype(dtype) in (jnp.float32, jnp.float16)
@@ -271,10 +295,10 @@ class LayerAt:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerAddresses:
-    """The decoder layers' weights as one table of addresses (`[layers, 33]` uint32: each
-    weight's address as low and high halves, 0 for an absent q/k norm, and its kind: F32_KIND or
-    a GGUF block kind of BLOCK_KINDS), which stands for `params["layers"]` in the programs whose
-    every layer `decoder_layer` runs.
+    """The decoder layers' weights as one table of addresses (`[layers, 66]` uint32: each
+    weight's address as low and high halves, 0 for an absent q/k norm, its kind (F32_KIND, a
+    GGUF block kind of BLOCK_KINDS or INT8_KIND), and for int8 its scales' address and group),
+    which stands for `params["layers"]` in the programs whose every layer `decoder_layer` runs.
 
     Why: JAX's dispatch costs ~2.5 us per argument on this path (flattening, signature, layout
     and usage events per array), and SmolLM2's decode step took 272 weight arrays: ~0.5 ms of
@@ -284,7 +308,7 @@ class LayerAddresses:
 
     table: jax.Array
     # Static: rows up to which the programs take the table (the layer kernel runs them):
-    # BLOCK_MAX_ROWS where every matrix is GGUF blocks (the block kernel takes those rows
+    # BLOCK_MAX_ROWS where every matrix is GGUF blocks or int8 (the block kernel takes those rows
     # either way; the layer call drops XLA's ops between them), MAX_ROWS where f32 ones are.
     max_rows: int = dataclasses.field(default=MAX_ROWS, metadata=dict(static=True))
 
@@ -297,11 +321,19 @@ class LayerAddresses:
 
 def _kind(a, shape: tuple) -> int | None:
     """A layer weight's kind in the address table, or None where the layer kernel cannot read it:
-    f32 arrays, and GGUF blocks of the kernel's kinds whose rows are whole 32-weight blocks."""
+    f32 arrays, GGUF blocks of the kernel's kinds whose rows are whole 32-weight blocks, and
+    int8 weights whose groups the kernel takes."""
     if isinstance(a, GGUFWeight):
         fits = a.kind in BLOCK_KINDS and a.shape == shape and shape[-1] % 32 == 0
         return BLOCK_KINDS[a.kind] if fits and _on_cpu(a.blocks) else None
+    if isinstance(a, QuantizedWeight):
+        fits = a.values.dtype == jnp.int8 and a.values.shape == shape and _int8_groups_fit(a)
+        return INT8_KIND if fits and _on_cpu(a.values) and _on_cpu(a.scale) else None
     return F32_KIND if isinstance(a, jax.Array) and a.dtype == jnp.float32 and a.shape == shape and _on_cpu(a) else None
+
+
+def _is_int8(a) -> bool:
+    return isinstance(a, QuantizedWeight)
 
 
 def _on_cpu(a: jax.Array) -> bool:
@@ -310,8 +342,8 @@ def _on_cpu(a: jax.Array) -> bool:
 
 def layer_addresses(params: dict, config) -> LayerAddresses | None:
     """`params["layers"]` as a `LayerAddresses` table when the layer kernel takes every layer
-    (Llama / Mistral / Qwen3 layers without biases, f32 or Q8_0/Q4_0/Q4_1 GGUF matrices, on the
-    CPU), else None."""
+    (Llama / Mistral / Qwen3 layers without biases, f32, Q8_0/Q4_0/Q4_1 GGUF or int8 matrices, on
+    the CPU), else None."""
     layers = params["layers"]
     # The config's layer (`param_shapes`), by the kernel's names: norms are their scales.
     layer_shapes = flatten_shapes(param_shapes(config)["layers"][0])
@@ -322,7 +354,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
     rows, all_blocks = [], True
     for p in layers:
-        if set(p) != set(expected) or len(jax.tree.leaves(p)) != len(expected):
+        if set(p) != set(expected) or len(jax.tree.leaves(p, is_leaf=_is_int8)) != len(expected):
             return None  # a layer of another shape than the config's
         arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in expected}
         kinds = {n: _kind(a, expected[n]) for n, a in arrays.items()}
@@ -332,8 +364,12 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         row = []
         for n in LAYER_WEIGHTS:
             a = arrays.get(n)
-            address = 0 if a is None else (a.blocks if isinstance(a, GGUFWeight) else a).unsafe_buffer_pointer()
-            row += [address & 0xFFFFFFFF, address >> 32, kinds.get(n, F32_KIND)]
+            data = a.blocks if isinstance(a, GGUFWeight) else a.values if isinstance(a, QuantizedWeight) else a
+            address = 0 if a is None else data.unsafe_buffer_pointer()
+            scales, group = (a.scale.unsafe_buffer_pointer(), a.values.shape[-1] // a.scale.shape[-1]) if (
+                isinstance(a, QuantizedWeight)) else (0, 0)
+            row += [address & 0xFFFFFFFF, address >> 32, kinds.get(n, F32_KIND), scales & 0xFFFFFFFF, scales >> 32,
+                    group]
         rows.append(row)
     return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)), BLOCK_MAX_ROWS if all_blocks else MAX_ROWS)
 
@@ -344,6 +380,8 @@ class CpuKernelOps(Ops):
     def dense(self, x, w):
         if blocks_fit(x, w):
             return matmul_blocks(x, w)
+        if int8_fits(x, w):
+            return matmul_int8(x, w)
         return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
 
     def argmax(self, x):

@@ -42,8 +42,8 @@ def use_cpu_kernels(choice: str, params, devices: list) -> bool:
     dtype, quantization = quant.activation_dtype(params), quant.quantization_of(params)
     why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
                else f"the weights are {dtype}, the kernel is f32" if dtype != np.float32
-               else f"the weights are {quantization}-quantized, the kernels take f32 or GGUF blocks"
-               if quantization not in ("none", "gguf")
+               else f"the weights are {quantization}-quantized, the kernels take f32, GGUF blocks or int8"
+               if quantization not in ("none", "gguf", "int8")
                else cpu_kernels.build_error())
     if why_not is None:
         return True
