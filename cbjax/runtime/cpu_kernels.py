@@ -9,9 +9,9 @@
   values written into the slot or paged cache in place, in one call: the layer's seven
   matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor
   (SmolLM2 one-sequence step 15.8 -> 15.0 ms, same run);
-- `dense`: the other matmuls of at most `MAX_ROWS` rows (the LM head; the layers of
-  families the layer kernel does not take); prefill's larger ones stay with XLA's GEMM,
-  which is as fast there;
+- `dense`: the other matmuls of at most `MAX_ROWS` rows (`BLOCK_MAX_ROWS` for GGUF blocks and
+  int8 weights, read as they are stored: the LM head; the layers of families the layer kernel
+  does not take); prefill's larger ones stay with XLA's GEMM, which is as fast there;
 - the history attention of one query token per row (the step's flat rows), on the slot
   and the paged cache alike, each row read only up to its own length, where the layer
   kernel does not run.
