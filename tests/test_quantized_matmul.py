@@ -124,7 +124,12 @@ def test_engine_tokens_equal_xla_dot():
 
 
 def test_engine_choice_and_errors():
-    assert LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8").engine.ops is engine_ops.XLA
+    from cbjax.runtime import cpu_kernels
+
+    default = LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8").engine.ops  # the CPU's int8 kernels
+    assert default is (cpu_kernels.CPU_KERNELS if cpu_kernels.available() else engine_ops.XLA)
+    with pytest.raises(ValueError, match="name two ways to multiply the 8-bit weights"):
+        LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8", quantized_matmul="xla", cpu_kernels="on")
     assert LLM(MODEL, num_slots=2, max_seq_len=32, quantized_matmul="pallas").engine.ops is not \
         engine_ops.PALLAS_MATMUL_INTERPRETED  # no 8-bit weights: nothing for the kernel
     with pytest.raises(ValueError, match="quantized_matmul must be one of"):

@@ -103,7 +103,8 @@ class EngineArgs:
                              "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
                              CPU_KERNEL_CHOICES)
     quantized_matmul: str = _knob("auto", "Decode-sized products with int8/fp8 weights: auto (the Pallas kernel on "
-                                  "one GPU, XLA's dot elsewhere), pallas (the kernel; interpreted on a CPU) or xla.",
+                                  "one GPU, the C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), "
+                                  "pallas (the kernel; interpreted on a CPU) or xla.",
                                   QUANTIZED_MATMUL_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)

@@ -258,5 +258,5 @@ def _release_freed_heap() -> None:
     its metadata's Python objects and the tensors' host copies, ~80 MB of RSS after the load)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc
         pass

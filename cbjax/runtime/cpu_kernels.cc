@@ -779,12 +779,15 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
       const float* s = w.scale + n * groups;
       __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
       int64_t b = 0;
+      const auto block = [&](int64_t b, __m256 acc) {
+        return _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), acc);
+      };
       for (; b + 1 < blocks; b += 2) {
         prefetch(r + b * 32 + kPrefetchAhead);
-        a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), a);
-        c = _mm256_fmadd_ps(_mm256_broadcast_ss(s + ((b + 1) >> shift)), int8_times_x(r + b * 32 + 32, x + b * 32 + 32), c);
+        a = block(b, a);
+        c = block(b + 1, c);
       }
-      if (b < blocks) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), a);
+      if (b < blocks) a = block(b, a);
       y[n] = sum8(_mm256_add_ps(a, c));
     }
     return;
@@ -807,7 +810,8 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         float t = 0.f;
-        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) t += in.x[m * K + k] * static_cast<float>(w.q[n * K + k]);
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k)
+          t += in.x[m * K + k] * static_cast<float>(w.q[n * K + k]);
         acc += w.scale[n * groups + g] * t;
       }
       y[m * N + n] = acc;
@@ -1475,7 +1479,8 @@ ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> address
   Weight p[kWeights];
   for (int64_t i = 0; i < kWeights; ++i) {
     const uint32_t* f = row + kFields * i;
-    p[i] = {address(f), static_cast<int64_t>(f[2]), static_cast<const float*>(address(f + 3)), static_cast<int64_t>(f[5])};
+    p[i] = {address(f), static_cast<int64_t>(f[2]), static_cast<const float*>(address(f + 3)),
+            static_cast<int64_t>(f[5])};
   }
   const auto norm = [](Weight w) { return w.kind == kF32 ? static_cast<const float*>(w.data) : nullptr; };
   const LayerWeights w{norm(p[0]), p[1], p[2], p[3], p[4], norm(p[5]), norm(p[6]), norm(p[7]), p[8], p[9], p[10]};

@@ -44,7 +44,7 @@ import numpy as np
 
 from cbjax.compile_cache import cache_root
 from cbjax.models.gguf_blocks import GGUFWeight
-from cbjax.models.quant import QuantizedWeight
+from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
 
@@ -178,10 +178,8 @@ def int8_fits(x: jax.Array, w) -> bool:
 
 
 def _int8_groups_fit(w: QuantizedWeight) -> bool:
-    k = w.values.shape[-1]
-    group = k // w.scale.shape[-1]
-    blocks = group // 32
-    return group * w.scale.shape[-1] == k and group % 32 == 0 and blocks > 0 and blocks & (blocks - 1) == 0
+    blocks, rest = divmod(w.values.shape[-1] // w.scale.shape[-1], 32)  # a group's 32-weight blocks
+    return w.values.shape[-1] % w.scale.shape[-1] == 0 and not rest and blocks > 0 and blocks & (blocks - 1) == 0
 
 
 def matmul_int8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -332,10 +330,6 @@ def _kind(a, shape: tuple) -> int | None:
     return F32_KIND if isinstance(a, jax.Array) and a.dtype == jnp.float32 and a.shape == shape and _on_cpu(a) else None
 
 
-def _is_int8(a) -> bool:
-    return isinstance(a, QuantizedWeight)
-
-
 def _on_cpu(a: jax.Array) -> bool:
     return a.devices() == {jax.devices("cpu")[0]}
 
@@ -354,7 +348,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
     rows, all_blocks = [], True
     for p in layers:
-        if set(p) != set(expected) or len(jax.tree.leaves(p, is_leaf=_is_int8)) != len(expected):
+        if set(p) != set(expected) or len(jax.tree.leaves(p, is_leaf=is_quantized)) != len(expected):
             return None  # a layer of another shape than the config's
         arrays = {n: p[n]["scale"] if n in ("attn_norm", "mlp_norm") else p[n] for n in expected}
         kinds = {n: _kind(a, expected[n]) for n, a in arrays.items()}

@@ -72,6 +72,12 @@ def engine_ops(config, params, mesh) -> Ops:
     """The engine's operations for its config's `cpu_kernels` and `quantized_matmul` choices, on
     `mesh`'s devices (None: the default device)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if quant.quantization_of(params) in ("int8", "fp8") and config.quantized_matmul != "auto":
+        # How the 8-bit weights multiply, asked for by name, wins over the CPU kernels' "auto".
+        if config.cpu_kernels == "on":
+            raise ValueError(f"cpu_kernels='on' and quantized_matmul={config.quantized_matmul!r} name two ways "
+                             "to multiply the 8-bit weights: leave one of them 'auto'")
+        return quantized_matmul_ops(config.quantized_matmul, params, devices) or XLA
     if use_cpu_kernels(config.cpu_kernels, params, devices):
         return cpu_kernels.CPU_KERNELS
     return quantized_matmul_ops(config.quantized_matmul, params, devices) or XLA
