@@ -779,8 +779,8 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
       const float* s = w.scale + n * groups;
       __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
       int64_t b = 0;
-      const auto block = [&](int64_t b, __m256 acc) {
-        return _mm256_fmadd_ps(_mm256_broadcast_ss(s + (b >> shift)), int8_times_x(r + b * 32, x + b * 32), acc);
+      const auto block = [&](int64_t i, __m256 acc) {  // acc + block i's scale * sum(x q)
+        return _mm256_fmadd_ps(_mm256_broadcast_ss(s + (i >> shift)), int8_times_x(r + i * 32, x + i * 32), acc);
       };
       for (; b + 1 < blocks; b += 2) {
         prefetch(r + b * 32 + kPrefetchAhead);
