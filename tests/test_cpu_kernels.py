@@ -284,7 +284,6 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family, cache_dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-4, atol=2e-5)
 
 
-@needs_kernels
 def _quantized_matrix(w, kind: str):
     """`w` as GGUF blocks of `kind`, or quantization='int8' (groups of 32, 64 or 128 inputs)."""
     import gguf
@@ -297,6 +296,7 @@ def _quantized_matrix(w, kind: str):
     return GGUFWeight(jnp.asarray(gguf.quants.quantize(np.asarray(w), getattr(gguf.GGMLQuantizationType, kind))), kind)
 
 
+@needs_kernels
 @pytest.mark.parametrize("layout", ["slots", "paged"])
 @pytest.mark.parametrize("weights", ["gguf", "int8"])
 def test_quantized_layers_by_address_equal_the_dequantized_reference(layout, weights):

@@ -132,11 +132,15 @@ def _require() -> None:
         raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
 
 
+def _takes_rows(x: jax.Array, limit: int) -> bool:
+    """Whether a kernel's matmul takes `x`: f32, 1 to `limit` rows, the kernels built."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return x.dtype == jnp.float32 and 0 < rows <= limit and available()
+
+
 def fits(x: jax.Array, w: jax.Array) -> bool:
     """Whether `x @ w.T` is the kernel's: f32, a 2-D weight, at most MAX_ROWS rows."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    return (x.dtype == jnp.float32 and isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 2
-            and 0 < rows <= MAX_ROWS and available())
+    return isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 2 and _takes_rows(x, MAX_ROWS)
 
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -156,9 +160,7 @@ def argmax(x: jax.Array) -> jax.Array:
 
 def blocks_fit(x: jax.Array, w) -> bool:
     """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most BLOCK_MAX_ROWS rows."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    return (isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and x.dtype == jnp.float32
-            and 0 < rows <= BLOCK_MAX_ROWS and available())
+    return isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and _takes_rows(x, BLOCK_MAX_ROWS)
 
 
 def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
@@ -172,9 +174,8 @@ def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
 def int8_fits(x: jax.Array, w) -> bool:
     """Whether `x @ w.T` for a quantization='int8' weight is the int8 kernel's: f32, at most
     BLOCK_MAX_ROWS rows, groups of 32 inputs times a power of two, on the CPU."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
     return (isinstance(w, QuantizedWeight) and w.values.dtype == jnp.int8 and _int8_groups_fit(w)
-            and x.dtype == jnp.float32 and 0 < rows <= BLOCK_MAX_ROWS and available())
+            and _takes_rows(x, BLOCK_MAX_ROWS))
 
 
 def _int8_groups_fit(w: QuantizedWeight) -> bool:
