@@ -12,7 +12,7 @@ import jax
 
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
-from cbjax.loading import Model, load_model
+from cbjax.loading import Model, huge_pages, load_model
 from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
 from cbjax.runtime import kv_transfer, sharding
@@ -111,7 +111,7 @@ def quantized(model: Model, mode: str, device) -> Model:
     if already not in ("none", mode):
         raise ValueError(f"quantization={mode!r}: the model's weights are already {already}-quantized")
     params = quant.quantize_params(model.params, mode, model.config.tie_embeddings)
-    return dataclasses.replace(model, params=params)
+    return dataclasses.replace(model, params=huge_pages.on_huge_pages(params))  # on the CPU, one 2 MB-page arena
 
 
 def host_tier(engine, args: EngineArgs, simulate=None) -> HostTier:

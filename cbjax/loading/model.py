@@ -8,10 +8,12 @@ import dataclasses
 import re
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import ModelConfig
+from cbjax.loading import huge_pages
 from cbjax.models.params import flatten_shapes, param_shapes, unflatten
 from cbjax.models.quant import is_quantized
 
@@ -117,9 +119,16 @@ def convert_tensors(
         raise ValueError(f"checkpoint has tensors {extra} that model_type {config.model_type!r} does not use")
     dt = as_dtype(dtype)
 
+    # On the CPU the weights go into one mapping of 2 MB pages (huge_pages.py: a decode step
+    # streams them all); elsewhere straight to the device.
+    device = jax.devices()[0]
+    arena = huge_pages.arena_for(sum(huge_pages.padded(v.nbytes if is_quantized(v) else v.size * dt.itemsize)
+                                     for v in flat.values()), device)
+
     def put(v):
         if is_quantized(v):  # a GGUF file's blocks, onto the device as they are
-            return dataclasses.replace(v, blocks=jnp.asarray(v.blocks))
-        return jnp.asarray(v.astype(np.float32) if v.dtype != np.float32 else v, dt)
+            return dataclasses.replace(v, blocks=arena.place(v.blocks) if arena else jax.device_put(v.blocks, device))
+        v = v.astype(np.float32) if v.dtype not in (np.float32, dt) else v
+        return arena.place(v, dt) if arena else jnp.asarray(v, dt)
 
     return unflatten({k: put(v) for k, v in flat.items()})
