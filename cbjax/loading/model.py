@@ -127,7 +127,7 @@ def convert_tensors(
 
     def put(v):
         if is_quantized(v):  # a GGUF file's blocks, onto the device as they are
-            return dataclasses.replace(v, blocks=arena.place(v.blocks) if arena else jax.device_put(v.blocks, device))
+            return dataclasses.replace(v, blocks=arena.place(v.blocks) if arena else jnp.asarray(v.blocks))
         v = v.astype(np.float32) if v.dtype not in (np.float32, dt) else v
         return arena.place(v, dt) if arena else jnp.asarray(v, dt)
 
