@@ -15,6 +15,7 @@ import pytest
 
 from cbjax.core.builder import quantized
 from cbjax.loading import huge_pages, load_model
+from cbjax.loading.orbax_io import save_orbax
 from tests.hf_models import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's smaps")
@@ -91,3 +92,8 @@ def test_loaded_and_int8_quantized_weights_sit_in_one_arena(tmp_path, monkeypatc
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.params))
     np.testing.assert_array_equal(np.asarray(bf16.params["embed"]),
                                   np.asarray(plain.params["embed"]).astype(ml_dtypes.bfloat16))
+    save_orbax(int8, str(tmp_path / "int8-orbax"))  # an orbax round trip lands in an arena too
+    restored = load_model(str(tmp_path / "int8-orbax"))
+    _check_one_arena(jax.tree.leaves(restored.params))
+    for want, got in zip(leaves, jax.tree.leaves(restored.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -8,6 +8,7 @@ import os
 import jax
 
 from cbjax.config import ModelConfig
+from cbjax.loading import huge_pages
 from cbjax.loading.model import Model, as_dtype
 from cbjax.models import quant
 from cbjax.models.params import check_params
@@ -63,6 +64,7 @@ def load_orbax(path: str, dtype=None) -> Model:
     check_params(params, config, source=params_dir)
     if dtype is not None:
         params = quant.cast(params, as_dtype(dtype))
+    params = huge_pages.on_huge_pages(params)  # on the CPU, as the other loaders place them
     source = meta.get("source", "")
     tokenizer = None
     if source and os.path.exists(source):
