@@ -63,7 +63,7 @@ class Arena:
     def place(self, a: np.ndarray, dtype=None) -> jax.Array:
         """`a` (cast to `dtype`, if given) copied into the arena, as a jax.Array reading it there;
         after a JAX copied one, every array is simply put on the device."""
-        dtype = np.dtype(dtype or a.dtype)
+        dtype = np.dtype(a.dtype if dtype is None else dtype)
         if not self.zero_copy:
             return jax.device_put(np.asarray(a, dtype), self.device)
         end = self.used + a.size * dtype.itemsize
