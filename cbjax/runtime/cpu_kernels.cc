@@ -424,13 +424,17 @@ inline const float* half_entry(const uint8_t* p) {
 
 inline float half_at(const uint8_t* p) { return *half_entry(p); }
 
+// 32 int8 weights at q times their scale d, as 4 x 8 floats (Q8_0 blocks and int8 rows).
+inline void widen_int8(const uint8_t* q, __m256 d, __m256 v[4]) {
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_mul_ps(d, bytes_to_floats(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)), true));
+}
+
 template <int64_t Kind>
 inline void widen_registers(const uint8_t* b, __m256 v[4]) {
   const __m256 d = _mm256_set1_ps(half_at(b));
   if constexpr (Kind == kQ8_0) {
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_mul_ps(d, bytes_to_floats(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i)), true));
-    }
+    widen_int8(b + 2, d, v);
   } else {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Kind == kQ4_1 ? 4 : 2)));
     const __m128i low = _mm_and_si128(q, _mm_set1_epi8(0x0F));
@@ -794,9 +798,7 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
   }
   const float* scale = w.scale;
   const auto widen = [=](int64_t row, int64_t b, __m256 v[4]) {
-    const __m256 d = _mm256_broadcast_ss(scale + row * groups + (b >> shift));
-    const uint8_t* block = q + row * K + b * 32;
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes_at(block + 8 * i, true)));
+    widen_int8(q + row * K + b * 32, _mm256_broadcast_ss(scale + row * groups + (b >> shift)), v);
   };
   for (int64_t n = n0; n < n1; n += kTileRows)
     tile_rows(in.x, widen, q + (n + kTileRows) * K, kTileRows * K, y, in.M, N, K, n,
