@@ -27,6 +27,8 @@ from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
 from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
+from cbjax.runtime.sampler_variants import SamplerVariants, abstract
+from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_ops import engine_ops
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
@@ -121,6 +123,7 @@ class Engine:
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
         self._programs, self._slot_decodes = {}, {}
+        self.samplers = SamplerVariants(config.num_slots, self.platform)
         self.host_kv = HostKV()  # the KV cache's host tier: swapped-out sequences, prefix pages
         self.reset()
 
@@ -213,8 +216,8 @@ class Engine:
         calls = []
         for members in self.split(rows):
             call_rows = [r for _, r in members]
-            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps),
-                          [i for i, _ in members]))
+            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps,
+                                         self.samplers.for_rows(call_rows)), [i for i, _ in members]))
         return calls
 
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
@@ -227,35 +230,43 @@ class Engine:
         masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)
 
-    def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
+    def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""
-        return self._step(packed, steps)
+        return self._step(packed, steps, sampler)
 
-    def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int) -> tuple[tuple, dict]:
+    def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int,
+                        sampler: Sampler = ALL) -> tuple[tuple, dict]:
         by_address = (self._params_by_address is not None
                       and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
-                     ops=self.ops))
+                     ops=self.ops, sampler=sampler))
 
-    def _step(self, packed: tuple[np.ndarray, ...], steps: int) -> jax.Array:
-        args, static = self._step_arguments(packed, steps)
+    def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL) -> jax.Array:
+        args, static = self._step_arguments(packed, steps, sampler)
         out, self.cache, self.state = self._program(args, static)(*args)
         return out
 
-    def _program(self, args: tuple, static: dict):
+    def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments' shapes: compiled (or read from disk,
-        runtime/executables.py) at its first use, by `warmup` for the programs it lists."""
-        shapes = (tuple(a.shape for a in args[3:]), static["steps"])
+        runtime/executables.py) at its first use, by `warmup` for the programs it lists. A
+        narrower sampler variant than `ALL` not compiled yet is compiled in the background
+        (`wait`: now) and `ALL`'s program serves meanwhile (runtime/sampler_variants.py)."""
+        shapes = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"])
         program = self._programs.get(shapes)
+        if program is None and static["sampler"] != ALL and not wait:
+            later = abstract(args)
+            self.samplers.compile_later(self._programs, shapes, lambda: executables.compiled(
+                ragged_step, step.JIT_OPTIONS, later, static))
+            return self._program(args, {**static, "sampler": ALL})
         if program is None:
             program = self._programs[shapes] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
         return program
 
-    def _compile(self, num_tokens: int, steps: int) -> None:
+    def _compile(self, num_tokens: int, steps: int, sampler: Sampler = ALL) -> None:
         """Compile one program ahead of time."""
-        self._program(*self._step_arguments(self._pack([], num_tokens), steps))
+        self._program(*self._step_arguments(self._pack([], num_tokens), steps, sampler), wait=sampler == ALL)
 
     def _compile_all(self, progs: list[tuple]) -> None:
         """Compile every program, then run each once on padding (the rows name no slot).
@@ -293,6 +304,9 @@ class Engine:
         leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
         progs = self.programs(only)
         self._compile_all(progs)
+        for sampler in self.samplers.ahead[1:]:  # narrower variants: in the background
+            for _, num_tokens, steps in progs:
+                self._compile(num_tokens, steps, sampler)
         # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
         # KV copies and the penalties' history of the tokens before them.
         for bucket in self.buckets if only != "decode" else ():
@@ -308,6 +322,7 @@ class Engine:
         self.cache, self.state = init_cache_and_state(self.model.config, self.config, kv_dtype(self.model, self.config),
                                                       self.mesh)
         self._tables = None
+        self.samplers.reset()
 
     def set_block_tables(self, tables: np.ndarray) -> None:
         """Paged cache: the host's block tables `[slots, pages_per_seq]` (copied only on change)."""

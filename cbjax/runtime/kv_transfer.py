@@ -106,3 +106,4 @@ def insert_sequence(engine, seq: SequenceKV, slot: int, pages: list[int] | None)
     engine.cache, engine.state = _scatter(engine.cache, engine.state, seq.k, seq.v, seq.state,
                                           engine.put(np.int32(slot)), engine.put(table),
                                           engine.put(np.int32(seq.length)))
+    engine.samplers.slot_replaced(slot)

@@ -8,6 +8,7 @@ import contextlib
 
 import jax
 
+from cbjax.runtime.sampling import ALL
 from cbjax.runtime.step import ragged_step
 
 
@@ -21,15 +22,19 @@ def lowering_target(platform: str):
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
 
 
-def lower_programs(engine, platforms: tuple[str, ...]) -> dict[tuple, dict]:
+def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = None) -> dict[tuple, dict]:
     """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles, traced here
     and lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
-    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes."""
+    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes.
+    `samplers`: lower each program for each of these sampler variants, keyed `(*program, sampler)`;
+    None: the variant every call can run, keyed by the program alone."""
     out = {}
     for prog in engine.programs():
-        args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2])
-        out[prog] = {}
-        for p in platforms:
-            with lowering_target(p):
-                out[prog][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
+        for sampler in samplers or (ALL,):
+            args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2], sampler)
+            key = prog if samplers is None else (*prog, sampler)
+            out[key] = {}
+            for p in platforms:
+                with lowering_target(p):
+                    out[key][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
     return out

@@ -166,9 +166,9 @@ class PipelineEngine(Engine):
         self._new_round()
         return super().run(rows, steps)
 
-    def _dispatch(self, packed, steps: int) -> jax.Array:
+    def _dispatch(self, packed, steps: int, sampler=None) -> jax.Array:
         """A call of prompt rows through the stages (logged with the longest row's end as its
-        attended length)."""
+        attended length); its last stage samples with every part of sampling (`sampler` unused)."""
         ints = packed[1]
         attended = int((ints[:, step.START] + ints[:, step.QLEN]).max())
         return self._through_stages(packed, ("prefill", len(self.call_log[-1])), "prefill", attended)[None]

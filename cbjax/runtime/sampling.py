@@ -8,10 +8,37 @@ seeded request samples the same tokens whatever batch or slot it lands in.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 
 from cbjax.models.ops import XLA, Ops
+
+
+class Sampler(enum.IntFlag):
+    """The parts of sampling a step's program holds (a static argument): the host, which packs
+    every row's sampling parameters, picks the smallest that covers the call's rows. Where a
+    branch skips work on the device (CPU, TPU) one program holding them all costs nothing for
+    rows that need less; on a GPU `skip_unless` computes both sides, so a program for greedy
+    rows alone is the only way they skip the vocabulary sort (2.33 of an 8B model's 9.50 ms
+    step at 64 rows, docs/performance.md)."""
+
+    DRAW = 1  # a row samples at temperature > 0
+    SORT = 2  # ... with top-k or top-p (a sort over the vocabulary)
+    PROCESS = 4  # a row has a logits processor (logit bias, min_tokens, penalties)
+    LOGPROBS = 8  # a row asks for logprobs
+
+    @classmethod
+    def of(cls, sampling) -> int:
+        """What one request's `SamplingParams` need, as plain int bits (the host ORs them per row)."""
+        draws = sampling.temperature > 0
+        return ((cls.DRAW if draws else 0) | (cls.SORT if draws and (sampling.top_k > 0 or sampling.top_p < 1) else 0)
+                | (cls.PROCESS if sampling.processes_logits else 0)
+                | (cls.LOGPROBS if sampling.logprobs is not None else 0))
+
+
+GREEDY, ALL = Sampler(0), Sampler(15)
 
 
 def skip_unless(pred, branch, otherwise, operand):
@@ -86,6 +113,7 @@ def sample(
     seeds: jax.Array,  # [S] int32
     indices: jax.Array,  # [S] int32: index of the token being sampled in its output
     ops: Ops = XLA,  # whose argmax takes the greedy rows
+    sorts: bool = True,  # whether a row may have top-k or top-p (`Sampler.SORT`)
 ) -> jax.Array:
     """Next token per row, `[S]` int32."""
     greedy = ops.argmax(logits)
@@ -96,9 +124,12 @@ def sample(
         # The sort over the vocabulary is the expensive part (on a 2-core CPU, 30 ms a row of
         # SmolLM2's 49,152 logits: eight rows at temperature 1 made a step 13x slower): only
         # when some sampling row has top-k or top-p.
-        sorts = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1)))
-        drawn = skip_unless(sorts, lambda _: jax.vmap(_sample_row)(*rows),
-                            lambda _: jax.vmap(_sample_row_unsorted)(*rows), None)
+        unsorted = lambda _: jax.vmap(_sample_row_unsorted)(*rows)  # noqa: E731
+        if sorts:
+            needed = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1)))
+            drawn = skip_unless(needed, lambda _: jax.vmap(_sample_row)(*rows), unsorted, None)
+        else:
+            drawn = unsorted(None)
         return jnp.where(temperature > 0, drawn, greedy)
 
     # Skip it all when every row is greedy.
@@ -155,19 +186,26 @@ def allowed_tokens(mask, vocab: int) -> jax.Array:
     return bits.reshape(mask.shape[0], -1)[:, :vocab] > 0
 
 
-def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None, ops: Ops = XLA):
+def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None, ops: Ops = XLA,
+                sampler: Sampler = ALL):
     """The next token of each row (`[R]` int32) under its `rows` state, sampled as output
     `index`, and, when the engine computes logprobs (`max_logprobs > 0`), `logprob_columns`.
     `mask`: the structured-output bitmask (`allowed_tokens`), applied after the logits
     processors; None in the programs of steps without a constrained row. `history`: as
-    `process_logits`'. `ops`: the backend's, for the greedy argmax."""
+    `process_logits`'. `ops`: the backend's, for the greedy argmax. `sampler`: the parts
+    traced at all (the rows' parameters must need no other: `Sampler`)."""
     def processed_and_sampled(logits):
-        processed = process_logits(logits, rows, index, history)
+        processed = process_logits(logits, rows, index, history) if sampler & Sampler.PROCESS else logits
         if mask is not None:
             processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
-        return sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index, ops)
+        if not sampler & Sampler.DRAW:
+            return ops.argmax(processed)
+        return sample(processed, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, index, ops,
+                      sorts=bool(sampler & Sampler.SORT))
 
-    if mask is None:
+    if mask is None and not sampler & (Sampler.PROCESS | Sampler.DRAW):
+        token = ops.argmax(logits)
+    elif mask is None:
         # Greedy rows without a logits processor (most decode steps): the argmax of the logits as
         # they are. Deciding it here, around everything, leaves no branch that passes the
         # `[R, V]` logits through unchanged: XLA:CPU copies a conditional's result, ~50 us of
@@ -176,7 +214,11 @@ def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None,
         token = skip_unless(plain, ops.argmax, processed_and_sampled, logits)
     else:
         token = processed_and_sampled(logits)
-    return token, (logprob_columns(logits, token, rows.logprobs, max_logprobs) if max_logprobs else None)
+    if not max_logprobs:
+        return token, None
+    if not sampler & Sampler.LOGPROBS:
+        return token, jnp.zeros((logits.shape[0], 1 + 2 * max_logprobs), jnp.float32)
+    return token, logprob_columns(logits, token, rows.logprobs, max_logprobs)
 
 
 def count_sampled(counts, slots, token) -> jax.Array:

@@ -37,7 +37,7 @@ from cbjax.request import SamplingParams
 from cbjax.runtime.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
                                         PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, TRACE_COUNTS,
                                         is_done, record_tokens)
-from cbjax.runtime.sampling import count_sampled, sample_next
+from cbjax.runtime.sampling import ALL, Sampler, count_sampled, sample_next
 from cbjax.scheduling.plan import Row
 
 # Packed int32 columns of one row (one host-to-device copy for every row's scalars), then the
@@ -283,11 +283,12 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention
     return out, dataclasses.replace(cache, lengths=lengths)
 
 
-def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None, ops=XLA):
+def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None, ops=XLA,
+                sampler: Sampler = ALL):
     """Sample each row that ends its prompt or decodes, and update its slot's state; record the
     prompt tokens for the penalties. Returns `[R, 2]` (token or -1, done), logprob columns
     (or None) and the state. `mask`: the rows' structured-output bitmasks, or None; `ops`: the
-    backend's (its argmax takes the greedy rows)."""
+    backend's (its argmax takes the greedy rows); `sampler`: the sampling parts traced."""
     num_slots = state.active.shape[0]
     num_rows = ints.shape[0]
     prompt_row = (batch.q_len > 0) & ~batch.decode
@@ -309,7 +310,7 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
     token, logprobs = sample_next(logits, rows, before, max_logprobs, mask,
                                   history=lambda seen=state.seen, counts=state.counts: (seen[slots], counts[slots]),
-                                  ops=ops)
+                                  ops=ops, sampler=sampler)
     samples = (batch.decode & (batch.q_len > 0)) | is_last
     done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
                    max_len) & samples
@@ -321,18 +322,19 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     return out, logprobs, state
 
 
-_STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops")
+_STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops", "sampler")
 JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
-                attention_kernel=False, history_block=None, ops=XLA):
+                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
-    rows' structured-output bitmasks (`steps` 1); None compiles a program without one."""
-    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None)] += 1
+    rows' structured-output bitmasks (`steps` 1); None compiles a program without one.
+    `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row)."""
+    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler)] += 1
 
     def one_step(carry, _):
         cache, state = carry
@@ -340,7 +342,7 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
         logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                    history_block=history_block, ops=ops)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
-                                           max_logprobs=max_logprobs, mask=mask, ops=ops)
+                                           max_logprobs=max_logprobs, mask=mask, ops=ops, sampler=sampler)
         return (cache, state), (out, logprobs)
 
     if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)

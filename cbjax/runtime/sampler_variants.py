@@ -1,0 +1,90 @@
+"""Which sampler variant (`sampling.Sampler`) each call of the step runs, and the programs of
+the narrower variants compiled off the critical path.
+
+Where the device skips a branch's work (CPU, TPU), every call runs the program holding every
+part of sampling (`ALL`): one program per bucket, as before. On a GPU a branch computes both
+sides (`sampling.skip_unless`), so the host, which packs every row's sampling parameters,
+picks the smallest variant that covers a call's rows. A decode row named by its slot alone
+(the overlap's calls) needs what its slot's request needs: the host keeps that per slot, set
+by the row that ends the request's prompt, and `ALL` for a slot whose state came from
+elsewhere (a swap-in, a disaggregated move) until a prompt row tells it otherwise.
+
+Bounded programs: `warmup` compiles `ALL` for every bucket (any request runs at once), then
+the all-greedy programs in the background; any other variant is compiled in the background
+the first time a call needs it, and `ALL` serves that call and every later one until it is
+ready. At most 16 variants a bucket, and only those a workload reaches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import jax
+
+from cbjax.runtime.sampling import ALL, GREEDY, Sampler
+
+# Platforms where a conditional's predicate is read on the host, so `skip_unless` selects.
+SPECIALIZING_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def abstract(args):
+    """`args` with every device array as its shape, dtype and sharding: a background compile
+    must not hold buffers that the step donates meanwhile."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                        if isinstance(a, jax.Array) else a, args)
+
+
+class SamplerVariants:
+    def __init__(self, num_slots: int, platform: str):
+        self.specializes = platform in SPECIALIZING_PLATFORMS
+        self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
+        self._compiling: dict = {}  # program key -> Future
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ahead(self) -> tuple[Sampler, ...]:
+        """The variants warm-up prepares: first `ALL` (every call can run it), then in the background the rest."""
+        return (ALL, GREEDY) if self.specializes else (ALL,)
+
+    def reset(self) -> None:
+        """Every slot empty: nothing samples from them until a prompt row ends there."""
+        self._slots = [0] * len(self._slots)
+
+    def for_rows(self, rows) -> Sampler:
+        """The variant a call of `rows` runs (`ALL` where the platform does not specialize)."""
+        if not self.specializes:
+            return ALL
+        need, table = 0, self._slots
+        for row in rows:
+            if row.is_last:
+                table[row.slot] = Sampler.of(row.sampling)
+            need |= table[row.slot]
+        return Sampler(need)
+
+    def slot_replaced(self, slot: int) -> None:
+        """Slot `slot`'s decode state was written whole (a sequence moved in): any variant may be needed."""
+        self._slots[slot] = int(ALL)
+
+    def compile_later(self, programs: dict, key, compile_fn) -> None:
+        """Compile `compile_fn()` on a background thread into `programs[key]`, once."""
+        with self._lock:
+            if key in self._compiling or key in programs:
+                return
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-sampler-variants")
+
+            def run():
+                programs[key] = compile_fn()
+
+            self._compiling[key] = self._pool.submit(run)
+
+    def wait(self) -> int:
+        """Wait for every background compile (a benchmark's timing starts after); the number done."""
+        with self._lock:
+            futures = list(self._compiling.values())
+        for f in futures:
+            f.result()
+        return len(futures)
+
