@@ -6,8 +6,10 @@ rounds of `LLM.step()` with `overlap=False` and `overlap=True` (EngineCore runs 
 next decode call ahead while the host records the one in flight), and, on the
 same engine, the same decode calls dispatched back to back with no host work
 between them: the device's busy time. Exposed host time per round = (round wall
-time - device busy time) / rounds. Also checks that both runs produced the same
-tokens.
+time - device busy time) / rounds. Beside it, the host's own work per decode step
+(scheduling and recording, `StepStats.host_ms_per_decode_step`: what the device would
+idle for without overlap) and the building of the streamed outputs. Also checks that
+both runs produced the same tokens.
 
     python experiments/bench_overlap.py
     python experiments/bench_overlap.py --model=tiny-llama --sequences=8,64,256
@@ -32,17 +34,23 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per setting (the median is kept).
 flags.DEFINE_string("output_json", "results/bench_overlap.json", "Where to write the results.")
 
 
-def decode_rounds(llm, prompts, sampling) -> tuple[float, int, list[list[int]]]:
+def decode_rounds(llm, prompts, sampling) -> tuple[float, int, list[list[int]], float, float]:
     """Admit every prompt, run the first round (prefills and the first decode), then time
-    the remaining rounds. Returns (seconds, rounds timed, token ids per request)."""
+    the remaining rounds. Returns (seconds, rounds timed, token ids per request, host ms per
+    decode step, ms per round building outputs)."""
     ids = [llm.add_request(p, sampling) for p in prompts]
     outputs = {o.request_id: o for o in llm.step() if o.finished}
+    llm.reset_stats()
     rounds, t0 = 0, time.perf_counter()
     while llm.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in llm.step() if o.finished)
         rounds += 1
     seconds = time.perf_counter() - t0
-    return seconds, rounds, [outputs[i].token_ids for i in ids]
+    stats = llm.stats
+    # What `LLM.step` does past the engine core's round: the streamed outputs.
+    outputs_s = seconds - stats.schedule_s - stats.dispatch_s - stats.device_wait_s - stats.process_s
+    return (seconds, rounds, [outputs[i].token_ids for i in ids], stats.host_ms_per_decode_step(),
+            1000 * outputs_s / rounds)
 
 
 def device_busy(engine, calls: int) -> float:
@@ -78,11 +86,13 @@ def measure(model, n: int) -> dict:
         decode_rounds(llm, prompts, sampling)  # compiles every bucket
         runs = []
         for _ in range(FLAGS.repeats):
-            seconds, rounds, tokens[overlap] = decode_rounds(llm, prompts, sampling)
+            seconds, rounds, tokens[overlap], host_ms, outputs_ms = decode_rounds(llm, prompts, sampling)
             busy = device_busy(llm.engine, rounds)
-            runs.append((seconds, busy, rounds))
-        seconds, busy, rounds = sorted(runs)[len(runs) // 2]
+            runs.append((seconds, busy, rounds, host_ms, outputs_ms))
+        seconds, busy, rounds, host_ms, outputs_ms = sorted(runs)[len(runs) // 2]
         key = "on" if overlap else "off"
+        row[f"host_ms_per_step_{key}"] = host_ms
+        row[f"outputs_ms_{key}"] = outputs_ms
         row[f"round_ms_{key}"] = 1000 * seconds / rounds
         row[f"device_ms_{key}"] = 1000 * busy / rounds
         row[f"exposed_host_ms_{key}"] = 1000 * (seconds - busy) / rounds
@@ -102,14 +112,16 @@ def main(argv):
         r = rows[-1]
         print(f"{n:4d} sequences: round {r['round_ms_off']:7.2f} -> {r['round_ms_on']:7.2f} ms, device "
               f"{r['device_ms_off']:7.2f} / {r['device_ms_on']:7.2f} ms, exposed host {r['exposed_host_ms_off']:6.2f} "
-              f"-> {r['exposed_host_ms_on']:6.2f} ms per round; same tokens: {r['same_tokens']}", flush=True)
+              f"-> {r['exposed_host_ms_on']:6.2f} ms per round, host work {r['host_ms_per_step_off']:.3f} / "
+              f"{r['host_ms_per_step_on']:.3f} ms a step; same tokens: {r['same_tokens']}", flush=True)
     print("\n| sequences | round ms off | round ms on | on / off | device ms off | device ms on "
-          "| exposed host ms off | exposed host ms on |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| exposed host ms off | exposed host ms on | host work ms a step off / on | outputs ms a round on |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['sequences']} | {r['round_ms_off']:.2f} | {r['round_ms_on']:.2f} | "
               f"{r['round_ms_on'] / r['round_ms_off']:.2f}x | {r['device_ms_off']:.2f} | {r['device_ms_on']:.2f} | "
-              f"{r['exposed_host_ms_off']:.2f} | {r['exposed_host_ms_on']:.2f} |")
+              f"{r['exposed_host_ms_off']:.2f} | {r['exposed_host_ms_on']:.2f} | "
+              f"{r['host_ms_per_step_off']:.3f} / {r['host_ms_per_step_on']:.3f} | {r['outputs_ms_on']:.2f} |")
     common.write_json({"machine": platform.platform(), "model": FLAGS.model, "prompt_len": FLAGS.prompt_len,
                        "new_tokens": FLAGS.new_tokens, "repeats": FLAGS.repeats, "rows": rows}, FLAGS.output_json)
 

@@ -117,6 +117,7 @@ class EngineCore:
         self.stats = StepStats()
         self.last_plan: Plan | None = None
         self._ahead: jax.Array | None = None  # a decode call dispatched before the last one was recorded
+        self._ahead_rows: tuple[list[int], list[Row]] | None = None  # the slots it names, and its rows
         # Prompt token ids -> expected output tokens, for the length-aware orderings (a
         # `LengthPredictor`, or a trace's known lengths); None: requests carry max_tokens only.
         self.predict_len: Callable[[list[int]], int] | None = None
@@ -253,20 +254,22 @@ class EngineCore:
         stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
         decoded: list[tuple[Request, list[int], object]] = []
+        slots = self.scheduler.slots
         for (dispatched, rows), outs in zip(calls, host):
             for (_, members), out in zip(dispatched, outs):
                 out, logprobs = split_logprobs(out)
+                tokens = out[:, :, 0].T.tolist()  # each row's tokens: one conversion a call, not a view a row
                 for j, i in enumerate(members):
                     if i < 0:
                         continue  # a piece of a prompt chunk that continues in a later call
                     row = rows[i]
                     if row.is_decode:  # whoever holds the slot now (a row dispatched ahead names no request)
-                        holder = self.scheduler.slots[row.slot]
+                        holder = slots[row.slot]
                         if holder is not None:
-                            decoded.append((holder, out[:, j, 0].tolist(),
-                                            None if logprobs is None else logprobs[:, j]))
+                            decoded.append((holder, tokens[j], None if logprobs is None
+                                            or holder.sampling.logprobs is None else logprobs[:, j]))
                     else:
-                        self._record_prefill(row, int(out[0, j, 0]), bool(out[0, j, 1]), now, touched)
+                        self._record_prefill(row, tokens[j][0], bool(out[0, j, 1]), now, touched)
                         if logprobs is not None and row.is_last:
                             add_logprobs(row.request, logprobs[0, j][None])
         if decoded:
@@ -289,19 +292,22 @@ class EngineCore:
         per_slot = [[-1] * self.engine.num_slots for _ in range(steps)]
         # Rows of requests that finished before this record (their first token was their last,
         # or an earlier call ended them) come back -1 and are skipped.
-        running = [(r, tokens, logprobs) for r, tokens, logprobs in decoded if r.state == RequestState.RUNNING]
+        running = [d for d in decoded if d[0].state == RequestState.RUNNING]
+        sampled = 0
         for r, tokens, _ in running:
             if tokens[0] < 0:
                 raise RuntimeError(f"engine and scheduler out of sync: slot {r.slot} produced no token "
                                    f"for running request {r.request_id!r}")
+            slot = r.slot
             for step, token in enumerate(tokens):
-                per_slot[step][r.slot] = token
+                per_slot[step][slot] = token
+            sampled += steps - tokens.count(-1)
         sched.on_decode(per_slot, now)
         for r, tokens, logprobs in running:
             if logprobs is not None:
                 add_logprobs(r, logprobs[np.asarray(tokens) >= 0])
             touched[r.request_id] = r
-            stats.active_slot_steps += sum(t >= 0 for t in tokens)
+        stats.active_slot_steps += sampled
         stats.decode_steps += steps
 
     def _run_ahead(self, in_flight: list) -> float:
@@ -329,7 +335,11 @@ class EngineCore:
         if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
             return 0.0  # the next call would grow a table: let the scheduler reserve (or preempt) first
         # Rows by slot alone: the call may outlive its requests (nothing else holds them then).
-        rows = [Row(r.slot, [], 0) for r in holders]
+        # The same rows round after round while the holders stay: made once.
+        slots = [r.slot for r in holders]
+        if self._ahead_rows is None or self._ahead_rows[0] != slots:
+            self._ahead_rows = (slots, [Row(slot, [], 0) for slot in slots])
+        rows = self._ahead_rows[1]
         waited = 0.0
         if self.arrivals_pending is not None:
             t0 = time.perf_counter()
