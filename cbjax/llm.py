@@ -205,6 +205,12 @@ class LLM:
         compilation): the step per token bucket. Returns the number of model programs."""
         return self.core.warmup()
 
+    def wait_for_compiles(self) -> int:
+        """Block until the programs compiling in the background are ready (on a GPU, the narrower
+        sampler variants: runtime/step_programs.py), as a benchmark does before it times.
+        Returns how many there were."""
+        return self.engine.samplers.wait()
+
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One scheduling round. Returns an output for every request that got new tokens or

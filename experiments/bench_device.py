@@ -2,7 +2,9 @@
 accelerator it is on, and what limits it.
 
 In one run, each against a figure measured in the same run:
-- copy: the device-to-device copy bandwidth (bytes read plus written over time): the roofline;
+- copy: the device's memory bandwidth (bytes read plus written over time), the best of several
+  methods (experiments/device_copy.py: XLA, a Pallas copy, torch's `copy_`) beside the nominal
+  figure: the roofline;
 - kernel, kernel_bw: the ragged attention kernel against its reference, and its KV bandwidth
   against the copy (experiments/device_kernel.py);
 - decode_8b: a Llama-3-8B-shaped bf16 model (weights drawn on the device), decode time per
@@ -14,7 +16,8 @@ In one run, each against a figure measured in the same run:
   and KV are ~0.3 ms of traffic on a GPU: the overhead floor;
 - quant_8b, quant_matmul: int8 and fp8 weights against bf16, the engine and its matmuls
   (experiments/device_quant.py);
-- peer: transformers `generate` (eager) on the same device and shapes, per decode step,
+- peer: transformers `generate` on the same device and shapes, per decode step, eager and with
+  a static cache under `torch.compile` (mode "reduce-overhead": CUDA graphs, gpt-fast's recipe),
   run first in a subprocess (before JAX takes the device's memory).
 
 Runs from the tree on a bare GPU machine (`PYTHONPATH=. python experiments/bench_device.py`)
@@ -37,7 +40,8 @@ import common  # noqa: F401  (quiets transformers and matplotlib)
 from absl import app, flags
 
 from device_common import (LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, decode_shape, decode_steps,
-                           device_model, roofline_ms, timed_ms)
+                           device_model, roofline_ms)
+from device_copy import copy_bandwidth, suspect
 from device_kernel import kernel_bandwidth, kernel_check, kernel_lines
 from device_quant import quant_8b, quant_matmul, table_lines
 from device_trace import summarise_trace
@@ -54,20 +58,13 @@ flags.DEFINE_float("budget_s", 330.0, "Start no further engine or section past t
                    "says what was skipped).", lower_bound=1.0)
 flags.DEFINE_string("output_json", "results/bench_device.json", "Where the results go.")
 flags.DEFINE_string("peer_only", None, "Internal: run only the transformers peer and write its JSON here.")
+flags.DEFINE_bool("peer_compiled", True, "The peer also runs transformers with a static cache under torch.compile "
+                  "(mode reduce-overhead), beside eager.")
 flags.register_validator("sections", lambda v: set(v) <= set(SECTIONS), f"--sections: of {', '.join(SECTIONS)}")
 flags.register_validator("engines", lambda v: all(e in ENGINES for e in v), f"--engines: of {', '.join(ENGINES)}")
 
 
 # ---------------------------------------------------------------- sections
-def copy_bandwidth() -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.arange((1 << 28) if not FLAGS.tiny else (1 << 18), dtype=jnp.float32)  # 1 GiB on a device
-    ms = timed_ms(jax.jit(lambda a: a * 2.0), x, reps=20)
-    return {"bytes": 2 * x.nbytes, "ms": ms, "GBps": 2 * x.nbytes / ms / 1e6}
-
-
 def decode_8b(copy_GBps: float, deadline: float) -> dict:
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     prompt_len, warm, timed = decode_shape()
@@ -130,8 +127,9 @@ def step_135m(copy_GBps: float) -> list[dict]:
 
 # ---------------------------------------------------------------- the transformers peer
 def peer_main(path: str) -> None:
-    """transformers `generate` (eager, greedy) per decode step: the difference between two
-    output lengths over the steps between them, at each batch size."""
+    """transformers `generate` (greedy) per decode step: the difference between two output
+    lengths over the steps between them, at each batch size; eager, then (`--peer_compiled`)
+    with a static cache and the forward under `torch.compile(mode="reduce-overhead")`."""
     import torch
     import transformers
 
@@ -148,8 +146,8 @@ def peer_main(path: str) -> None:
         model = transformers.LlamaForCausalLM(config).eval()
     prompt_len = FLAGS.prompt_len if not FLAGS.tiny else 16
     short, long = (4, 20) if not FLAGS.tiny else (2, 4)
-    rows = {}
-    for batch in batches():
+
+    def per_step(batch: int, **generate_kwargs) -> dict:
         ids = torch.randint(10, shape["vocab_size"] - 10, (batch, prompt_len), device=device)
 
         def run(n):
@@ -158,31 +156,51 @@ def peer_main(path: str) -> None:
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
+                               do_sample=False, pad_token_id=0, **generate_kwargs)
             if device == "cuda":
                 torch.cuda.synchronize()
             return time.perf_counter() - t0
 
-        run(short)
-        rows[batch] = {"ms": 1e3 * (run(long) - run(short)) / (long - short)}
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-                   "transformers": transformers.__version__, "steps": rows}, f)
+        t0 = time.perf_counter()
+        run(long)  # the compiled variant compiles (and records its CUDA graphs) here
+        warmup = time.perf_counter() - t0
+        return {"ms": 1e3 * (run(long) - run(short)) / (long - short), "warmup_s": warmup}
+
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "steps": {b: per_step(b) for b in batches()}}
+    with open(path, "w") as f:  # eager's figures are kept even if the compiled run fails below
+        json.dump(out, f)
+    if FLAGS.peer_compiled:
+        try:
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            max_len = prompt_len + 2 * long
+            out["compiled"] = {"mode": "reduce-overhead", "cache": "static", "steps": {
+                b: per_step(b, cache_implementation="static", max_length=max_len) for b in batches()}}
+        except Exception as e:  # the eager figures stand; the table says the compiled run failed
+            out["compiled"] = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
+        with open(path, "w") as f:
+            json.dump(out, f)
 
 
 def run_peer() -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     argv = [sys.executable, os.path.abspath(__file__), f"--peer_only={path}", f"--prompt_len={FLAGS.prompt_len}",
-            f"--batches={','.join(FLAGS.batches)}"] + (["--tiny"] if FLAGS.tiny else [])
+            f"--batches={','.join(FLAGS.batches)}", f"--peer_compiled={FLAGS.peer_compiled}"] \
+        + (["--tiny"] if FLAGS.tiny else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        return {"error": (done.stderr or done.stdout)[-600:]}
-    with open(path) as f:
-        out = json.load(f)
-    os.unlink(path)
-    return out
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        error = None if done.returncode == 0 else (done.stderr or done.stdout)[-600:]
+    except subprocess.TimeoutExpired:
+        error = "timed out after 600 s"
+    out = {}
+    if os.path.exists(path) and os.path.getsize(path):  # what it wrote before failing (eager first)
+        with open(path) as f:
+            out = json.load(f)
+    if os.path.exists(path):
+        os.unlink(path)
+    return out if error is None else {**out, "error": error}
 
 
 # ---------------------------------------------------------------- main
@@ -194,23 +212,32 @@ def table(results: dict) -> list[str]:
         lines.append(f"{section:<11}{case:<34}{figure:>44}")
 
     if "copy" in results:
-        line("copy", "device to device", f"{results['copy']['GBps']:.0f} GB/s")
+        c = results["copy"]
+        nominal = f", nominal {c['nominal_GBps']:.0f}" if c.get("nominal_GBps") else ""
+        line("copy", f"best of {len(c['methods'])} ({c['method']})", f"{c['GBps']:.0f} GB/s{nominal}")
+        for name, m in c["methods"].items():
+            line("copy", name, f"{m['GBps']:.0f} GB/s" if "GBps" in m else "error (see JSON)")
     kernel_lines(results, line)
     peer = results.get("peer", {}).get("steps", {})
+    compiled = results.get("peer", {}).get("compiled", {}).get("steps", {})
     decode = results.get("decode_8b", {})
     for row in decode.get("rows", []):
         line("decode_8b", f"{row['engine']} ({row['attention_run']}) start-up", f"{row['startup_s']:.1f} s")
         for batch, s in row["steps"].items():
-            vs = peer.get(str(batch), peer.get(batch))
-            ratio = f", {vs['ms'] / s['ms']:.1f}x transformers" if vs else ""
-            line("decode_8b", f"{row['engine']} batch {batch}",
-                 f"{s['ms']:.2f} ms ({100 * s['of_roofline']:.0f}% of roofline{ratio})")
+            vs, vs_compiled = (p.get(str(batch), p.get(batch)) for p in (peer, compiled))
+            ratio = f", {vs['ms'] / s['ms']:.1f}x eager" if vs else ""
+            ratio += f", {vs_compiled['ms'] / s['ms']:.2f}x compiled" if vs_compiled else ""
+            line("decode_8b", f"{row['engine']} batch {batch}", f"{s['ms']:.2f} ms ({suspect(s['of_roofline'])}{ratio})")
     for name in decode.get("skipped", []):
         line("decode_8b", name, "skipped (past --budget_s)")
     for batch, s in peer.items():
-        line("peer", f"transformers generate batch {batch}", f"{s['ms']:.2f} ms")
-    if "error" in results.get("peer", {}):
-        line("peer", "transformers generate", "error (see JSON)")
+        line("peer", f"transformers eager batch {batch}", f"{s['ms']:.2f} ms")
+    for batch, s in compiled.items():
+        line("peer", f"transformers compiled batch {batch}", f"{s['ms']:.2f} ms (compile {s['warmup_s']:.0f} s)")
+    for where, what in ((results.get("peer", {}), "transformers generate"),
+                        (results.get("peer", {}).get("compiled", {}), "transformers compiled")):
+        if "error" in where:
+            line("peer", what, "error (see JSON)")
     profile = decode.get("profile") or {}
     if "idle_share" in profile:
         line("profile", f"default engine batch {profile['batch']}",
@@ -249,12 +276,12 @@ def main(argv):
             continue
         t0 = time.perf_counter()
         if section not in ("peer", "copy") and not copy_GBps:  # measured once, by the copy section if it ran
-            copy_GBps = results.get("copy", {}).get("GBps") or copy_bandwidth()["GBps"]
+            copy_GBps = results.get("copy", {}).get("GBps") or copy_bandwidth(FLAGS.tiny)["GBps"]
         try:
             if section == "peer":
                 results["peer"] = run_peer()
             elif section == "copy":
-                results["copy"] = copy_bandwidth()
+                results["copy"] = copy_bandwidth(FLAGS.tiny)
             elif section == "kernel":
                 results["kernel"] = kernel_check()
             elif section == "kernel_bw":

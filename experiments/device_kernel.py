@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from device_common import FLAGS, timed_ms
+from device_copy import suspect
 
 
 def kernel_cases() -> list[dict]:
@@ -124,7 +125,7 @@ def kernel_lines(results: dict, line) -> None:
         line("kernel", f"hd{r['head_dim']} {r['dtype']} page{r['page']} {r['mix']} w{r['window']}",
              f"rel err {r['rel_error']:.1e} {'ok' if r['ok'] else 'FAIL'}")
     for r in results.get("kernel_bw", []):
-        figure = (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({100 * r['of_copy']:.0f}% of copy)" if "ms" in r
+        figure = (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({suspect(r['of_copy'], 'copy')})" if "ms" in r
                   else "error")
         line("kernel_bw", f"{r['batch']} p{r['page']} k{r['keys_per_step']} q{r['block_q']} s{r['num_stages']}",
              figure)

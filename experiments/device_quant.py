@@ -22,6 +22,7 @@ from absl import flags
 
 from device_common import (FLAGS, LLAMA3_8B, TINY, batches, budget, build_engine, decode_shape, decode_steps,
                            device_model, timed_ms)
+from device_copy import suspect
 
 # (row, quantization, quantized_matmul): the bf16 baseline first, XLA's int8 dot last
 # "int8 1-row buckets": decode steps compiled down to one row (an accelerator's smallest bucket is
@@ -211,7 +212,7 @@ def table_lines(results: dict, line) -> None:
             line("quant_mm", f"{r['matrix']} x{r['rows']} {r['form']}", "skipped (past --matmul_budget_s)")
             continue
         case = f"{r['matrix']} x{r['rows']} {r['form']}"
-        figure = (f"{1e3 * r['ms']:.0f} us {r['GBps']:.0f} GB/s ({100 * r['of_copy']:.0f}% of copy)"
+        figure = (f"{1e3 * r['ms']:.0f} us {r['GBps']:.0f} GB/s ({suspect(r['of_copy'], 'copy')})"
                   + (f" err {r['rel_error']:.0e}" if "rel_error" in r else "") if "ms" in r else "error")
         line("quant_mm", case, figure)
     if matmul.get("best_name"):
@@ -225,6 +226,6 @@ def table_lines(results: dict, line) -> None:
         for batch, s in row["steps"].items():
             vs = f", {s['vs_bf16']:.2f}x bf16" if "vs_bf16" in s else ""
             line("quant_8b", f"{row['engine']} batch {batch}",
-                 f"{s['ms']:.2f} ms ({100 * s['of_roofline']:.0f}% of roofline{vs})")
+                 f"{s['ms']:.2f} ms ({suspect(s['of_roofline'])}{vs})")
     for name in decode.get("skipped", []):
         line("quant_8b", name, "skipped (past --budget_s)")

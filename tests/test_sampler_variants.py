@@ -1,4 +1,4 @@
-"""Sampler variants (runtime/sampler_variants.py): the program of an all-greedy step lowered for
+"""Sampler variants (runtime/step_programs.py): the program of an all-greedy step lowered for
 cuda holds no vocabulary sort and no top-k; a GPU's choice of variants, forced on this CPU,
 draws the same tokens and logprobs as the one program that holds every part of sampling."""
 
@@ -13,7 +13,7 @@ from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.lowering import lower_programs
-from cbjax.runtime.sampler_variants import SamplerVariants
+from cbjax.runtime.step_programs import SamplerVariants
 from cbjax.runtime.sampling import ALL, GREEDY, Sampler
 from cbjax.scheduling.plan import Row
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
@@ -94,7 +94,7 @@ def test_specialized_variants_draw_what_the_full_program_draws(layout):
     llm.engine.samplers.specializes = True  # as on a GPU
     first = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # ALL serves while the variants compile
     assert llm.engine.samplers.wait() >= 4
-    variants = {key[-1] for key in llm.engine._programs}
+    variants = {key[-1] for key in llm.engine.compiled.keys()}
     assert {GREEDY, Sampler.DRAW, Sampler.DRAW | Sampler.SORT, Sampler.PROCESS | Sampler.LOGPROBS} <= variants
     second = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # now each call runs its own variant
     assert first == expected
@@ -106,6 +106,6 @@ def test_background_compiles_of_a_warm_engine_end():
     llm.engine.samplers.specializes = True  # as on a GPU
     programs = llm.warmup()
     assert llm.engine.samplers.wait() == programs  # a greedy program for each program warm-up compiled
-    assert sum(key[-1] == GREEDY for key in llm.engine._programs) == programs
+    assert sum(key[-1] == GREEDY for key in llm.engine.compiled.keys()) == programs
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4

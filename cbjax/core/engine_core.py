@@ -273,7 +273,7 @@ class EngineCore:
                         if logprobs is not None and row.is_last:
                             add_logprobs(row.request, logprobs[0, j][None])
         if decoded:
-            self._record_decodes(decoded, now, touched)
+            record_decodes(self.scheduler, stats, self.engine.num_slots, decoded, now, touched)
         return t3
 
     def _record_prefill(self, chunk: Row, token: int, device_done: bool, now: float,
@@ -283,32 +283,6 @@ class EngineCore:
             if device_done != finished:
                 raise RuntimeError(f"engine and scheduler disagree on whether {chunk.request.request_id!r} finished")
             touched[chunk.request.request_id] = chunk.request
-
-    def _record_decodes(self, decoded, now: float, touched: dict[str, Request]) -> None:
-        """Decode rows' tokens (`[steps]` each, -1 where the row did not sample) as the
-        scheduler's `[steps][slots]`."""
-        sched, stats = self.scheduler, self.stats
-        steps = len(decoded[0][1])
-        per_slot = [[-1] * self.engine.num_slots for _ in range(steps)]
-        # Rows of requests that finished before this record (their first token was their last,
-        # or an earlier call ended them) come back -1 and are skipped.
-        running = [d for d in decoded if d[0].state == RequestState.RUNNING]
-        sampled = 0
-        for r, tokens, _ in running:
-            if tokens[0] < 0:
-                raise RuntimeError(f"engine and scheduler out of sync: slot {r.slot} produced no token "
-                                   f"for running request {r.request_id!r}")
-            slot = r.slot
-            for step, token in enumerate(tokens):
-                per_slot[step][slot] = token
-            sampled += steps - tokens.count(-1)
-        sched.on_decode(per_slot, now)
-        for r, tokens, logprobs in running:
-            if logprobs is not None:
-                add_logprobs(r, logprobs[np.asarray(tokens) >= 0])
-            touched[r.request_id] = r
-        stats.active_slot_steps += sampled
-        stats.decode_steps += steps
 
     def _run_ahead(self, in_flight: list) -> float:
         """Host/device overlap: with a decode call in flight and nothing to admit, dispatch the
@@ -365,6 +339,33 @@ class EngineCore:
         self.stats.prefill_chunks += len(plan.prefills)
         self.stats.prefill_tokens += sum(c.length for c in plan.prefills)
         self.stats.process_s += time.perf_counter() - t_recorded
+
+
+def record_decodes(scheduler, stats: StepStats, num_slots: int, decoded, now: float,
+                   touched: dict[str, Request]) -> None:
+    """Decode rows' tokens (`decoded`: (request, `[steps]` tokens, -1 where the row did not
+    sample, logprob columns or None)) handed to `scheduler` as its `[steps][slots]`."""
+    steps = len(decoded[0][1])
+    per_slot = [[-1] * num_slots for _ in range(steps)]
+    # Rows of requests that finished before this record (their first token was their last,
+    # or an earlier call ended them) come back -1 and are skipped.
+    running = [d for d in decoded if d[0].state == RequestState.RUNNING]
+    sampled = 0
+    for r, tokens, _ in running:
+        if tokens[0] < 0:
+            raise RuntimeError(f"engine and scheduler out of sync: slot {r.slot} produced no token "
+                               f"for running request {r.request_id!r}")
+        slot = r.slot
+        for step, token in enumerate(tokens):
+            per_slot[step][slot] = token
+        sampled += steps - tokens.count(-1)
+    scheduler.on_decode(per_slot, now)
+    for r, tokens, logprobs in running:
+        if logprobs is not None:
+            add_logprobs(r, logprobs[np.asarray(tokens) >= 0])
+        touched[r.request_id] = r
+    stats.active_slot_steps += sampled
+    stats.decode_steps += steps
 
 
 def block_tables(core: EngineCore) -> np.ndarray:

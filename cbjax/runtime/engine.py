@@ -15,9 +15,7 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -26,8 +24,7 @@ from cbjax import grammar
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
-from cbjax.runtime import cpu_kernels, executables, programs, sharding, step
-from cbjax.runtime.sampler_variants import SamplerVariants, abstract
+from cbjax.runtime import cpu_kernels, programs, sharding, step
 from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_ops import engine_ops
@@ -35,7 +32,8 @@ from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, 
                                          prefill_buckets)
 from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
-from cbjax.runtime.step import pack, ragged_step, row_bucket, token_buckets
+from cbjax.runtime.step import pack, row_bucket, token_buckets
+from cbjax.runtime.step_programs import SamplerVariants, StepPrograms
 from cbjax.scheduling.plan import Row
 from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
 
@@ -121,9 +119,8 @@ class Engine:
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
             kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
-        # Compiled steps by (argument shapes, steps); packed arrays of slot-only decode rows by (tokens, slots).
-        self._programs, self._slot_decodes = {}, {}
-        self.samplers = SamplerVariants(config.num_slots, self.platform)
+        self.compiled = StepPrograms(self.samplers)
+        self._slot_decodes = {}  # packed arrays of slot-only decode rows by (tokens, slots)
         self.host_kv = HostKV()  # the KV cache's host tier: swapped-out sequences, prefix pages
         self.reset()
 
@@ -134,6 +131,7 @@ class Engine:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
         self.attention = choose_attention(model, config, self.platform, tensor_parallel)
+        self.samplers = SamplerVariants(config.num_slots, self.platform)  # which sampler each call runs
         self.model = model
         self.config = config
         self.max_len = config.max_seq_len
@@ -216,8 +214,9 @@ class Engine:
         calls = []
         for members in self.split(rows):
             call_rows = [r for _, r in members]
-            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps,
-                                         self.samplers.for_rows(call_rows)), [i for i, _ in members]))
+            sampler = self.samplers.for_rows(call_rows) if self.samplers.specializes else ALL
+            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps, sampler),
+                          [i for i, _ in members]))
         return calls
 
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
@@ -249,37 +248,20 @@ class Engine:
         return out
 
     def _program(self, args: tuple, static: dict, wait: bool = False):
-        """The compiled step for these arguments' shapes: compiled (or read from disk,
-        runtime/executables.py) at its first use, by `warmup` for the programs it lists. A
-        narrower sampler variant than `ALL` not compiled yet is compiled in the background
-        (`wait`: now) and `ALL`'s program serves meanwhile (runtime/sampler_variants.py)."""
-        shapes = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"])
-        program = self._programs.get(shapes)
-        if program is None and static["sampler"] != ALL and not wait:
-            later = abstract(args)
-            self.samplers.compile_later(self._programs, shapes, lambda: executables.compiled(
-                ragged_step, step.JIT_OPTIONS, later, static))
-            return self._program(args, {**static, "sampler": ALL})
-        if program is None:
-            program = self._programs[shapes] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
-        return program
+        """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
+        lists; a program already compiled is one dict lookup here (a step's host time)."""
+        key = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"])  # as step_programs.program_key
+        return self.compiled.ready.get(key) or self.compiled.get(args, static, wait)
 
     def _compile(self, num_tokens: int, steps: int, sampler: Sampler = ALL) -> None:
-        """Compile one program ahead of time."""
+        """Compile one program ahead of time (a narrower sampler variant than ALL: in the background)."""
         self._program(*self._step_arguments(self._pack([], num_tokens), steps, sampler), wait=sampler == ALL)
 
     def _compile_all(self, progs: list[tuple]) -> None:
-        """Compile every program, then run each once on padding (the rows name no slot).
-
-        The run: XLA:CPU sets up a program's YNNPACK matmuls at its first execution, not at
-        compile, 0.6-1 s for a SmolLM2 step of 32+ tokens, which the first request through that
-        program would pay. The programs are independent, so they compile on a thread per core
-        (XLA releases the GIL): no gain on XLA:CPU, whose compiler already splits one program
-        over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded, 39 s in turn), but the
-        tracing of one overlaps another's compile or persistent-cache read."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(max(min(len(progs), cores), 1)) as pool:
-            list(pool.map(lambda p: self._compile(*p[1:]), progs))
+        """Compile every program, then run each once on padding (the rows name no slot): XLA:CPU
+        sets up a program's YNNPACK matmuls at its first execution, not at compile, 0.6-1 s for a
+        SmolLM2 step of 32+ tokens, which the first request through that program would pay."""
+        self.compiled.compile_all([self._step_arguments(self._pack([], n), steps) for _, n, steps in progs])
         out = None
         for _, num_tokens, steps in progs:
             out = self._dispatch(self._pack([], num_tokens), steps)

@@ -1,7 +1,8 @@
-"""Which sampler variant (`sampling.Sampler`) each call of the step runs, and the programs of
-the narrower variants compiled off the critical path.
+"""The compiled step programs an engine runs, and which one each call runs: keyed by the
+arguments' shapes, the steps a call runs and the sampler variant (`sampling.Sampler`);
+compiled (or read from disk, runtime/executables.py) at first use, many at once at warm-up.
 
-Where the device skips a branch's work (CPU, TPU), every call runs the program holding every
+Sampler variants: where the device skips a branch's work (CPU, TPU), every call runs the program holding every
 part of sampling (`ALL`): one program per bucket, as before. On a GPU a branch computes both
 sides (`sampling.skip_unless`), so the host, which packs every row's sampling parameters,
 picks the smallest variant that covers a call's rows. A decode row named by its slot alone
@@ -18,11 +19,14 @@ ready. At most 16 variants a bucket, and only those a workload reaches.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 import jax
 
+from cbjax.runtime import executables, step
 from cbjax.runtime.sampling import ALL, GREEDY, Sampler
+from cbjax.runtime.step import ragged_step
 
 # Platforms where a conditional's predicate is read on the host, so `skip_unless` selects.
 SPECIALIZING_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -88,3 +92,43 @@ class SamplerVariants:
             f.result()
         return len(futures)
 
+
+def program_key(args: tuple, static: dict) -> tuple:
+    """(the packed arrays' shapes, steps, sampler): what tells one engine's step programs apart."""
+    return tuple(a.shape for a in args[3:]), static["steps"], static["sampler"]
+
+
+class StepPrograms:
+    def __init__(self, samplers: SamplerVariants):
+        self.samplers = samplers
+        # (the packed arrays' shapes, steps, sampler) -> compiled program (the engine's hot path reads it)
+        self.ready: dict = {}
+
+    def keys(self) -> list[tuple]:
+        """(argument shapes, steps, sampler) of every program ready."""
+        return list(self.ready)
+
+    def get(self, args: tuple, static: dict, wait: bool = False):
+        """The program for these arguments (params, cache, state, then the packed arrays). A
+        sampler variant narrower than `ALL` not compiled yet is compiled in the background
+        (`wait`: now) and `ALL`'s program serves meanwhile."""
+        key = program_key(args, static)
+        program = self.ready.get(key)
+        if program is None and static["sampler"] != ALL and not wait:
+            later = abstract(args)
+            self.samplers.compile_later(self.ready, key, lambda: executables.compiled(
+                ragged_step, step.JIT_OPTIONS, later, static))
+            return self.get(args, {**static, "sampler": ALL})
+        if program is None:
+            program = self.ready[key] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
+        return program
+
+    def compile_all(self, calls: list[tuple[tuple, dict]]) -> None:
+        """Compile the program of each `(args, static)` now. The programs are independent, so
+        they compile on a thread per core (XLA releases the GIL): no gain on XLA:CPU, whose
+        compiler already splits one program over the cores (10 SmolLM2 programs, 2 cores: 37.5 s
+        threaded, 39 s in turn), but the tracing of one overlaps another's compile or
+        persistent-cache read."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(max(min(len(calls), cores), 1)) as pool:
+            list(pool.map(lambda call: self.get(*call, wait=True), calls))
