@@ -209,7 +209,7 @@ class LLM:
         """Block until the programs compiling in the background are ready (on a GPU, the narrower
         sampler variants: runtime/step_programs.py), as a benchmark does before it times.
         Returns how many there were."""
-        return self.engine.samplers.wait()
+        return self.engine.compiled.wait()
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -93,7 +93,7 @@ def test_specialized_variants_draw_what_the_full_program_draws(layout):
     llm = LLM("tiny-llama", **kwargs)
     llm.engine.samplers.specializes = True  # as on a GPU
     first = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # ALL serves while the variants compile
-    assert llm.engine.samplers.wait() >= 4
+    assert llm.engine.compiled.wait() >= 4
     variants = {key[-1] for key in llm.engine.compiled.keys()}
     assert {GREEDY, Sampler.DRAW, Sampler.DRAW | Sampler.SORT, Sampler.PROCESS | Sampler.LOGPROBS} <= variants
     second = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # now each call runs its own variant
@@ -105,7 +105,7 @@ def test_background_compiles_of_a_warm_engine_end():
     llm = LLM("tiny-llama", num_slots=2, max_seq_len=32, seed=0)
     llm.engine.samplers.specializes = True  # as on a GPU
     programs = llm.warmup()
-    assert llm.engine.samplers.wait() == programs  # a greedy program for each program warm-up compiled
+    assert llm.engine.compiled.wait() == programs  # a greedy program for each program warm-up compiled
     assert sum(key[-1] == GREEDY for key in llm.engine.compiled.keys()) == programs
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4

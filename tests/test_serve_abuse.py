@@ -322,3 +322,25 @@ def test_warmed_structured_output_programs_leave_nothing_to_compile(model_dir):
         SamplingParams(max_tokens=6, structured=StructuredOutput(choice=("yes", "no")))], use_tqdm=False)
     assert re.fullmatch("[a-z]{2,5}", outs[0].text) and outs[2].text in ("yes", "no"), outs
     assert llm.engine.num_compilations() == before
+
+
+def test_structured_output_programs_compiled_in_the_background_serve_the_same(model_dir):
+    """The server's default: the masked programs compile on a background thread (start-up does
+    not wait); a constrained request that comes before they are ready waits for its own program,
+    which is compiled once, and its output is what the warmed engine gives."""
+    sampling = [SamplingParams(max_tokens=6, structured=StructuredOutput(regex="[a-z]{2,5}")),
+                SamplingParams(max_tokens=6, structured=StructuredOutput(choice=("yes", "no")))]
+    warmed = LLM(model_dir, num_slots=4, max_seq_len=64)
+    warmed.warmup()
+    warm_structured_output(warmed.engine)
+    expected = [o.token_ids for o in warmed.generate(["Hello", "A"], sampling, use_tqdm=False)]
+    llm = LLM(model_dir, num_slots=4, max_seq_len=64)
+    llm.warmup()
+    programs = len(llm.engine.compiled.keys())
+    assert warm_structured_output(llm.engine, background=True) > 0
+    outs = llm.generate(["Hello", "A"], sampling, use_tqdm=False)  # may come before the compiles end
+    assert llm.wait_for_compiles() == warm_structured_output(llm.engine, background=True)
+    assert [o.token_ids for o in outs] == expected
+    masked = [k for k in llm.engine.compiled.keys() if len(k[0]) == 4]  # flat, ints, floats, masks
+    assert len(masked) == len(llm.engine.compiled.keys()) - programs == len(
+        [p for p in llm.engine.programs() if p[2] == 1])

@@ -18,6 +18,7 @@ from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
 from cbjax.runtime.engine import Engine
+from cbjax.runtime.engine_ops import start_cpu_kernel_build
 from cbjax.scheduling import BlockManager, Scheduler
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
@@ -57,6 +58,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                              f"models {getattr(simulate, 'tensor_parallel', 1)} device(s)")
         if clock is time.perf_counter:
             clock = simulator.SimClock()
+    if simulate is None and not isinstance(model, Model):
+        start_cpu_kernel_build(args.cpu_kernels)  # a cold start's compiler run overlaps the load
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype,
                                                               keep_gguf_blocks=args.quantization == "gguf")
     if args.quantization == "gguf" and simulate is None:

@@ -119,7 +119,7 @@ class Engine:
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
             kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
         self._params_by_address = {**self.params, "layers": addresses} if addresses else None
-        self.compiled = StepPrograms(self.samplers)
+        self.compiled = StepPrograms()
         self._slot_decodes = {}  # packed arrays of slot-only decode rows by (tokens, slots)
         self.host_kv = HostKV()  # the KV cache's host tier: swapped-out sequences, prefix pages
         self.reset()
@@ -342,20 +342,27 @@ class Engine:
         return BACKEND_COMPILES[0]
 
 
-def warm_structured_output(engine: Engine) -> int:
+def warm_structured_output(engine: Engine, background: bool = False) -> int:
     """Compile (and run once on padding) the masked variant of every one-step program: the
     programs a structured-output request runs, which `warmup` leaves out. Without them the first
     constrained request compiles one on the engine's thread (4 s for SmolLM2 on a 2-core CPU),
-    stalling every stream. Returns the number of programs."""
+    stalling every stream. `background`: compile them on a background thread instead (the
+    server's start then does not wait for them; a constrained request that comes first waits for
+    its own program only, and on a CPU its first run pays XLA's set-up of the program's
+    matmuls, which the padding run would have paid). Returns the number of programs."""
     words = grammar.mask_words(engine.model.config.vocab_size)
     progs = [(n, steps) for _, n, steps in engine.programs() if steps == 1]
     out = None
     for num_tokens, steps in progs:
         packed = engine._pack([], num_tokens)
         masks = np.full((row_bucket(num_tokens, engine.num_slots), words), -1, np.int32)
-        out = engine._dispatch((*packed, masks), steps)
-    jax.block_until_ready(out)
-    engine.reset()
+        if background:
+            engine.compiled.compile_later(*engine._step_arguments((*packed, masks), steps))
+        else:
+            out = engine._dispatch((*packed, masks), steps)
+    if not background:
+        jax.block_until_ready(out)
+        engine.reset()
     return len(progs)
 
 

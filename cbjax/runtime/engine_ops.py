@@ -3,6 +3,8 @@ kernels, the Pallas quantized matmul, or XLA's own."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 
@@ -35,10 +37,23 @@ class QuantizedMatmulOps(Ops):
 PALLAS_MATMUL, PALLAS_MATMUL_INTERPRETED = QuantizedMatmulOps(False), QuantizedMatmulOps(True)
 
 
+_KERNEL_BUILDS: list[threading.Thread] = []
+
+
+def start_cpu_kernel_build(choice: str) -> None:
+    """Build (or load) the CPU kernels on a thread, so that a cold start's compiler run (seconds)
+    overlaps the loading of the weights; `use_cpu_kernels` waits for it."""
+    if choice != "off" and not _KERNEL_BUILDS and jax.devices()[0].platform == "cpu":
+        _KERNEL_BUILDS.append(threading.Thread(target=cpu_kernels.build_error, name="cbjax-kernel-build", daemon=True))
+        _KERNEL_BUILDS[0].start()
+
+
 def use_cpu_kernels(choice: str, params, devices: list) -> bool:
     """Whether an engine on `devices` runs the CPU kernels: they need f32 weights on one CPU device."""
     if choice == "off":
         return False
+    for build in _KERNEL_BUILDS:  # build_error's cache must not be filled twice at once
+        build.join()
     dtype, quantization = quant.activation_dtype(params), quant.quantization_of(params)
     why_not = ("the engine is not on one CPU device" if len(devices) != 1 or devices[0].platform != "cpu"
                else f"the weights are {dtype}, the kernel is f32" if dtype != np.float32

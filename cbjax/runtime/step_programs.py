@@ -43,9 +43,6 @@ class SamplerVariants:
     def __init__(self, num_slots: int, platform: str):
         self.specializes = platform in SPECIALIZING_PLATFORMS
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
-        self._compiling: dict = {}  # program key -> Future
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
     @property
     def ahead(self) -> tuple[Sampler, ...]:
@@ -71,27 +68,6 @@ class SamplerVariants:
         """Slot `slot`'s decode state was written whole (a sequence moved in): any variant may be needed."""
         self._slots[slot] = int(ALL)
 
-    def compile_later(self, programs: dict, key, compile_fn) -> None:
-        """Compile `compile_fn()` on a background thread into `programs[key]`, once."""
-        with self._lock:
-            if key in self._compiling or key in programs:
-                return
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-sampler-variants")
-
-            def run():
-                programs[key] = compile_fn()
-
-            self._compiling[key] = self._pool.submit(run)
-
-    def wait(self) -> int:
-        """Wait for every background compile (a benchmark's timing starts after); the number done."""
-        with self._lock:
-            futures = list(self._compiling.values())
-        for f in futures:
-            f.result()
-        return len(futures)
-
 
 def program_key(args: tuple, static: dict) -> tuple:
     """(the packed arrays' shapes, steps, sampler): what tells one engine's step programs apart."""
@@ -99,10 +75,12 @@ def program_key(args: tuple, static: dict) -> tuple:
 
 
 class StepPrograms:
-    def __init__(self, samplers: SamplerVariants):
-        self.samplers = samplers
+    def __init__(self):
         # (the packed arrays' shapes, steps, sampler) -> compiled program (the engine's hot path reads it)
         self.ready: dict = {}
+        self._compiling: dict = {}  # key -> Future of a background compile
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def keys(self) -> list[tuple]:
         """(argument shapes, steps, sampler) of every program ready."""
@@ -111,17 +89,44 @@ class StepPrograms:
     def get(self, args: tuple, static: dict, wait: bool = False):
         """The program for these arguments (params, cache, state, then the packed arrays). A
         sampler variant narrower than `ALL` not compiled yet is compiled in the background
-        (`wait`: now) and `ALL`'s program serves meanwhile."""
+        (`wait`: now) and `ALL`'s program serves meanwhile; a program compiling in the
+        background already is waited for rather than compiled twice."""
         key = program_key(args, static)
         program = self.ready.get(key)
         if program is None and static["sampler"] != ALL and not wait:
-            later = abstract(args)
-            self.samplers.compile_later(self.ready, key, lambda: executables.compiled(
-                ragged_step, step.JIT_OPTIONS, later, static))
+            self.compile_later(args, static)
             return self.get(args, {**static, "sampler": ALL})
+        if program is None and key in self._compiling:
+            self._compiling[key].result()
+            return self.ready[key]
         if program is None:
             program = self.ready[key] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
         return program
+
+    def compile_later(self, args: tuple, static: dict) -> bool:
+        """Compile the program of these arguments on a background thread, once (shapes only are
+        kept: the step donates its buffers meanwhile). False if it is ready or on its way."""
+        key = program_key(args, static)
+        with self._lock:
+            if key in self._compiling or key in self.ready:
+                return False
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-compile")
+            shapes = abstract(args)
+
+            def run():
+                self.ready[key] = executables.compiled(ragged_step, step.JIT_OPTIONS, shapes, static)
+
+            self._compiling[key] = self._pool.submit(run)
+            return True
+
+    def wait(self) -> int:
+        """Wait for every background compile (a benchmark's timing starts after); the number done."""
+        with self._lock:
+            futures = list(self._compiling.values())
+        for f in futures:
+            f.result()
+        return len(futures)
 
     def compile_all(self, calls: list[tuple[tuple, dict]]) -> None:
         """Compile the program of each `(args, static)` now. The programs are independent, so

@@ -52,6 +52,9 @@ flags.DEFINE_integer("affinity_tokens", 16, "Prompt tokens prefix_affinity routi
 flags.DEFINE_bool("warmup", True, "Compile every program before serving (first requests then pay no compile).")
 flags.DEFINE_bool("warmup_structured", True, "With --warmup, also compile the programs structured-output requests run "
                   "(else the first such request compiles one, stalling every stream).")
+flags.DEFINE_bool("structured_in_background", True, "With --warmup_structured, compile them on a background thread "
+                  "while serving: start-up does not wait, and a constrained request that comes first waits for its "
+                  "own program only. False: before serving.")
 flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache: a directory, or 'off' "
                     "(default: $CBJAX_COMPILATION_CACHE, else ~/.cache/cbjax/jax).")
 flags.DEFINE_bool("access_log", False, "Log one line per HTTP request.")
@@ -117,8 +120,12 @@ def main(argv):
                 llm.grammars.tokenizer()
                 if FLAGS.warmup_structured and getattr(llm.engine, "supports_structured_output", False):
                     t0 = time.perf_counter()
-                    count = warm_structured_output(llm.engine)
-                    print(f"compiled {count} structured-output programs in {time.perf_counter() - t0:.1f}s", flush=True)
+                    count = warm_structured_output(llm.engine, background=FLAGS.structured_in_background)
+                    if FLAGS.structured_in_background:
+                        print(f"compiling {count} structured-output programs in the background", flush=True)
+                    else:
+                        print(f"compiled {count} structured-output programs in {time.perf_counter() - t0:.1f}s",
+                              flush=True)
             except ValueError as e:
                 print(f"structured output unavailable: {e}", flush=True)
     server = Server(llm, FLAGS.served_model_name or FLAGS.model, host=FLAGS.host, port=FLAGS.port,
