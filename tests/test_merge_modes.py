@@ -103,8 +103,8 @@ def test_decode_only_steps_cost_the_active_rows_not_the_slots():
                   max_num_batched_tokens=2 * slots + 8)
         calls = []
         step = llm.engine._step
-        llm.engine._step = lambda packed, steps: calls.append((packed[0].shape, packed[1].shape)) \
-            or step(packed, steps)
+        llm.engine._step = lambda packed, steps, *sampler: calls.append((packed[0].shape, packed[1].shape)) \
+            or step(packed, steps, *sampler)
         llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         shapes.append(calls[-1])
     assert shapes[0] == shapes[1] == ((2, 2), (2, shapes[0][1][1]))

@@ -99,6 +99,7 @@ class Engine:
     # next decode before reading this one's tokens (EngineCore's overlap).
     can_run_ahead = True
     supports_structured_output = True  # its step applies structured-output masks
+    takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
@@ -131,7 +132,7 @@ class Engine:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
         self.attention = choose_attention(model, config, self.platform, tensor_parallel)
-        self.samplers = SamplerVariants(config.num_slots, self.platform)  # which sampler each call runs
+        self.samplers = SamplerVariants(config.num_slots, self.platform, self.takes_sampler_variants)
         self.model = model
         self.config = config
         self.max_len = config.max_seq_len
@@ -222,9 +223,11 @@ class Engine:
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
         """The step's host arrays, and the structured-output masks if a sampling row has a constraint."""
         key, num_rows = step.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
-        if key is not None:  # the overlap's decode calls, the same step after step: packed once
-            return step.packed_once(self._slot_decodes, key,
-                                    lambda: pack(rows, num_tokens, num_rows, self.sampling_row))
+        if key is not None:  # the overlap's decode calls, the same step after step: packed once, and
+            # kept on the device (one engine device), so such a call copies nothing to it
+            return step.packed_once(self._slot_decodes, key, lambda: tuple(
+                a if self.mesh is not None else jax.device_put(a)
+                for a in pack(rows, num_tokens, num_rows, self.sampling_row)))
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
         masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)

@@ -36,6 +36,7 @@ SUBDIR = "cbjax-executables"
 # (replicas, a rebuilt LLM) share them, as they share a jit's cache.
 MAX_LOADED = 64
 _LOADED: collections.OrderedDict = collections.OrderedDict()
+_LOADED_LOCK = threading.Lock()  # engines compile on background threads too (runtime/step_programs.py)
 # "read", "compiled", "stored": what `compiled` did, counted over this process.
 COUNTS: collections.Counter = collections.Counter()
 # Files hashed for the source digest: every module a step's trace can run.
@@ -137,10 +138,11 @@ def compiled(jitted, jit_options: dict, args: tuple, static: dict):
     it, else traced, compiled and stored. Call it with `args` alone."""
     name = jitted.__wrapped__.__name__
     program_key = key(name, args, static)
-    program = _LOADED.get(program_key)
-    if program is not None:
-        _LOADED.move_to_end(program_key)
-        return program
+    with _LOADED_LOCK:
+        program = _LOADED.get(program_key)
+        if program is not None:
+            _LOADED.move_to_end(program_key)
+            return program
     folder = directory()
     path = folder / program_key if folder is not None else None
     program = load(path) if path is not None else None
@@ -160,9 +162,10 @@ def compiled(jitted, jit_options: dict, args: tuple, static: dict):
             if not _READ_FROM_JAX_CACHE.hits:
                 store(path, program)
                 break
-    _LOADED[program_key] = program
-    while len(_LOADED) > MAX_LOADED:
-        _LOADED.popitem(last=False)
+    with _LOADED_LOCK:
+        _LOADED[program_key] = program
+        while len(_LOADED) > MAX_LOADED:
+            _LOADED.popitem(last=False)
     return program
 
 

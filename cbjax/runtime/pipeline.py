@@ -85,6 +85,7 @@ class PipelineEngine(Engine):
     reads_block_tables = False
     can_run_ahead = False  # its decode hands activations between stages through the host loop
     supports_structured_output = False  # its last stage samples without masks
+    takes_sampler_variants = False  # its last stage samples with every part of sampling
 
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)
@@ -168,7 +169,7 @@ class PipelineEngine(Engine):
 
     def _dispatch(self, packed, steps: int, sampler=None) -> jax.Array:
         """A call of prompt rows through the stages (logged with the longest row's end as its
-        attended length); its last stage samples with every part of sampling (`sampler` unused)."""
+        attended length); `sampler` is always ALL here (`takes_sampler_variants`)."""
         ints = packed[1]
         attended = int((ints[:, step.START] + ints[:, step.QLEN]).max())
         return self._through_stages(packed, ("prefill", len(self.call_log[-1])), "prefill", attended)[None]

@@ -75,14 +75,16 @@ def slot_decodes_key(rows: list[Row], num_tokens: int) -> tuple | None:
     return None
 
 
-def packed_once(kept: dict, key, make) -> tuple[np.ndarray, ...]:
-    """`kept[key]`, made read-only by `make()` the first time (at most 1024 kept: beyond, start over)."""
+def packed_once(kept: dict, key, make) -> tuple:
+    """`kept[key]`, made by `make()` the first time (host arrays made read-only; at most 1024
+    kept: beyond, start over)."""
     if key not in kept:
         if len(kept) >= 1024:
             kept.clear()
         kept[key] = make()
         for array in kept[key]:
-            array.flags.writeable = False
+            if isinstance(array, np.ndarray):
+                array.flags.writeable = False
     return kept[key]
 
 

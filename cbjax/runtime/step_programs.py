@@ -40,8 +40,10 @@ def abstract(args):
 
 
 class SamplerVariants:
-    def __init__(self, num_slots: int, platform: str):
-        self.specializes = platform in SPECIALIZING_PLATFORMS
+    def __init__(self, num_slots: int, platform: str, allowed: bool = True):
+        """`allowed`: whether the engine's step takes a sampler variant at all (a pipeline's
+        last stage samples with every part)."""
+        self.specializes = allowed and platform in SPECIALIZING_PLATFORMS
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
 
     @property

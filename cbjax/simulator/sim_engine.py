@@ -58,6 +58,7 @@ class SimulatedEngine(Engine):
     reads_block_tables = False  # pages only change which memory is read, not how much
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
     supports_structured_output = False  # its tokens are fillers, no grammar could follow them
+    takes_sampler_variants = False  # it compiles nothing
 
     def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None,
                  dtype: str = "float32"):
