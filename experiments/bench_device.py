@@ -13,7 +13,9 @@ In one run, each against a figure measured in the same run:
   compile every program); a profile of the default engine's decode steps (device time per
   kernel, the device's idle share, host syncs);
 - step_135m: a SmolLM2-135M-shaped bf16 step at 64 slots (512-token prompts), where weights
-  and KV are ~0.3 ms of traffic on a GPU: the overhead floor;
+  and KV are ~0.3 ms of traffic on a GPU: the overhead floor; and the same step again in a
+  process of its own under each of `--step_xla_flags` (by default XLA's command buffers, CUDA
+  graphs, turned off: whether the backend's default of launching through them pays);
 - quant_8b, quant_matmul: int8 and fp8 weights against bf16, the engine and its matmuls
   (experiments/device_quant.py);
 - peer: transformers `generate` on the same device and shapes, per decode step, eager and with
@@ -58,6 +60,8 @@ flags.DEFINE_float("budget_s", 330.0, "Start no further engine or section past t
                    "says what was skipped).", lower_bound=1.0)
 flags.DEFINE_string("output_json", "results/bench_device.json", "Where the results go.")
 flags.DEFINE_string("peer_only", None, "Internal: run only the transformers peer and write its JSON here.")
+flags.DEFINE_list("step_xla_flags", ["--xla_gpu_enable_command_buffer="], "step_135m again in a subprocess under "
+                  "each of these XLA_FLAGS (on a GPU; the default turns command buffers off), beside the default's.")
 flags.DEFINE_bool("peer_compiled", True, "The peer also runs transformers with a static cache under torch.compile "
                   "(mode reduce-overhead), beside eager.")
 flags.register_validator("sections", lambda v: set(v) <= set(SECTIONS), f"--sections: of {', '.join(SECTIONS)}")
@@ -123,6 +127,31 @@ def step_135m(copy_GBps: float) -> list[dict]:
             rows[-1]["profile"] = profiled_decode(llm, slots, prompt_len, warm, timed)
         del llm
     return rows
+
+
+def step_135m_under_flags(extra: str) -> list[dict] | dict:
+    """step_135m in a subprocess with `extra` added to XLA_FLAGS (read when the backend starts), its
+    memory not preallocated (this process holds most of the device)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    argv = [sys.executable, os.path.abspath(__file__), "--sections=step_135m", "--profile=false", "--step_xla_flags=",
+            f"--output_json={path}", f"--timed_steps={FLAGS.timed_steps}"] + (["--tiny"] if FLAGS.tiny else [])
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip(),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 300 s"}
+    try:
+        with open(path) as f:
+            rows = json.load(f).get("step_135m")
+    except (OSError, ValueError):
+        rows = None
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows if rows else {"error": (done.stderr or done.stdout)[-600:]}
 
 
 # ---------------------------------------------------------------- the transformers peer
@@ -246,12 +275,22 @@ def table(results: dict) -> list[str]:
     for r in results.get("step_135m", []):
         line("step_135m", f"{r['slots']} slots decode_steps={r['decode_steps']}",
              f"{r['ms']:.2f} ms/step (floor {r['roofline_ms']:.2f}), start-up {r['startup_s']:.1f} s")
+    for extra, rows in results.get("step_135m_flags", {}).items():
+        for r in rows if isinstance(rows, list) else [{"error": True}]:
+            case = f"{extra} decode_steps={r.get('decode_steps', '?')}"
+            line("step_135m", case, f"{r['ms']:.2f} ms/step" if "ms" in r else "error (see JSON)")
         if "idle_share" in r.get("profile", {}):
             p = r["profile"]
             line("profile", f"135m {r['slots']} slots", f"idle {100 * p['idle_share']:.0f}%, "
                  f"{p['device_events_per_round']:.0f} kernels, {p['device_to_host_copies_per_round']:.1f} DtoH /round")
     table_lines(results, line)
     return lines
+
+
+def jax_platform() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def main(argv):
@@ -290,6 +329,8 @@ def main(argv):
                 results["decode_8b"] = decode_8b(copy_GBps, deadline)
             elif section == "step_135m":
                 results["step_135m"] = step_135m(copy_GBps)
+                if FLAGS.step_xla_flags and (FLAGS.tiny or jax_platform() == "gpu"):
+                    results["step_135m_flags"] = {extra: step_135m_under_flags(extra) for extra in FLAGS.step_xla_flags}
             elif section == "quant_8b":
                 results["quant_8b"] = quant_8b(copy_GBps, deadline, results.get("quant_matmul", {}).get("best"))
             elif section == "quant_matmul":

@@ -29,7 +29,7 @@ def test_all_greedy_cuda_program_holds_no_sort(shape):
     config = RANDOM_PRESETS["tiny-llama"] if shape == "tiny-llama" else LLAMA3_8B
     engine = Engine(abstract_model(config, jnp.bfloat16),
                     EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", page_size=16, attention="pallas",
-                                 cpu_kernels="off", max_logprobs=5, decode_steps=2))
+                                 cpu_kernels="off", max_logprobs=5, decode_steps=2, max_step_tokens=16))
     lowered = lower_programs(engine, ("cuda",), samplers=(ALL, GREEDY, Sampler.DRAW))
     vocab = config.vocab_size
     for (_, _, _, sampler), by_platform in lowered.items():
