@@ -26,7 +26,7 @@ NOMINAL = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SX
            ("A100 80GB", 2.039e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
            ("TPU v5 lite", 0.819e12), ("TPU v5e", 0.819e12), ("TPU v5p", 2.765e12), ("TPU v4", 1.2e12),
            ("TPU v6", 1.64e12))
-BLOCK_ROWS = (8, 32, 128)  # the Pallas copy's blocks: rows of 1,024 f32 (32 KB to 512 KB)
+BLOCK_ROWS = (4, 8, 16)  # the Pallas copy's blocks: rows of 1,024 f32 (16 to 64 KB, a few registers a thread)
 
 
 def nominal_GBps(device_kind: str) -> float | None:
