@@ -277,8 +277,8 @@ def table(results: dict) -> list[str]:
              f"{r['ms']:.2f} ms/step (floor {r['roofline_ms']:.2f}), start-up {r['startup_s']:.1f} s")
     for extra, rows in results.get("step_135m_flags", {}).items():
         for r in rows if isinstance(rows, list) else [{"error": True}]:
-            case = f"{extra} decode_steps={r.get('decode_steps', '?')}"
-            line("step_135m", case, f"{r['ms']:.2f} ms/step" if "ms" in r else "error (see JSON)")
+            case = f"{r.get('slots', '?')} slots decode_steps={r.get('decode_steps', '?')}, flags"
+            line("step_135m", case, f"{r['ms']:.2f} ms/step under {extra}" if "ms" in r else f"{extra}: error (JSON)")
         if "idle_share" in r.get("profile", {}):
             p = r["profile"]
             line("profile", f"135m {r['slots']} slots", f"idle {100 * p['idle_share']:.0f}%, "
