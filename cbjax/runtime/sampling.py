@@ -21,8 +21,8 @@ class Sampler(enum.IntFlag):
     every row's sampling parameters, picks the smallest that covers the call's rows. Where a
     branch skips work on the device (CPU, TPU) one program holding them all costs nothing for
     rows that need less; on a GPU `skip_unless` computes both sides, so a program for greedy
-    rows alone is the only way they skip the vocabulary sort (2.33 of an 8B model's 9.50 ms
-    step at 64 rows, docs/performance.md)."""
+    rows alone is the only way they skip the vocabulary sort (what it cost: docs/engine.md,
+    "Sampler variants")."""
 
     DRAW = 1  # a row samples at temperature > 0
     SORT = 2  # ... with top-k or top-p (a sort over the vocabulary)
