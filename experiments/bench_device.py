@@ -129,29 +129,42 @@ def step_135m(copy_GBps: float) -> list[dict]:
     return rows
 
 
-def step_135m_under_flags(extra: str) -> list[dict] | dict:
-    """step_135m in a subprocess with `extra` added to XLA_FLAGS (read when the backend starts), its
-    memory not preallocated (this process holds most of the device)."""
+def run_this_script(flags: list[str], json_flag: str, timeout_s: int,
+                    env: dict | None = None) -> tuple[dict, str | None]:
+    """This script in a subprocess with `flags`, writing its JSON where `json_flag` (a flag name)
+    says: (what it wrote, {} if nothing; None or why it failed). Run from the tree, as this one."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    argv = [sys.executable, os.path.abspath(__file__), "--sections=step_135m", "--profile=false", "--step_xla_flags=",
-            f"--output_json={path}", f"--timed_steps={FLAGS.timed_steps}"] + (["--tiny"] if FLAGS.tiny else [])
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip(),
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    argv = [sys.executable, os.path.abspath(__file__), f"--{json_flag}={path}", *flags]
+    argv += ["--tiny"] if FLAGS.tiny else []
+    env = {**os.environ, **(env or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
+        error = None if done.returncode == 0 else (done.stderr or done.stdout)[-600:]
     except subprocess.TimeoutExpired:
-        return {"error": "timed out after 300 s"}
+        error = f"timed out after {timeout_s} s"
+    out = {}
     try:
-        with open(path) as f:
-            rows = json.load(f).get("step_135m")
+        if os.path.getsize(path):  # what it wrote, also before failing
+            with open(path) as f:
+                out = json.load(f)
     except (OSError, ValueError):
-        rows = None
+        pass
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return rows if rows else {"error": (done.stderr or done.stdout)[-600:]}
+    return out, error
+
+
+def step_135m_under_flags(extra: str) -> list[dict] | dict:
+    """step_135m in a subprocess with `extra` added to XLA_FLAGS (read when the backend starts), its
+    memory not preallocated (this process holds most of the device)."""
+    out, error = run_this_script(["--sections=step_135m", "--profile=false", "--step_xla_flags=",
+                                  f"--timed_steps={FLAGS.timed_steps}"], "output_json", 300,
+                                 {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip(),
+                                  "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    return out.get("step_135m") or {"error": error or "no step_135m rows"}
 
 
 # ---------------------------------------------------------------- the transformers peer
@@ -212,23 +225,8 @@ def peer_main(path: str) -> None:
 
 
 def run_peer() -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    argv = [sys.executable, os.path.abspath(__file__), f"--peer_only={path}", f"--prompt_len={FLAGS.prompt_len}",
-            f"--batches={','.join(FLAGS.batches)}", f"--peer_compiled={FLAGS.peer_compiled}"] \
-        + (["--tiny"] if FLAGS.tiny else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        error = None if done.returncode == 0 else (done.stderr or done.stdout)[-600:]
-    except subprocess.TimeoutExpired:
-        error = "timed out after 600 s"
-    out = {}
-    if os.path.exists(path) and os.path.getsize(path):  # what it wrote before failing (eager first)
-        with open(path) as f:
-            out = json.load(f)
-    if os.path.exists(path):
-        os.unlink(path)
+    out, error = run_this_script([f"--prompt_len={FLAGS.prompt_len}", f"--batches={','.join(FLAGS.batches)}",
+                                  f"--peer_compiled={FLAGS.peer_compiled}"], "peer_only", 600)
     return out if error is None else {**out, "error": error}
 
 
@@ -256,7 +254,8 @@ def table(results: dict) -> list[str]:
             vs, vs_compiled = (p.get(str(batch), p.get(batch)) for p in (peer, compiled))
             ratio = f", {vs['ms'] / s['ms']:.1f}x eager" if vs else ""
             ratio += f", {vs_compiled['ms'] / s['ms']:.2f}x compiled" if vs_compiled else ""
-            line("decode_8b", f"{row['engine']} batch {batch}", f"{s['ms']:.2f} ms ({suspect(s['of_roofline'])}{ratio})")
+            line("decode_8b", f"{row['engine']} batch {batch}",
+                 f"{s['ms']:.2f} ms ({suspect(s['of_roofline'])}{ratio})")
     for name in decode.get("skipped", []):
         line("decode_8b", name, "skipped (past --budget_s)")
     for batch, s in peer.items():
