@@ -292,3 +292,37 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def request_output(r: Request, tokenizer, since: int | None = None) -> RequestOutput:
+    """`r`'s output; streamed (`since`: the tokens already handed out), with only the new tokens
+    in `new_token_ids` and their logprobs, and text once it has finished."""
+    tokens = list(r.output_token_ids)
+    new = tokens[since:] if since is not None else []
+    text = None
+    if tokenizer is not None and tokens and r.finished:  # streamed steps carry new_token_ids only
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+    reason = None if r.finish_reason is None else r.finish_reason.value
+    logprobs = cumulative = None
+    if r.sampling.logprobs is not None:
+        logprobs = r.logprobs[len(tokens) - len(new):] if since is not None else list(r.logprobs)
+        cumulative = r.cumulative_logprob
+    return RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, text, reason, r.metrics, prompt=r.prompt,
+                         error=r.error, new_token_ids=new, logprobs=logprobs, cumulative_logprob=cumulative,
+                         prompt_logprobs=r.prompt_logprobs if not since else None)
+
+
+def is_int_list(x) -> bool:
+    try:
+        return len(x) > 0 and all(isinstance(t, int) or hasattr(t, "__index__") for t in x) \
+            and not isinstance(x, str)
+    except TypeError:
+        return False
+
+
+def error_output(now: float, request_id: str, prompt, message: str) -> RequestOutput:
+    """The output of a request refused with `message` at `now`."""
+    ids = list(prompt) if not isinstance(prompt, (str, bytes, bytearray)) and is_int_list(prompt) else []
+    metrics = RequestMetrics(arrival_time=now, finish_time=now)
+    return RequestOutput(request_id, ids, [], None, FinishReason.ERROR.value, metrics,
+                         prompt=prompt if isinstance(prompt, str) else None, error=message)

@@ -79,8 +79,8 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
             skipped.append(name)
             continue
         kv_cache, attention = name.split("/")
-        llm, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
-        row = {"engine": name, "attention_run": llm.engine.attention, "startup_s": startup,
+        llm, _, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
+        row = {"engine": name, "attention_run": llm.engine_info.attention, "startup_s": startup,
                "steps": decode_steps(llm, model, copy_GBps)}
         if FLAGS.profile and profile is None:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
@@ -117,11 +117,11 @@ def step_135m(copy_GBps: float) -> list[dict]:
     slots, prompt_len, warm, timed = (64, 512, 4, FLAGS.timed_steps) if not FLAGS.tiny else (4, 16, 2, 4)
     rows = []
     for steps_a_call in (1, 4):
-        llm, startup = build_engine(model, "slots", "auto", slots, budget(prompt_len, warm, timed, steps_a_call),
-                                    decode_steps=steps_a_call)
+        llm, _, startup = build_engine(model, "slots", "auto", slots, budget(prompt_len, warm, timed, steps_a_call),
+                                       decode_steps=steps_a_call)
         ms = decode_ms(llm, slots, prompt_len, warm, timed)
         rows.append({"decode_steps": steps_a_call, "slots": slots, "ms": ms, "startup_s": startup,
-                     "attention_run": llm.engine.attention,
+                     "attention_run": llm.engine_info.attention,
                      "roofline_ms": roofline_ms(model, slots, prompt_len + warm, copy_GBps)})
         if FLAGS.profile and steps_a_call == 1:  # where an overhead-bound step's time goes
             rows[-1]["profile"] = profiled_decode(llm, slots, prompt_len, warm, timed)

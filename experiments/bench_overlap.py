@@ -73,7 +73,7 @@ def device_busy(engine, calls: int) -> float:
 def measure(model, n: int) -> dict:
     import numpy as np
 
-    from cbjax import LLM, SamplingParams
+    from cbjax import SamplingParams
 
     rng = np.random.default_rng(n)
     vocab = model.config.vocab_size
@@ -82,12 +82,12 @@ def measure(model, n: int) -> dict:
     max_seq_len = FLAGS.prompt_len + FLAGS.new_tokens + 16
     row, tokens = {"sequences": n}, {}
     for overlap in (False, True):
-        llm = LLM(model, num_slots=n, max_seq_len=max_seq_len, overlap=overlap)
+        llm, core = common.llm_over_core(model, num_slots=n, max_seq_len=max_seq_len, overlap=overlap)
         decode_rounds(llm, prompts, sampling)  # compiles every bucket
         runs = []
         for _ in range(FLAGS.repeats):
             seconds, rounds, tokens[overlap], host_ms, outputs_ms = decode_rounds(llm, prompts, sampling)
-            busy = device_busy(llm.engine, rounds)
+            busy = device_busy(core.engine, rounds)
             runs.append((seconds, busy, rounds, host_ms, outputs_ms))
         seconds, busy, rounds, host_ms, outputs_ms = sorted(runs)[len(runs) // 2]
         key = "on" if overlap else "off"

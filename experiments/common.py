@@ -191,6 +191,18 @@ def release_programs() -> None:
     jax.clear_caches()
 
 
+def llm_over_core(model, simulate=None, **engine_args):
+    """An `LLM` over a core built here, and that core: a study of the engine itself reads it
+    through the core's own surface (`Core`, cbjax/core/interface.py: its engine, scheduler),
+    never through the `LLM`."""
+    from cbjax import LLM, EngineArgs
+    from cbjax.core import build_core
+
+    args = EngineArgs(**engine_args)
+    model, core = build_core(model, args, simulate=simulate)
+    return LLM(model, args, core=core), core
+
+
 def llm_options() -> dict:
     """Extra `LLM(...)` arguments the common flags ask for."""
     return {"simulate": FLAGS.simulate} if "simulate" in FLAGS and FLAGS.simulate else {}

@@ -202,8 +202,8 @@ def run_column(model, max_gen: int, peer) -> dict:
         rates = [tokens / t for t in seconds[row]]
         column["rows"][row] = {"tokens_per_s": statistics.median(rates), "seconds": seconds[row],
                                "tokens_per_s_runs": rates, "mean_running": llm.stats.mean_running,
-                               "decode_steps": llm.stats.decode_steps, "preemptions": llm.scheduler.num_preemptions,
-                               "slots": llm.engine.num_slots, "kv_cache_dtype": llm.args.kv_cache_dtype}
+                               "decode_steps": llm.stats.decode_steps, "preemptions": llm.load().num_preemptions,
+                               "slots": llm.engine_info.num_slots, "kv_cache_dtype": llm.args.kv_cache_dtype}
         if llm.pages is not None:
             column["rows"][row]["num_pages"] = llm.pages.num_pages
     if "static" in seconds:  # each round's ratio, then their median and range
@@ -274,7 +274,7 @@ def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int
     # A decode step costs what its token bucket costs (the rows pad up to it: 17 rows cost
     # twice 16 on a CPU): the median of static's decode rounds in each bucket, interpolated
     # between buckets for one static never ran alone.
-    buckets = static_llm.engine.token_buckets()
+    buckets = list(static_llm.engine_info.token_buckets)
     bucket = lambda rows: next((b for b in buckets if b >= rows), buckets[-1])  # noqa: E731
     by_bucket: dict[int, list[float]] = {}
     prefill, prefill_decodes = 0.0, []

@@ -190,12 +190,12 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
         if refusal:
             rows.append({"engine": label, "refused": refusal})
             continue
-        llm, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
-                                    quantized_matmul=matmul, **options,
-                                    max_step_tokens=256 if not FLAGS.tiny else 32)
-        quantized = dataclasses.replace(model, params=llm.engine.params)
+        llm, core, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
+                                          quantized_matmul=matmul, **options,
+                                          max_step_tokens=256 if not FLAGS.tiny else 32)
+        quantized = dataclasses.replace(model, params=core.engine.params)
         row = {"engine": label, "startup_s": startup, "weights_GB": quant.weight_bytes(quantized.params) / 1e9,
-               "ops": repr(llm.engine.ops), "steps": decode_steps(llm, quantized, copy_GBps)}
+               "ops": llm.engine_info.ops, "steps": decode_steps(llm, quantized, copy_GBps)}
         if rows and "steps" in rows[0]:  # the first row is the baseline
             for batch, step in row["steps"].items():
                 step["vs_bf16"] = rows[0]["steps"][batch]["ms"] / step["ms"]

@@ -87,7 +87,7 @@ def main(argv):
 
         with open(FLAGS.output_json.replace("{process}", str(jax.process_index())), "w") as f:
             json.dump({"model": FLAGS.model, "seconds": elapsed, "process": jax.process_index(),
-                       "num_processes": jax.process_count(), "devices": len(llm.engine.params["embed"].sharding.device_set),
+                       "num_processes": jax.process_count(), "devices": llm.engine_info.num_devices,
                        "results": [{"prompt": p, "output": o.text, "token_ids": o.token_ids,
                                     "finish_reason": o.finish_reason} for p, o in zip(labels, outputs)]},
                       f, indent=1)

@@ -97,7 +97,7 @@ def main(argv):
             llm = LLM(model, max_seq_len=FLAGS.max_seq_len, window_ms=FLAGS.window_ms, dtype=FLAGS.dtype,
                       **layout_options(model, policy, mean_len), **common.llm_options())
             if policy == "continuous-sjf-predicted" and FLAGS.simulate:
-                llm.core.predict_len = common.predicted_lengths(FLAGS.trace)
+                llm.use_length_predictor(common.predicted_lengths(FLAGS.trace))
             results[f"{policy}@{label}"] = {"policy": policy, **load, **common.run_replay(
                 llm, workload, slo, desc=f"{policy}@{label}", concurrency=concurrency)}
 

@@ -102,17 +102,16 @@ def profiled_cost(model, args: EngineArgs):
     bandwidth of its host-tier copies."""
     import dataclasses
 
-    from cbjax import LLM
     from cbjax.simulator import profile
     from cbjax.workload import LengthDist, synthetic
 
-    llm = LLM(model, **dataclasses.asdict(args))
+    llm, core = common.llm_over_core(model, **dataclasses.asdict(args))
     llm.warmup()
     work = synthetic(FLAGS.calibration_requests, prompt_len=LengthDist("uniform", low=16, high=FLAGS.max_seq_len // 2),
                      output_len=LengthDist("uniform", low=1, high=FLAGS.output_cap), vocab_size=model.config.vocab_size,
                      seed=FLAGS.seed + 1)
     rounds = profile.profile_rounds(llm, [(w.prompt, w.sampling) for w in work])
-    info = {"host_copy_bytes_per_s": profile.measure_host_copy(llm.engine), "rounds": len(rounds)}
+    info = {"host_copy_bytes_per_s": profile.measure_host_copy(core.engine), "rounds": len(rounds)}
     cost = profile.calibrate(rounds, info)
     print(f"calibrated on {len(rounds)} rounds (median error {cost.info['fit']['median_abs_rel_error']:.1%}); "
           f"host copies {info['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
@@ -124,11 +123,9 @@ def profiled_cost(model, args: EngineArgs):
 def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str) -> dict:
     import dataclasses
 
-    from cbjax import LLM
-
     from cbjax.simulator import profile
 
-    llm = LLM(model, **dataclasses.asdict(args), **({"simulate": simulate} if simulate else {}))
+    llm, core = common.llm_over_core(model, simulate=simulate, **dataclasses.asdict(args))
     llm.warmup()
     rounds = []
     if simulate:
@@ -136,15 +133,15 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
     else:  # shadowed (no decode call runs ahead), its rounds recorded for a calibration
         with profile.recorded_rounds(llm) as rounds:
             result = common.measure_replay(llm, workload, desc=label)
-        result["host_copy"] = profile.measure_host_copy(llm.engine)
+        result["host_copy"] = profile.measure_host_copy(core.engine)
     stats, pages = llm.stats, llm.pages.stats
     result.update(prefill_tokens=stats.prefill_tokens, prompt_tokens=sum(len(w.prompt) for w in workload),
                   device_hit_rate=pages.hit_rate, host_hit_rate=pages.host_hit_rate, device_hits=pages.hits,
                   host_hits=pages.host_hits, num_preemptions=llm.load().num_preemptions)
-    if llm.scheduler.host is not None:
-        result["host"] = dataclasses.asdict(llm.scheduler.host.stats)
+    if core.scheduler.host is not None:
+        result["host"] = dataclasses.asdict(core.scheduler.host.stats)
     if simulate:
-        result["host_link_s"] = llm.engine.host_s
+        result["host_link_s"] = core.engine.host_s
     for key in ("e2el_s", "scheduling_delay_s"):
         result.pop(key, None)
     del llm

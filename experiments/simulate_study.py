@@ -104,7 +104,7 @@ def main(argv):
             outs = llm.generate([w.prompt for w in work], [w.sampling for w in work], desc=f"{row} gen<={cap}")
             tokens = sum(len(o.token_ids) for o in outs)
             throughput[row][cap] = {"tokens_per_s": tokens / llm.clock(), "seconds": llm.clock(),
-                                    "sequences": llm.engine.num_slots, "mean_running": llm.stats.mean_running}
+                                    "sequences": llm.engine_info.num_slots, "mean_running": llm.stats.mean_running}
 
     lines = [f"{FLAGS.model} on {FLAGS.accelerator}, KV memory {budget / 1e9:.1f} GB, prompts {FLAGS.prompt_len}, "
              f"{FLAGS.num_requests} requests per column (simulated)", ""]

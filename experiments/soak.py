@@ -131,7 +131,7 @@ def main(argv):
           f"{growth:+.1f} MB ({per_1000:+.3f} MB per 1,000 requests)")
     print(f"compilations after warm-up: {recompiled}")
     if llm.pages is not None:
-        print(f"prefix hit rate {llm.pages.stats.hit_rate:.2f}, preemptions {llm.scheduler.num_preemptions}")
+        print(f"prefix hit rate {llm.pages.stats.hit_rate:.2f}, preemptions {llm.load().num_preemptions}")
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     plot(readings, f"{FLAGS.model}, {FLAGS.kv_cache} cache, {FLAGS.merge_mode}",

@@ -44,14 +44,14 @@ def measure(page_size: int, lengths: list[int]) -> dict[int, dict]:
     import jax
     import numpy as np
 
-    from cbjax import LLM, SamplingParams
+    from cbjax import SamplingParams
     from cbjax.scheduling.host_tier import KVOp
 
     max_len = -(-(max(lengths) + 16) // page_size) * page_size
-    llm = LLM(FLAGS.model, num_slots=2, max_seq_len=max_len, dtype=FLAGS.dtype, kv_cache="paged",
-              page_size=page_size, preemption_mode="swap", host_kv_cache_bytes=1 << 34)
+    llm, core = common.llm_over_core(FLAGS.model, num_slots=2, max_seq_len=max_len, dtype=FLAGS.dtype, kv_cache="paged",
+                                     page_size=page_size, preemption_mode="swap", host_kv_cache_bytes=1 << 34)
     llm.warmup()
-    engine, rng, out = llm.engine, np.random.default_rng(page_size), {}
+    engine, rng, out = core.engine, np.random.default_rng(page_size), {}
     vocab = llm.model.config.vocab_size
     for length in lengths:
         swap_out, swap_in, recompute = [], [], []
@@ -62,8 +62,8 @@ def measure(page_size: int, lengths: list[int]) -> dict[int, dict]:
             recompute.append(time.perf_counter() - t0)
             rid = llm.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
             llm.step()  # prefilled, its first token sampled: `length` positions cached
-            r = llm.scheduler.running[0]
-            pages = tuple(llm.pages.table(r.request_id))
+            r = core.scheduler.running[0]
+            pages = tuple(core.pages.table(r.request_id))
             t0 = time.perf_counter()
             engine.move_kv([KVOp("seq_out", "probe", slot=r.slot, length=r.num_tokens - 1, pages=pages)])
             jax.block_until_ready(engine.host_kv.sequences["probe"])

@@ -55,7 +55,7 @@ def throughput_run(llm, work) -> dict:
     llm.warmup()
     t0 = llm.clock()
     outs = llm.generate([w.prompt for w in work], [w.sampling for w in work], use_tqdm=True,
-                        desc=("sim " if llm.engine.__class__.__name__ != "Engine" else "real ") + "generate")
+                        desc=("sim " if llm.engine_info.kind == "simulated" else "real ") + "generate")
     metrics = summarize_outputs(outs, duration=llm.clock() - t0)
     return {k: metrics[k] for k in METRICS}
 

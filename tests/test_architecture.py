@@ -14,14 +14,14 @@ PACKAGES = ("cbjax", "pallas_kernels")
 # matching prefix places a module.
 LAYERS = [
     ("leaves", ["cbjax.checks", "cbjax.config", "cbjax.request", "cbjax.metrics", "cbjax.workload",
-                "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "pallas_kernels"]),
+                "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "cbjax.traces", "pallas_kernels"]),
     ("models", ["cbjax.models"]),
     ("loading", ["cbjax.loading", "cbjax.perplexity"]),
     ("scheduling", ["cbjax.scheduling"]),
     ("runtime", ["cbjax.runtime"]),
     ("simulator", ["cbjax.simulator"]),
     ("core", ["cbjax.core"]),
-    ("front door", ["cbjax.llm"]),
+    ("front door", ["cbjax.llm", "cbjax.front"]),
     ("parallel", ["cbjax.parallel"]),
     ("serve", ["cbjax.serve"]),
     ("package face", ["cbjax"]),
@@ -40,10 +40,13 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def layer_of(module: str) -> int:
+    """The layer of `module`: its longest matching prefix's (the package face holds `cbjax` itself
+    alone, so a new module at the root must be placed)."""
     best, rank = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            exact = p == "cbjax"
+            if (module == p or (not exact and module.startswith(p + "."))) and len(p) > best:
                 best, rank = len(p), i
     assert rank is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
     return rank
@@ -177,6 +180,6 @@ def test_one_request_passes_through_at_most_12_modules():
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         sys.setprofile(None)
-    assert len(calls) <= 12, sorted(calls)
+    assert len(calls) <= 12, "\n".join(sorted(calls))
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert all(path in doc for path in calls), [p for p in calls if p not in doc]

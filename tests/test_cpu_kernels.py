@@ -370,7 +370,7 @@ def test_weights_by_address_only_where_the_layer_kernel_takes_every_layer():
 
     engine = Engine(SimpleNamespace(config=config, params=params), EngineConfig(num_slots=2, max_seq_len=64))
     for tokens in engine.token_buckets():
-        given = engine._step_arguments(engine._pack([], tokens), 1)[0][0]["layers"]
+        given = engine.padding_arguments(tokens, 1)[0][0]["layers"]
         assert isinstance(given, cpu_kernels.LayerAddresses) == (tokens <= cpu_kernels.MAX_ROWS), tokens
 
     cache = SlotCache.init(config, 2, 16)

@@ -67,7 +67,7 @@ def test_every_step_updates_its_cache_and_state_in_place(case, monkeypatch):
     donated = sum(a.nbytes for a in jax.tree.leaves((engine.cache, engine.state)))
     layer = engine.cache.k[0]
     for program in checked_programs(engine):
-        args, static = engine._step_arguments(engine._pack([], program[1]), program[2])
+        args, static = engine.padding_arguments(program[1], program[2])
         compiled = ragged_step.trace(*args, **static).lower().compile()
         where = f"{case} {program}"
         assert compiled.memory_analysis().alias_size_in_bytes == donated, where

@@ -217,7 +217,7 @@ def test_finished_requests_are_released_once_returned(model):
     llm = LLM(model, num_slots=2, max_seq_len=MAX_SEQ_LEN, kv_cache="paged", page_size=8)
     rng = np.random.default_rng(7)
     outs = llm.generate(prompts_of(rng, (4, 5, 6)), SamplingParams(max_tokens=3), use_tqdm=False)
-    assert len(outs) == 3 and not llm.requests and not llm._emitted
+    assert len(outs) == 3 and not llm.requests and not llm.book._emitted
     rid = llm.add_request([5, 6, 7], SamplingParams(max_tokens=3))
     request = weakref.ref(llm.requests[rid])
     aborted = llm.add_request([5, 6, 7], SamplingParams(max_tokens=30))

@@ -4,7 +4,7 @@ arrival loop (`replay.run_arrivals`) and `StepStats`."""
 
 from cbjax.core.builder import build_core
 from cbjax.core.engine_args import EngineArgs
-from cbjax.core.engine_core import EngineCore, Load
-from cbjax.core.step_stats import StepStats
+from cbjax.core.engine_core import EngineCore
+from cbjax.core.step_stats import Load, StepStats
 
 __all__ = ["EngineArgs", "EngineCore", "Load", "StepStats", "build_core"]

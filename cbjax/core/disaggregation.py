@@ -30,7 +30,8 @@ import jax
 
 from cbjax.core.builder import build_core
 from cbjax.core.engine_args import EngineArgs
-from cbjax.core.engine_core import EngineCore, Load
+from cbjax.core.engine_core import EngineCore
+from cbjax.core.step_stats import Load
 from cbjax.core.step_stats import StepStats
 from cbjax.loading import Model, load_model
 from cbjax.request import Request, RequestState
@@ -70,6 +71,16 @@ class DisaggregatedCore:
     pages = property(lambda self: self.prefill[0].pages)
     idle = property(lambda self: self._idle)
     wake_time = None  # continuous instances only: nothing wakes without an arrival
+    arrivals_pending = None  # its rounds never run ahead of the front
+
+    @property
+    def predict_len(self):
+        return self.prefill[0].predict_len
+
+    @predict_len.setter
+    def predict_len(self, predict) -> None:  # the prefill instances admit, in its order
+        for c in self.prefill:
+            c.predict_len = predict
 
     @property
     def stats(self) -> StepStats:

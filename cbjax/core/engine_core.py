@@ -12,44 +12,16 @@ replicas front and the simulator's profiler use this class's public hooks (`load
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import Callable
 
 import jax
 import numpy as np
 
-from cbjax.core.step_stats import StepStats
+from cbjax.core.step_stats import Load, StepStats
 from cbjax.request import FinishReason, Request, RequestState, SamplingParams, TokenLogprob
 from cbjax.runtime.step import split_logprobs, to_host
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """What the engine holds after its latest round (the server's /metrics and queue limit,
-    the replicas' routing)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
-    num_preemptions: int = 0
-    # Since the start: full prompt pages looked up in the prefix cache, found on the device, found
-    # in the host tier; preemptions swapped out, and those that fell back to recompute (host full).
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    prefix_host_hits: int = 0
-    swaps_out: int = 0
-    swap_fallbacks: int = 0
-    host_kv_cache_usage: float = 0.0  # fraction of the host tier's bytes in use
-
-    @staticmethod
-    def combine(loads: list["Load"]) -> "Load":
-        """Several engines' loads as one: counts summed, usages averaged."""
-        fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)}
-        for name in ("kv_cache_usage", "host_kv_cache_usage"):
-            fields[name] /= max(len(loads), 1)
-        return Load(**fields)
 
 
 def add_logprobs(r: Request, columns) -> None:
@@ -64,18 +36,6 @@ def add_logprobs(r: Request, columns) -> None:
     for token, row in zip(r.output_token_ids[start:], columns):
         top = tuple((int(i), float(v)) for v, i in zip(row[1:1 + k], row[1 + width:1 + width + k]))
         r.logprobs.append(TokenLogprob(token, float(row[0]), top))
-
-
-def cache_counters(pages: BlockManager | None, host) -> dict:
-    """`Load`'s prefix-cache and host-tier counters."""
-    out = {}
-    if pages is not None:
-        stats = pages.stats
-        out.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_host_hits=stats.host_hits)
-    if host is not None:
-        out.update(swaps_out=host.stats.swaps_out, swap_fallbacks=host.stats.swap_fallbacks,
-                   host_kv_cache_usage=host.used / host.capacity)
-    return out
 
 
 def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
@@ -94,7 +54,7 @@ def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: 
     if bad:
         raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}")
     engine.check_sampling(sampling)
-    if sampling.structured is not None and not getattr(engine, "supports_structured_output", False):
+    if sampling.structured is not None and not engine.supports_structured_output:
         raise ValueError(f"structured output is not supported by this engine ({type(engine).__name__})")
     if pages is not None:
         # Positions it can write: its last token is returned, never written back (the
@@ -152,7 +112,7 @@ class EngineCore:
         """Compile every program this configuration can reach (the step per token bucket, the
         host tier's moves)."""
         count = self.engine.warmup()
-        host, host_kv = self.scheduler.host, getattr(self.engine, "host_kv", None)
+        host, host_kv = self.scheduler.host, self.engine.host_kv
         if host is not None and host_kv is not None:
             swap = self.scheduler.config.preemption_mode == "swap"
             count += host_kv.warmup(self.engine, pages=self.pages is not None and self.pages.host is not None, swap=swap)
@@ -170,13 +130,7 @@ class EngineCore:
     in_flight = property(lambda self: self._ahead is not None)
 
     def load(self) -> Load:
-        sched = self.scheduler
-        running = sum(r is not None for r in sched.slots)
-        if self.pages is not None:
-            usage = 1.0 - self.pages.num_free / self.pages.num_pages
-        else:
-            usage = running / len(sched.slots)
-        return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(self.pages, sched.host))
+        return Load.of(self.scheduler, self.pages)
 
     @contextlib.contextmanager
     def engine_swapped(self, engine):
@@ -297,20 +251,12 @@ class EngineCore:
         flight wait for two decode calls before its prefill instead of the rest of one. The
         host's recording still overlaps the next call; the device idles only while it is
         dispatched. Returns the seconds it waited for the device."""
-        sched, steps = self.scheduler, self.engine.config.decode_steps
-        if not (self.overlap and getattr(self.engine, "can_run_ahead", False)) or sched.waiting:
+        steps = self.engine.config.decode_steps
+        slots = slots_to_run_ahead(self.scheduler, steps) if self.overlap and self.engine.can_run_ahead else None
+        if slots is None:
             return 0.0
-        holders = [r for r in sched.slots if r is not None]
-        # A constrained request's next mask needs this call's token on the host first.
-        if not holders or any(r.state != RequestState.RUNNING or r.grammar is not None for r in holders):
-            return 0.0
-        # Tokens each holder will have when the call in flight is recorded.
-        after = [r.num_tokens + steps for r in holders]
-        if self.pages is not None and not all(map(sched.reservations.covers, holders, after)):
-            return 0.0  # the next call would grow a table: let the scheduler reserve (or preempt) first
         # Rows by slot alone: the call may outlive its requests (nothing else holds them then).
         # The same rows round after round while the holders stay: made once.
-        slots = [r.slot for r in holders]
         if self._ahead_rows is None or self._ahead_rows[0] != slots:
             self._ahead_rows = (slots, [Row(slot, [], 0) for slot in slots])
         rows = self._ahead_rows[1]
@@ -366,6 +312,21 @@ def record_decodes(scheduler, stats: StepStats, num_slots: int, decoded, now: fl
         touched[r.request_id] = r
     stats.active_slot_steps += sampled
     stats.decode_steps += steps
+
+
+def slots_to_run_ahead(sched: Scheduler, steps: int) -> list[int] | None:
+    """The slots a decode call may be dispatched for before the one in flight is recorded, or
+    None: not while requests wait, a holder is prefilling or constrained (its next mask needs
+    this call's token on the host first), or (paged) the next call would grow a table (the
+    scheduler reserves, or preempts, first)."""
+    holders = [r for r in sched.slots if r is not None]
+    if sched.waiting or not holders or any(r.state != RequestState.RUNNING or r.grammar is not None
+                                           for r in holders):
+        return None
+    after = [r.num_tokens + steps for r in holders]  # tokens each will have when the call in flight is recorded
+    if sched.pages is not None and not all(map(sched.reservations.covers, holders, after)):
+        return None
+    return [r.slot for r in holders]
 
 
 def block_tables(core: EngineCore) -> np.ndarray:

@@ -1,8 +1,11 @@
-"""Where the host loop's time goes: `StepStats`, summed over rounds by `LLM`."""
+"""What a core reports: where the host loop's time goes (`StepStats`, summed over rounds)
+and what its engine holds after its latest round (`Load`)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from cbjax.scheduling import BlockManager, Scheduler
 
 
 @dataclasses.dataclass
@@ -32,3 +35,49 @@ class StepStats:
 
     def host_ms_per_decode_step(self) -> float:
         return 1000 * self.host_s / max(self.decode_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the engine holds after its latest round (the server's /metrics and queue limit,
+    the replicas' routing)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of slots (slot cache) or pages (paged cache) in use
+    num_preemptions: int = 0
+    # Since the start: full prompt pages looked up in the prefix cache, found on the device, found
+    # in the host tier; preemptions swapped out, and those that fell back to recompute (host full).
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_host_hits: int = 0
+    swaps_out: int = 0
+    swap_fallbacks: int = 0
+    host_kv_cache_usage: float = 0.0  # fraction of the host tier's bytes in use
+
+    @staticmethod
+    def of(sched: Scheduler, pages: BlockManager | None) -> "Load":
+        """What `sched` holds now."""
+        running = sum(r is not None for r in sched.slots)
+        usage = 1.0 - pages.num_free / pages.num_pages if pages is not None else running / len(sched.slots)
+        return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(pages, sched.host))
+
+    @staticmethod
+    def combine(loads: list["Load"]) -> "Load":
+        """Several engines' loads as one: counts summed, usages averaged."""
+        fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)}
+        for name in ("kv_cache_usage", "host_kv_cache_usage"):
+            fields[name] /= max(len(loads), 1)
+        return Load(**fields)
+
+
+def cache_counters(pages: BlockManager | None, host) -> dict:
+    """`Load`'s prefix-cache and host-tier counters."""
+    out = {}
+    if pages is not None:
+        stats = pages.stats
+        out.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_host_hits=stats.host_hits)
+    if host is not None:
+        out.update(swaps_out=host.stats.swaps_out, swap_fallbacks=host.stats.swap_fallbacks,
+                   host_kv_cache_usage=host.used / host.capacity)
+    return out

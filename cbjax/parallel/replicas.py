@@ -31,7 +31,7 @@ from typing import Sequence
 import jax
 
 from cbjax import checks
-from cbjax.core.engine_core import Load
+from cbjax.core.step_stats import Load
 from cbjax.core.replay import run_arrivals
 from cbjax.llm import LLM, Prompt, offline_workload, progress_bar
 from cbjax.loading import Model, load_model
@@ -88,7 +88,7 @@ class Replicas:
 
     # ------------------------------------------------------------ routing
     def queued_work(self, i: int) -> int:
-        load = self.replicas[i].core.load()
+        load = self.replicas[i].load()
         return 4 * load.waiting + load.running
 
     def _least_loaded(self) -> int:
@@ -107,8 +107,10 @@ class Replicas:
 
     # ----------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None) -> str:
-        """Route and queue a request; raises ValueError for a bad one (nothing else is touched)."""
+                    request_id: str | None = None, priority: float = 0, arrival_time: float | None = None,
+                    scored_prompt: list | None = None) -> str:
+        """Route and queue a request; raises ValueError for a bad one (nothing else is touched).
+        `scored_prompt`: as `LLM.add_request` (the replicas' engines score alike)."""
         # Only prefix affinity needs the token ids before the replica tokenizes the prompt itself.
         ids = self.replicas[0].prompt_ids(prompt)[0] if self.routing == "prefix_affinity" else None
         if request_id is None:
@@ -120,7 +122,7 @@ class Replicas:
         if self.simulated and not self.replicas[i].has_unfinished_requests():  # an idle lane starts now
             self.replicas[i].clock.catch_up(self.clock() if arrival_time is None else arrival_time)
         rid = self.replicas[i].add_request(prompt, sampling_params, request_id=request_id, priority=priority,
-                                           arrival_time=arrival_time)
+                                           arrival_time=arrival_time, scored_prompt=scored_prompt)
         self._owner[rid] = i
         self._accepted += 1
         self.routed[i] += 1
@@ -149,8 +151,27 @@ class Replicas:
         """Every replica's live requests, by id."""
         return collections.ChainMap(*(r.requests for r in self.replicas))
 
+    # Every replica is configured alike.
     scheduler_config = property(lambda self: self.replicas[0].scheduler_config)
-    engine = property(lambda self: self.replicas[0].engine)  # every replica's is configured alike
+    max_model_len = property(lambda self: self.replicas[0].max_model_len)
+    engine_info = property(lambda self: self.replicas[0].engine_info)
+
+    def prompt_scorer(self, prompt: Prompt, sampling: SamplingParams) -> None:
+        return None  # the replica is chosen by `add_request`, which scores the prompt there at once
+
+    def watch_arrivals(self, pending) -> None:
+        for r in self.replicas:
+            r.watch_arrivals(pending)
+
+    def use_length_predictor(self, predict) -> None:
+        for r in self.replicas:
+            r.use_length_predictor(predict)
+
+    def warm_structured_output(self, background: bool = False) -> int:
+        return sum(r.warm_structured_output(background) for r in self.replicas)
+
+    def wait_for_compiles(self) -> int:
+        return sum(r.wait_for_compiles() for r in self.replicas)
 
     def load(self) -> Load:
         """What all replicas hold together (their KV usage: the mean)."""
@@ -189,11 +210,11 @@ class Replicas:
     def idle(self) -> bool:
         if self.simulated:
             return not self.has_unfinished_requests()
-        return all(r.core.idle for r in self.replicas)
+        return all(r.idle for r in self.replicas)
 
     @property
     def wake_time(self) -> float | None:
-        wakes = [r.core.wake_time for r in self.replicas if r.core.wake_time is not None]
+        wakes = [r.wake_time for r in self.replicas if r.wake_time is not None]
         return min(wakes) if wakes else None
 
     def drain(self, draining: bool = True) -> None:

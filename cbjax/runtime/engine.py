@@ -20,7 +20,6 @@ import dataclasses
 import jax
 import numpy as np
 
-from cbjax import grammar
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
@@ -33,7 +32,9 @@ from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, 
 from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.step import pack, row_bucket, token_buckets
-from cbjax.runtime.step_programs import SamplerVariants, StepPrograms
+from cbjax.runtime.interface import EngineInfo
+from cbjax.runtime.step_programs import SamplerVariants, StepPrograms, reachable_programs
+from cbjax.runtime.warmup import warm_up
 from cbjax.scheduling.plan import Row
 from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
 
@@ -93,37 +94,15 @@ def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel
     return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
 
 
-class Engine:
-    reads_block_tables = True  # the paged cache's tables are copied to the device each round
-    # Its decode reads each slot's last token from the device state, so the host may dispatch the
-    # next decode before reading this one's tokens (EngineCore's overlap).
-    can_run_ahead = True
-    supports_structured_output = True  # its step applies structured-output masks
-    takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
+class EngineBase:
+    """What every engine kind shares, the simulated one included: its shape (the config checked
+    against the model, the attention it runs, the token buckets) and how a round's rows
+    become calls (split under the step budget, each call's bucket, the rows' sampling)."""
 
-    def __init__(self, model, config: EngineConfig, mesh=None):
-        """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
-        `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
-        None keeps everything on the default device."""
-        self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        self._configure(model, config, sharding.tp_size(mesh) if mesh is not None else 1)
-        mc = model.config
-        self.mesh = mesh
-        if mesh is not None:
-            sharding.check_divisible(mc, mesh)
-            self.params = sharding.shard_params(model.params, mc, mesh)
-        else:
-            self.params = model.params
-        # The operations the programs are traced with: the C++ CPU kernels, the Pallas quantized matmul, or XLA's.
-        self.ops = engine_ops(config, self.params, mesh)
-        # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
-        addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
-            kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
-        self._params_by_address = {**self.params, "layers": addresses} if addresses else None
-        self.compiled = StepPrograms()
-        self._slot_decodes = {}  # packed arrays of slot-only decode rows by (tokens, slots)
-        self.host_kv = HostKV()  # the KV cache's host tier: swapped-out sequences, prefix pages
-        self.reset()
+    kind = "engine"
+    ops = None  # the operations its programs are traced with (`Ops`); None: it traces nothing
+    mesh = None  # a tensor-parallel mesh, or None
+    takes_sampler_variants = False
 
     def _configure(self, model, config: EngineConfig, tensor_parallel: int = 1) -> None:
         """What every engine kind sets up, the simulated one included: the model, the config
@@ -147,6 +126,14 @@ class Engine:
     def num_slots(self) -> int:
         return self.config.num_slots
 
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.platform, self.kind, self.attention, self.num_slots, self.max_len,
+                          tuple(self._token_buckets), repr(self.ops), self.num_devices)
+
+    @property
+    def num_devices(self) -> int:
+        return 1 if self.mesh is None else self.mesh.devices.size
+
     def stop_ids_for(self, sampling: SamplingParams) -> np.ndarray:
         return step.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
 
@@ -155,28 +142,10 @@ class Engine:
         self.stop_ids_for(sampling)  # refuses too many stop ids
         step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
 
-    def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
-        """A prompt's logprobs, by one more forward over it a chunk at a time (one program per engine)."""
-        return PromptScorer(self.params, self.model.config, ids, k, self.max_len, self.max_logprobs, ops=self.ops,
-                            history_block=self.history_block())
-
-    def prompt_logprobs(self, ids: list[int], k: int) -> list:
-        """Each prompt token's `TokenLogprob` (None for the first), the scorer run at once."""
-        return self.prompt_scorer(ids, k).run()
-
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""
         stops = self.stop_ids_for(row.sampling) if row is not None else None
         return step.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
-
-    def _record_histories(self, rows: list[Row]) -> None:
-        """The penalties' history of rows that start a request whose logits processors read it:
-        set from the tokens before it past position 0, cleared at 0 (no tokens)."""
-        for row in rows:
-            if row.history or row.starts_history:
-                self.state = programs.record_history(self.state, np.int32(row.slot),
-                                                     step.history_tokens(row, self.buckets),
-                                                     np.int32(row.prompt_len))
 
     @property
     def mixed(self) -> bool:
@@ -187,11 +156,8 @@ class Engine:
         return list(self._token_buckets)
 
     def history_block(self) -> int:
-        """Positions per block of the reference attention's history read (a multiple of the page size)."""
-        c = self.config
-        if c.kv_cache == "paged":
-            return min(max(c.page_size, 256 // c.page_size * c.page_size), self.max_len)
-        return min(256, self.max_len)
+        """Positions per block of the reference attention's history read (`step.history_block`)."""
+        return step.history_block(self.config, self.max_len)
 
     def split(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
         """The round's rows in calls of at most the step budget (`step.split_rows`)."""
@@ -205,13 +171,73 @@ class Engine:
             total = max(total, min(self.config.prefill_floor, buckets[-1]))
         return next(b for b in buckets if b >= total)
 
+    def programs(self, only: str | None = None) -> list[tuple]:
+        """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
+        those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
+        return reachable_programs(self.token_buckets(), self.num_slots, self.config.decode_steps, only)
+
+
+class Engine(EngineBase):
+    reads_block_tables = True  # the paged cache's tables are copied to the device each round
+    # Its decode reads each slot's last token from the device state, so the host may dispatch the
+    # next decode before reading this one's tokens (EngineCore's overlap).
+    can_run_ahead = True
+    supports_structured_output = True  # its step applies structured-output masks
+    takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
+    host_kv: HostKV | None = None  # the KV cache's host tier (swapped-out sequences, prefix pages)
+
+    def __init__(self, model, config: EngineConfig, mesh=None):
+        """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
+        `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
+        None keeps everything on the default device."""
+        self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        self._configure(model, config, sharding.tp_size(mesh) if mesh is not None else 1)
+        mc = model.config
+        self.mesh = mesh
+        if mesh is not None:
+            sharding.check_divisible(mc, mesh)
+            self.params = sharding.shard_params(model.params, mc, mesh)
+        else:
+            self.params = model.params
+        # The operations the programs are traced with: the C++ CPU kernels, the Pallas quantized matmul, or XLA's.
+        self.ops = engine_ops(config, self.params, mesh)
+        # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
+        addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
+            kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
+        self._params_by_address = {**self.params, "layers": addresses} if addresses else None
+        self.compiled = StepPrograms()
+        self._slot_decodes = {}  # packed arrays of slot-only decode rows by (tokens, slots)
+        self.host_kv = HostKV()
+        self.reset()
+
+    def wait_for_compiles(self) -> int:
+        return self.compiled.wait()
+
+    def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
+        """A prompt's logprobs, by one more forward over it a chunk at a time (one program per engine)."""
+        return PromptScorer(self.params, self.model.config, ids, k, self.max_len, self.max_logprobs, ops=self.ops,
+                            history_block=self.history_block())
+
+    def prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """Each prompt token's `TokenLogprob` (None for the first), the scorer run at once."""
+        return self.prompt_scorer(ids, k).run()
+
+    def record_histories(self, rows: list[Row]) -> None:
+        """The penalties' history of rows that start a request whose logits processors read it:
+        set from the tokens before it past position 0, cleared at 0 (no tokens)."""
+        for row in rows:
+            if row.history or row.starts_history:
+                self.state = programs.record_history(self.state, np.int32(row.slot),
+                                                     step.history_tokens(row, self.buckets),
+                                                     np.int32(row.prompt_len))
+
     def run(self, rows: list[Row], steps: int = 1) -> list[Call]:
         """Dispatch the round's rows (any mix of prompt chunks and decodes; `steps > 1` only for
         decode rows, which feed themselves); nothing waits for the device. Each call returns
         `[steps, rows bucket, 2]` (token or -1, done) on the device."""
         if steps > 1 and not all(r.is_decode for r in rows):
             raise ValueError("several steps in one call run decode rows only")
-        self._record_histories(rows)
+        self.record_histories(rows)
         calls = []
         for members in self.split(rows):
             call_rows = [r for _, r in members]
@@ -246,7 +272,10 @@ class Engine:
                      ops=self.ops, sampler=sampler))
 
     def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL) -> jax.Array:
-        args, static = self._step_arguments(packed, steps, sampler)
+        return self.run_program(*self._step_arguments(packed, steps, sampler))
+
+    def run_program(self, args: tuple, static: dict) -> jax.Array:
+        """Run the step program of these arguments (`_step_arguments`): the cache and state advance."""
         out, self.cache, self.state = self._program(args, static)(*args)
         return out
 
@@ -256,51 +285,30 @@ class Engine:
         key = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"])  # as step_programs.program_key
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait)
 
-    def _compile(self, num_tokens: int, steps: int, sampler: Sampler = ALL) -> None:
-        """Compile one program ahead of time (a narrower sampler variant than ALL: in the background)."""
-        self._program(*self._step_arguments(self._pack([], num_tokens), steps, sampler), wait=sampler == ALL)
+    def padding_arguments(self, num_tokens: int, steps: int, sampler: Sampler = ALL,
+                          masks: np.ndarray | None = None) -> tuple[tuple, dict]:
+        """The arguments of one step program over padding rows (they name no slot), as it is
+        compiled ahead of time or lowered for another platform."""
+        packed = self._pack([], num_tokens)
+        return self._step_arguments(packed if masks is None else (*packed, masks), steps, sampler)
 
-    def _compile_all(self, progs: list[tuple]) -> None:
+    def compile_program(self, num_tokens: int, steps: int, sampler: Sampler = ALL) -> None:
+        """Compile one program ahead of time (a narrower sampler variant than ALL: in the background)."""
+        self._program(*self.padding_arguments(num_tokens, steps, sampler), wait=sampler == ALL)
+
+    def compile_programs(self, progs: list[tuple]) -> None:
         """Compile every program, then run each once on padding (the rows name no slot): XLA:CPU
         sets up a program's YNNPACK matmuls at its first execution, not at compile, 0.6-1 s for a
         SmolLM2 step of 32+ tokens, which the first request through that program would pay."""
-        self.compiled.compile_all([self._step_arguments(self._pack([], n), steps) for _, n, steps in progs])
+        self.compiled.compile_all([self.padding_arguments(n, steps) for _, n, steps in progs])
         out = None
         for _, num_tokens, steps in progs:
             out = self._dispatch(self._pack([], num_tokens), steps)
         jax.block_until_ready(out)
 
-    def programs(self, only: str | None = None) -> list[tuple]:
-        """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
-        those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
-        buckets = self.token_buckets()
-        most_rows = 1 << (self.num_slots - 1).bit_length()
-        decode_top = next((n for n in buckets if n >= most_rows), buckets[-1])  # every slot decoding
-        progs = []
-        if only != "decode":
-            progs += [("step", n, 1) for n in buckets]
-        if only != "prefill":
-            steps = self.config.decode_steps
-            progs += [("step", n, steps) for n in buckets if n <= decode_top and ("step", n, steps) not in progs]
-        return progs
-
     def warmup(self, only: str | None = None) -> int:
-        """Compile every program up front (so timings and latencies exclude compilation);
-        leaves the engine empty. Returns the number of model programs. `only`: as `programs`."""
-        progs = self.programs(only)
-        self._compile_all(progs)
-        for sampler in self.samplers.ahead[1:]:  # narrower variants: in the background
-            for _, num_tokens, steps in progs:
-                self._compile(num_tokens, steps, sampler)
-        # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
-        # KV copies and the penalties' history of the tokens before them.
-        for bucket in self.buckets if only != "decode" else ():
-            self._record_histories([Row(0, [], 0, history=[0] * bucket)])
-        for size in (1 << i for i in range((self.num_slots - 1).bit_length() + 1)) if only != "decode" else ():
-            self.copy_kv([(0, 0)] * size)
-        self.deactivate(0)  # abort and preemption
-        self.reset()
-        return len(progs)
+        """Compile every program up front (`warmup.warm_up`); returns the number of model programs."""
+        return warm_up(self, only)
 
     def reset(self) -> None:
         """Drop every sequence: all slots free and inactive."""
@@ -343,31 +351,6 @@ class Engine:
     def num_backend_compilations() -> int:
         """XLA compilations of anything in this process so far."""
         return BACKEND_COMPILES[0]
-
-
-def warm_structured_output(engine: Engine, background: bool = False) -> int:
-    """Compile (and run once on padding) the masked variant of every one-step program: the
-    programs a structured-output request runs, which `warmup` leaves out. Without them the first
-    constrained request compiles one on the engine's thread (4 s for SmolLM2 on a 2-core CPU),
-    stalling every stream. `background`: compile them on a background thread instead (the
-    server's start then does not wait for them; a constrained request that comes first waits for
-    its own program only, and on a CPU its first run pays XLA's set-up of the program's
-    matmuls, which the padding run would have paid). Returns the number of programs."""
-    words = grammar.mask_words(engine.model.config.vocab_size)
-    progs = [(n, steps) for _, n, steps in engine.programs() if steps == 1]
-    out = None
-    for num_tokens, steps in progs:
-        packed = engine._pack([], num_tokens)
-        masks = np.full((row_bucket(num_tokens, engine.num_slots), words), -1, np.int32)
-        if background:
-            engine.compiled.compile_later(*engine._step_arguments((*packed, masks), steps))
-        else:
-            out = engine._dispatch((*packed, masks), steps)
-    if not background:
-        jax.block_until_ready(out)
-        engine.reset()
-    return len(progs)
-
 
 def init_cache_and_state(model_config, c: EngineConfig, dtype, mesh) -> tuple:
     """An empty KV cache and slot state; on a mesh, made in place (a jitted init with output

@@ -31,7 +31,7 @@ def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = 
     out = {}
     for prog in engine.programs():
         for sampler in samplers or (ALL,):
-            args, static = engine._step_arguments(engine._pack([], prog[1]), prog[2], sampler)
+            args, static = engine.padding_arguments(prog[1], prog[2], sampler)
             key = prog if samplers is None else (*prog, sampler)
             out[key] = {}
             for p in platforms:

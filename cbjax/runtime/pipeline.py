@@ -82,6 +82,7 @@ class PipelineEngine(Engine):
     """`Engine` with its layers over `stages` devices (slot cache, prefill-then-decode rounds,
     reference attention)."""
 
+    kind = "pipeline"
     reads_block_tables = False
     can_run_ahead = False  # its decode hands activations between stages through the host loop
     supports_structured_output = False  # its last stage samples without masks
@@ -108,6 +109,8 @@ class PipelineEngine(Engine):
         self.max_logprobs = 0  # its last stage's decode program computes none
         self.stage_params = [jax.device_put(self._params_of(s), d) for s, d in enumerate(self.devices)]
         self.groups = np.arange(config.num_slots).reshape(self.micro_batches, -1).tolist()  # slots per micro-batch
+
+    num_devices = property(lambda self: self.stages)
 
     def _params_of(self, s: int) -> dict:
         p, lo, hi = self.params, self.bounds[s], self.bounds[s + 1]
@@ -217,7 +220,7 @@ class PipelineEngine(Engine):
         progs = [("stages", n, 1) for n in self.token_buckets()] if only != "decode" else []
         return progs + ([("stages", per_group, 1)] if ("stages", per_group, 1) not in progs else [])
 
-    def _compile_all(self, progs: list[tuple]) -> None:
+    def compile_programs(self, progs: list[tuple]) -> None:
         """A padding pass per program, in turn: its programs are per stage and device, and each
         pass updates the stages' caches."""
         for _, num_tokens, _ in progs:

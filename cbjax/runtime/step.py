@@ -296,7 +296,7 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     prompt_row = (batch.q_len > 0) & ~batch.decode
     row = jnp.minimum(batch.token_row, num_rows - 1)
     # A request whose logits processors read the history had its slot's row cleared before
-    # this call (Engine._record_histories); clearing it here, for any prompt row at position 0,
+    # this call (Engine.record_histories); clearing it here, for any prompt row at position 0,
     # wrote [rows, vocab] zeros and False every step: at 32 rows of SmolLM2's 49,152 tokens,
     # 8 MB a step (Q8_0 decode, 32 sequences, alternating runs: 74-87 -> 72-78 ms).
     state = record_tokens(state, jnp.where(batch.valid & prompt_row[row], batch.token_slot, num_slots), flat[0],
@@ -369,3 +369,10 @@ def to_host(tree, platform: str):
 def split_logprobs(out):
     """A step's result and its logprob columns (None when the engine computes none)."""
     return out if isinstance(out, tuple) else (out, None)
+
+
+def history_block(config, max_len: int) -> int:
+    """Positions per block of the reference attention's history read (a multiple of the page size)."""
+    if config.kv_cache == "paged":
+        return min(max(config.page_size, 256 // config.page_size * config.page_size), max_len)
+    return min(256, max_len)

@@ -139,3 +139,18 @@ class StepPrograms:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(max(min(len(calls), cores), 1)) as pool:
             list(pool.map(lambda call: self.get(*call, wait=True), calls))
+
+
+def reachable_programs(buckets: list[int], num_slots: int, decode_steps: int, only: str | None = None) -> list[tuple]:
+    """Every step program a workload can reach: ("step", tokens bucket, steps), those of
+    prompt rows (one step) and of decode rows (`decode_steps`, up to the bucket of every slot
+    decoding). `only`: "decode" or "prefill", one kind alone."""
+    most_rows = 1 << (num_slots - 1).bit_length()
+    decode_top = next((n for n in buckets if n >= most_rows), buckets[-1])
+    progs = []
+    if only != "decode":
+        progs += [("step", n, 1) for n in buckets]
+    if only != "prefill":
+        progs += [("step", n, decode_steps) for n in buckets
+                  if n <= decode_top and ("step", n, decode_steps) not in progs]
+    return progs

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cbjax.request import Request, RequestState
+from cbjax.scheduling import forks
 from cbjax.scheduling.block_manager import BlockManager
 
 
@@ -34,6 +35,16 @@ class PageReservations:
     def covers(self, r: Request, num_tokens: int) -> bool:
         """Whether the pages `r` holds take its next decode call once it holds `num_tokens`."""
         return self.decode_need(r, num_tokens) <= self._capacity(r)
+
+    def take_newcomer(self, r: Request, reserved: int, copies: list[tuple[int, int]]) -> int | None:
+        """A request about to be placed: its pages (a fork's by reference, its KV copies added to
+        `copies`; a swapped one's fresh); as `take`."""
+        if r.swapped:
+            return self.take_swapped(r, reserved)
+        shared = forks.fork_point(r)
+        if shared is None:
+            return self.take(r, reserved)
+        return self.take_fork(r, shared, reserved, copies)
 
     def _capacity(self, r: Request) -> int:
         return len(self.pages.tables[r.request_id]) * self.pages.page_size

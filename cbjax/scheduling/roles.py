@@ -13,16 +13,17 @@ each request from the first to the second with its KV.
 from __future__ import annotations
 
 from cbjax.request import FinishReason, Request, RequestState
-from cbjax.scheduling.plan import Plan, Row
+from cbjax.scheduling.policies import admission_policy
+from cbjax.scheduling.plan import Row
 from cbjax.scheduling.scheduler import Scheduler
 
 
 class PrefillScheduler(Scheduler):
-    def schedule(self, now: float) -> Plan:
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
         # Nothing decodes here, so the continuous policy's refill interval (counted in decode
         # steps) must not hold admission back.
-        self.steps_since_refill = self.config.refill_interval
-        return super().schedule(now)
+        self.admission = admission_policy(config, refill_interval=0)
 
     def _should_decode(self, prefills: list[Row]) -> bool:
         return False
@@ -58,7 +59,7 @@ class DecodeScheduler(Scheduler):
     def take_evicted(self) -> list[Request]:
         evicted, self.evicted = self.evicted, []
         for r in evicted:
-            self._requeued.discard(r.request_id)
+            self.admission.on_left(r)
         return evicted
 
     @staticmethod

@@ -2,9 +2,11 @@
 
 Each round the caller asks `schedule(now)` for a `Plan` (prefill chunks to run,
 whether to decode), runs it on the engine, and hands the results back through
-`on_prefill` / `on_decode`. Which waiting requests may start is the batching policy's
-call (policies.py: static, dynamic, continuous); the paged cache's page look-ahead is
-page_reservation.py's.
+`on_prefill` / `on_decode`. The decisions are its policies': which waiting requests may
+start (policies.py: static, dynamic, continuous), which prompt chunks a round runs
+(prefill_first, or one mixed step under a token budget); they read the
+scheduler through a `SchedulerView` and return their decision, and only the scheduler
+changes its state. The paged cache's page look-ahead is page_reservation.py's.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.page_reservation import PageReservations
-from cbjax.scheduling.policies import admit, prefill_chunks, schedule_mixed
 from cbjax.scheduling.plan import Plan, Row
+from cbjax.scheduling.policies import NOTHING, Admission, MixedStep, SchedulerView, admission_policy, prefill_chunks
 
 
 class Scheduler:
@@ -31,14 +33,9 @@ class Scheduler:
             raise ValueError("preemption_mode='swap' needs a host tier (host_kv_cache_bytes > 0)")
         self.reservations = None if pages is None else PageReservations(pages, config.decode_steps, max_seq_len)
         self.num_preemptions = 0
-        self.eos_tokens = frozenset(stop_tokens)
-        self.max_seq_len = max_seq_len
+        self.tokens = TokenRecorder(stop_tokens, max_seq_len, pages)
         self.waiting: list[Request] = []  # in admission order (order_key)
-        self._requeued: set[str] = set()  # preempted and waiting again
         self.slots: list[Request | None] = [None] * config.num_slots
-        self.batch: set[str] = set()  # static/dynamic: ids of the batch in flight
-        self.steps_since_refill = 0
-        self.waiting_steps = 0
         self.draining = False
         self._admitted = 0
         self.num_decode_steps = 0
@@ -47,6 +44,8 @@ class Scheduler:
         self.preempted_slots: list[int] = []  # this round's preemptions, to deactivate on the device
         self.order_key = ordering.key_function(config)  # admission order (ordering.py)
         self.rank_preemption = ordering.preempts_for_rank(config)
+        self.view = SchedulerView(self)  # what its policies read
+        self.admission = admission_policy(config)
 
     # ------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
@@ -88,20 +87,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
-    # ------------------------------------------------------------- forks
-    def startable(self) -> list[Request]:
-        """The waiting requests that may start now, in admission order (forks.py)."""
-        return forks.startable(self.waiting) if self.forks_seen else self.waiting
-
-    def take_pages(self, r: Request, reserved: int) -> int | None:
-        """Paged: a newcomer's pages (a fork's by reference, a swapped one's fresh); as `PageReservations.take`."""
-        if r.swapped:
-            return self.reservations.take_swapped(r, reserved)
-        shared = forks.fork_point(r)
-        if shared is None:
-            return self.reservations.take(r, reserved)
-        return self.reservations.take_fork(r, shared, reserved, self.copies)
-
     def plan(self, prefills: list[Row], decode: bool, wake: float | None, mixed: bool = False) -> Plan:
         """The round's plan, taking the device work recorded while scheduling it."""
         preempted, self.preempted_slots = self.preempted_slots, []
@@ -116,25 +101,44 @@ class Scheduler:
 
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float) -> Plan:
-        if self.config.merge_mode != "prefill_first":
-            return schedule_mixed(self, now)
-        admitted, wake = admit(self, now)
-        # Paged: admit only what leaves room for this round's decode reservations (those of
-        # the running requests and the newcomer's own first decode call), the same look-ahead
-        # `reserve_decode_pages` takes, so an admission is never undone in its own round.
-        reserved = self.reservations.pages_to_grow(self.running) if self.pages is not None and admitted else 0
-        for i, r in enumerate(admitted):
-            if self.pages is not None:
-                reserved = self.take_pages(r, reserved)
-                if reserved is None:
-                    self.batch -= {x.request_id for x in admitted[i:] if x.state == RequestState.WAITING}
-                    break
-            self.place(r, now)
-        prefills = prefill_chunks(self)
+        mixed = self.config.merge_mode != "prefill_first"
+        step = MixedStep(self.view) if mixed else None
+        if step is not None:
+            step.take_started()
+        admission = self._admit(now) if step is None or step.budget > 0 else NOTHING
+        self._place_admitted(admission.requests, now, step)
+        prefills = step.chunks if mixed else prefill_chunks(self.view)
         if self.pages is not None:
             self.reserve_decode_pages(prefills)
         prefills = [c for c in prefills if c.request.slot is not None]
-        return self.plan(prefills, self._should_decode(prefills), wake)
+        decode = any(r.state == RequestState.RUNNING for r in self.running) if mixed else self._should_decode(prefills)
+        return self.plan(prefills, decode, admission.wake, mixed)
+
+    def _admit(self, now: float) -> Admission:
+        admission = self.admission.admit(self.view, now)
+        if admission.preempt:
+            for r in admission.preempt:
+                self.preempt(r)
+            admission = self.admission.fill(self.view)
+        return admission
+
+    def _place_admitted(self, admitted, now: float, step: MixedStep | None) -> None:
+        """Place what admission admitted while there is room: in the mixed step's budget and
+        (paged) pages that leave this round's decode reservations covered (those of the running
+        requests and the newcomer's own first decode call, the look-ahead `reserve_decode_pages`
+        takes), so an admission is never undone in its own round."""
+        reserved = self.reservations.pages_to_grow(self.running) if self.pages is not None and admitted else 0
+        for i, r in enumerate(admitted):
+            if step is not None and not step.admits(r):
+                break
+            if self.pages is not None:
+                reserved = self.reservations.take_newcomer(r, reserved, self.copies)
+                if reserved is None:
+                    self.admission.not_placed(admitted[i:])
+                    break
+            self.place(r, now)
+            if step is not None:
+                step.take(r)
 
     def place(self, r: Request, now: float) -> None:
         """Give a waiting request a free slot: it starts prefilling (a swapped-out one decodes
@@ -152,7 +156,7 @@ class Scheduler:
         r.placed_at = r.num_prefilled
         r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
         self.waiting.remove(r)
-        self._requeued.discard(r.request_id)
+        self.admission.on_placed(r)
 
     def reserve_decode_pages(self, prefills: list[Row]) -> None:
         """Pages for the coming decode call of every decoding request. When the pool runs
@@ -179,21 +183,12 @@ class Scheduler:
         r.slot, r.num_prefilled, r.state = None, 0, RequestState.WAITING
         r.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self._requeued.add(r.request_id)
+        self.admission.on_preempted(r)
         self._enqueue(r)
         return slot
 
     def _should_decode(self, prefills: list[Row]) -> bool:
-        finishing = {c.request.request_id for c in prefills if c.is_last}
-        active = [r for r in self.slots if r is not None and
-                  (r.state == RequestState.RUNNING or r.request_id in finishing)]
-        if not active:
-            return False
-        if self.config.policy == "continuous":
-            return True
-        # static/dynamic: decode once every member of the batch holds its whole prompt.
-        return all(r.state == RequestState.RUNNING or r.request_id in finishing
-                   for r in self.slots if r is not None)
+        return self.admission.decodes(self.view, {c.request.request_id for c in prefills if c.is_last})
 
     # ----------------------------------------------------------- results
     def on_prefill(self, chunk: Row, token: int, now: float) -> bool:
@@ -215,9 +210,7 @@ class Scheduler:
         finished = []
         steps = len(tokens_per_step)
         self.num_decode_steps += steps
-        self.steps_since_refill += steps
-        if self.waiting:
-            self.waiting_steps += steps
+        self.admission.on_decode(steps, bool(self.waiting))
         running = RequestState.RUNNING
         for step_tokens in tokens_per_step:
             for r, token in zip(self.slots, step_tokens):
@@ -227,35 +220,11 @@ class Scheduler:
                     finished.append(r)
         return finished
 
-    def stop_reason(self, r: Request, token: int, num_tokens: int | None = None) -> FinishReason | None:
-        s = r.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_tokens):
-            return FinishReason.STOP
-        if len(r.output_token_ids) >= s.max_tokens:
-            return FinishReason.LENGTH
-        num_tokens = r.num_tokens if num_tokens is None else num_tokens
-        if self.max_seq_len is not None and num_tokens >= self.max_seq_len:
-            return FinishReason.LENGTH
-        return None
-
     def _append(self, r: Request, token: int, now: float) -> bool:
-        # Once per generated token (10^7 times in a simulated study): kept lean.
-        r.output_token_ids.append(token)
-        num_tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
-        pages = self.pages
-        if pages is not None and pages.enable_prefix_caching and (num_tokens - 1) % pages.page_size == 0:
-            # A page filled during decode (the newest token is not in the cache yet): offer it
-            # to follow-ups (prompt + answer + more).
-            pages.register(r.request_id, r.prefill_token_ids, num_tokens - 1)
-        metrics = r.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.token_times.append(now)
-        reason = self.stop_reason(r, token, num_tokens)
-        if reason is None:
-            return False
-        self._finish(r, reason, now)
-        return True
+        reason = self.tokens.append(r, token, now)
+        if reason is not None:
+            self._finish(r, reason, now)
+        return reason is not None
 
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         r.state = RequestState.FINISHED
@@ -269,4 +238,40 @@ class Scheduler:
             self.pages.free(r.request_id)
         if r.slot is not None and self.slots[r.slot] is r:
             self.slots[r.slot] = None
-        self.batch.discard(r.request_id)
+        self.admission.on_left(r)
+
+
+class TokenRecorder:
+    """What a sampled token does to its request: appended with its time, a cache page it filled
+    offered to the prefix cache, and whether it stops the request (the scheduler finishes it)."""
+
+    def __init__(self, stop_tokens, max_seq_len: int | None, pages: BlockManager | None):
+        self.eos_tokens = frozenset(stop_tokens)
+        self.max_seq_len = max_seq_len
+        self.pages = pages
+
+    def append(self, r: Request, token: int, now: float) -> FinishReason | None:
+        """Append `token` to `r`'s output; returns why it stops there, or None."""
+        # Once per generated token (10^7 times in a simulated study): kept lean.
+        r.output_token_ids.append(token)
+        num_tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
+        pages = self.pages
+        if pages is not None and pages.enable_prefix_caching and (num_tokens - 1) % pages.page_size == 0:
+            # A page filled during decode (the newest token is not in the cache yet): offer it
+            # to follow-ups (prompt + answer + more).
+            pages.register(r.request_id, r.prefill_token_ids, num_tokens - 1)
+        metrics = r.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        return self.stop_reason(r, token, num_tokens)
+
+    def stop_reason(self, r: Request, token: int, num_tokens: int) -> FinishReason | None:
+        s = r.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_tokens):
+            return FinishReason.STOP
+        if len(r.output_token_ids) >= s.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_seq_len is not None and num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None

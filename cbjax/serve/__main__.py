@@ -68,10 +68,8 @@ def engine_layout(llm, args) -> str:
     """How the engine is spread over the devices, in one line."""
     import jax
 
-    mesh = getattr(getattr(llm, "engine", None), "mesh", None)
-    used = mesh.devices.size if mesh is not None else args.pipeline_stages
-    replicas = getattr(llm, "data_parallel", 1)
-    used *= replicas
+    replicas = llm.data_parallel
+    used = llm.engine_info.num_devices * replicas
     layout = f"tensor_parallel={args.tensor_parallel} over {used} of {jax.device_count()} devices"
     if replicas > 1:
         layout = f"{replicas} replicas ({FLAGS.routing}), " + layout
@@ -85,7 +83,6 @@ def engine_layout(llm, args) -> str:
 def main(argv):
     del argv
     from cbjax import LLM, compile_cache
-    from cbjax.runtime.engine import warm_structured_output
     from cbjax.serve import Server
 
     if FLAGS.host_devices:  # read when JAX's CPU backend starts, which nothing has asked for yet
@@ -118,9 +115,9 @@ def main(argv):
         if llm.tokenizer is not None:  # llguidance's view of it (0.3 s for SmolLM2, holding the GIL): now, not mid-stream
             try:
                 llm.grammars.tokenizer()
-                if FLAGS.warmup_structured and getattr(llm.engine, "supports_structured_output", False):
-                    t0 = time.perf_counter()
-                    count = warm_structured_output(llm.engine, background=FLAGS.structured_in_background)
+                t0 = time.perf_counter()
+                count = llm.warm_structured_output(FLAGS.structured_in_background) if FLAGS.warmup_structured else 0
+                if count:
                     if FLAGS.structured_in_background:
                         print(f"compiling {count} structured-output programs in the background", flush=True)
                     else:

@@ -21,7 +21,7 @@ import traceback
 
 from aiohttp import web
 
-from cbjax.llm import LLM
+from cbjax.front import Front
 from cbjax.serve import protocol, responses
 from cbjax.serve.admission import Admission
 from cbjax.serve.choices import Choices
@@ -122,7 +122,7 @@ class Server:
     """`Server(llm, model_name).start()` serves on a background thread (tests, benchmarks);
     `await server.serve()` / `server.run()` serve on the caller's loop (the CLI)."""
 
-    def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+    def __init__(self, llm: Front, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  max_pending: int | None = None, max_body_bytes: int = 8 << 20, access_log: bool = False,
                  api_key: str | None = None, body_timeout_s: float = 30.0, max_pending_tokens: int | None = None,
                  max_logprob_entries: int | None = 1 << 18, max_connections: int | None = None,
@@ -156,8 +156,7 @@ class Server:
     def app(self) -> web.Application:
         middlewares = [_errors_as_json] + ([_api_key_check(self.api_key)] if self.api_key else [])
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        GenerationRoutes(self).add_to(app)
         InfoRoutes(self).add_to(app)
         return app
 
@@ -237,7 +236,6 @@ class Server:
         """Sequences accepted and not finished."""
         return self.admission.samples
 
-    # ------------------------------------------------------------ routes
     async def off_loop(self, request: web.Request, job):
         """`job(body)` on the parser threads, `body` the request's parsed JSON. A body that
         does not arrive within `body_timeout_s` (a client that sent fewer bytes than its
@@ -249,18 +247,35 @@ class Server:
                            code="request_timeout") from None
         return await asyncio.get_running_loop().run_in_executor(self._parser, _total(job, raw))
 
+
+class GenerationRoutes:
+    """`/v1/completions` and `/v1/chat/completions`: a request's prompts x samples submitted to
+    the engine loop, their outputs collected or streamed as SSE events, and whatever the
+    request still holds aborted when it ends (a client gone, a refused sibling)."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.llm = server.llm
+        self.model_name = server.model_name
+        self.engine = server.engine
+        self.admission = server.admission
+        self.metrics = server.metrics
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_chat)
 
-    # -------------------------------------------------------- generation
     async def _parse(self, request: web.Request, parse):
         """The body parsed and its prompts tokenized on the parser threads, never on the event
         loop: a megabyte prompt takes the tokenizer seconds, which would stall every stream."""
-        return await self.off_loop(request, lambda body: _grammar_checked(
-            self.llm, parse(body, self.model_name, self.llm.tokenizer, self.llm.engine.max_len)))
+        return await self.server.off_loop(request, lambda body: _grammar_checked(
+            self.llm, parse(body, self.model_name, self.llm.tokenizer, self.llm.max_model_len)))
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         received = self.llm.clock()
@@ -362,4 +377,3 @@ class Server:
         except ConnectionResetError:  # the client went away: the caller's finally frees its requests
             log.info("client disconnected from stream %s", response_id)
         return response
-

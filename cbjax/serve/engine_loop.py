@@ -20,8 +20,7 @@ import traceback
 from typing import Callable
 
 from cbjax.core import Load
-from cbjax.core.engine_core import EngineCore
-from cbjax.llm import LLM, Prompt
+from cbjax.front import Front, Prompt
 from cbjax.request import RequestOutput, SamplingParams
 from cbjax.runtime.prompt_logprobs import LARGE_CHUNK, SMALL_CHUNK
 
@@ -45,7 +44,7 @@ class EngineLoop:
     """Steps `llm` on a thread of its own. `on_output(output)` sees every output the loop
     hands to a sink (the metrics hook), on the engine thread."""
 
-    def __init__(self, llm: LLM, on_output: Sink | None = None, idle_poll_s: float = 0.05):
+    def __init__(self, llm: Front, on_output: Sink | None = None, idle_poll_s: float = 0.05):
         self.llm = llm
         self.on_output = on_output
         self.idle_poll_s = idle_poll_s
@@ -56,9 +55,7 @@ class EngineLoop:
         self._scoring: collections.deque[_Submit] = collections.deque()  # waiting for their prompt logprobs
         self._scoring_credit = 0.0  # seconds scoring may still take before the next chunk (<0: in debt)
         self._thread = threading.Thread(target=self._run, name="cbjax-engine-loop", daemon=True)
-        core = getattr(llm, "core", None)
-        if isinstance(core, EngineCore):  # requests arrive at any time: see EngineCore._run_ahead
-            core.arrivals_pending = lambda: not self._commands.empty()
+        llm.watch_arrivals(lambda: not self._commands.empty())  # requests arrive at any time
         if llm.scheduler_config.policy == "static":
             # A server never knows that no more requests are coming: a static batch forms
             # from whatever waits when the previous one ends, instead of waiting to be full.
@@ -144,17 +141,15 @@ class EngineLoop:
     def _add(self, submit: _Submit) -> None:
         if not submit.future.set_running_or_notify_cancel():
             return
-        k = submit.sampling.prompt_logprobs
-        if k is not None and isinstance(self.llm, LLM):  # (replicas score a prompt at once)
+        if submit.sampling.prompt_logprobs is not None:
             try:
-                ids, _ = self.llm.prompt_ids(submit.prompt)
-                self.llm.core.check_request(ids, submit.sampling)
-                submit.scorer = self.llm.engine.prompt_scorer(ids, k)
+                submit.scorer = self.llm.prompt_scorer(submit.prompt, submit.sampling)
             except ValueError as e:
                 submit.future.set_exception(e)
                 return
-            self._scoring.append(submit)  # admitted once scored, a chunk per round (_score_chunk)
-            return
+            if submit.scorer is not None:
+                self._scoring.append(submit)  # admitted once scored, a chunk per round (_score_chunk)
+                return
         self._admit(submit)
 
     def _score_chunk(self, stepped_s: float) -> None:

@@ -39,7 +39,7 @@ class InfoRoutes:
 
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.server.created, "owned_by": "cbjax",
-                "max_model_len": self.llm.engine.max_len}
+                "max_model_len": self.llm.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [self._card()]})
@@ -54,8 +54,8 @@ class InfoRoutes:
     async def tokenize(self, request: web.Request) -> web.Response:
         """`prompt` (text or token ids) or chat `messages` to token ids."""
         def job(body):
-            ids = parse_tokenize(body, self.model_name, self.llm.tokenizer, self.llm.engine.max_len)
-            return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.engine.max_len}
+            ids = parse_tokenize(body, self.model_name, self.llm.tokenizer, self.llm.max_model_len)
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
 
         return json_response(await self.server.off_loop(request, job))
 

@@ -55,6 +55,9 @@ class LaneClock(SimClock):
 
 
 class SimulatedEngine(Engine):
+    kind = "simulated"
+    ops = None  # it traces nothing
+    mesh = None
     reads_block_tables = False  # pages only change which memory is read, not how much
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
     supports_structured_output = False  # its tokens are fillers, no grammar could follow them
@@ -79,6 +82,9 @@ class SimulatedEngine(Engine):
         self.host_s = 0.0  # simulated time of KV moves to and from host memory (within busy_s)
         self.swapped: dict[object, tuple] = {}  # swapped-out sequences' slot counters
         self.reset()
+
+    def wait_for_compiles(self) -> int:
+        return 0
 
     def reset(self) -> None:
         s = self.config.num_slots
@@ -117,7 +123,7 @@ class SimulatedEngine(Engine):
     def copy_kv(self, copies) -> None:
         pass  # a fork's copy is a few pages: not charged
 
-    def _record_histories(self, rows) -> None:
+    def record_histories(self, rows) -> None:
         pass  # no logits, so no penalties to keep a history for
 
     def _charge(self, call: Call) -> None:

@@ -1,0 +1,58 @@
+"""What an engine core offers the front door (`LLM`), the server's loop and the simulator's
+profiler: the contract `EngineCore` and `DisaggregatedCore` keep (tests/test_contracts.py
+checks each). A core runs one scheduling round at a time over the requests handed to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
+
+from cbjax.core.step_stats import StepStats
+from cbjax.request import Request, SamplingParams
+from cbjax.runtime.interface import StepEngine
+
+
+@runtime_checkable
+class Core(Protocol):
+    clock: Callable[[], float]
+    engine: StepEngine  # the engine its rounds run on (a disaggregated core: its first prefill instance's)
+    scheduler: Any  # the `Scheduler` that plans them (likewise)
+    pages: Any  # the paged cache's `BlockManager`, or None
+    stats: StepStats  # since the start or the last reset: where a round's time went
+    # Prompt token ids -> expected output tokens, for the length-aware orderings; None: max_tokens only.
+    predict_len: Callable[[list[int]], int] | None
+    # Whether requests have arrived that the front has not handed in yet (a server's queue); None:
+    # the front hands requests in only between rounds. A core that runs ahead checks it first.
+    arrivals_pending: Callable[[], bool] | None
+
+    @property
+    def idle(self) -> bool:
+        """The latest round ran nothing."""
+
+    @property
+    def wake_time(self) -> float | None:
+        """When idle: the earliest time something could change without an arrival."""
+
+    def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
+        """Refuse (ValueError) a request it could never run."""
+
+    def add(self, request: Request) -> None: ...
+
+    def abort(self, request: Request) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def drain(self, draining: bool = True) -> None:
+        """No more arrivals are coming (offline generation): static may run a partial batch."""
+
+    def warmup(self) -> int:
+        """Compile every program its configuration can reach; returns how many."""
+
+    def load(self) -> Any:
+        """What it holds after its latest round (`engine_core.Load`)."""
+
+    def run_round(self) -> list[Request]:
+        """One scheduling round; returns the requests it touched (got tokens or finished)."""
+
+    def engine_swapped(self, engine: StepEngine) -> ContextManager:
+        """Run rounds on another engine over the same state (the profiler's shadowed one)."""

@@ -1,0 +1,141 @@
+"""The seams' written contracts: every engine keeps `StepEngine` (cbjax/runtime/interface.py),
+every core `Core` (cbjax/core/interface.py), every front `Front` (cbjax/front.py); the server
+and the experiments use nothing of a front but that surface; nothing asks an engine what it
+can do with `getattr`."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+import typing
+
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.core.disaggregation import DisaggregatedCore
+from cbjax.core.engine_core import EngineCore
+from cbjax.core.interface import Core
+from cbjax.front import Front
+from cbjax.parallel.replicas import Replicas
+from cbjax.runtime.engine import Engine
+from cbjax.runtime.interface import EngineInfo, StepEngine
+from cbjax.runtime.pipeline import PipelineEngine
+from cbjax.simulator import SimulatedEngine
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CAPABILITIES = ("reads_block_tables", "can_run_ahead", "supports_structured_output", "takes_sampler_variants")
+OPTIONS = dict(num_slots=2, max_seq_len=32)
+
+
+def protocol_members(protocol) -> dict[str, object]:
+    """The protocol's own members: attributes (annotated) and methods/properties (defined)."""
+    members = {name: None for name in typing.get_type_hints(protocol)}
+    for name, value in vars(protocol).items():
+        if not name.startswith("_") and (callable(value) or isinstance(value, property)):
+            members[name] = value
+    return members
+
+
+def breaches(obj, protocol) -> list[str]:
+    """What `obj` lacks of `protocol`, or where its methods' parameters differ from the contract's
+    (the same names in the same order; an implementation may add parameters with defaults)."""
+    found = []
+    for name, spec in protocol_members(protocol).items():
+        if not hasattr(obj, name):
+            found.append(f"{type(obj).__name__} has no {name}")
+            continue
+        if callable(spec) and not isinstance(spec, property):
+            wanted = [p for p in inspect.signature(spec).parameters if p != "self"]
+            have = inspect.signature(getattr(obj, name)).parameters
+            if any(p.kind == p.VAR_KEYWORD for p in have.values()):
+                continue
+            named = [p for p in have if have[p].kind not in (inspect.Parameter.VAR_POSITIONAL,)]
+            if named[:len(wanted)] != wanted:
+                found.append(f"{type(obj).__name__}.{name}{tuple(named)} breaks {protocol.__name__}.{name}"
+                             f"{tuple(wanted)}")
+    return found
+
+
+def test_the_breach_finder_finds_a_missing_member_and_a_renamed_parameter():
+    class Partial:
+        clock = staticmethod(lambda: 0.0)
+
+        def add(self, req):  # the contract names it `request`
+            pass
+
+    found = breaches(Partial(), Core)
+    assert "Partial has no run_round" in found
+    assert any(f.startswith("Partial.add") for f in found)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", **OPTIONS)
+
+
+def test_engine_kinds_keep_the_engine_contract(llm):
+    pipeline = LLM("tiny-llama", pipeline_stages=2, **OPTIONS)
+    simulated = LLM("tiny-llama", simulate="h100", **OPTIONS)
+    for front, kind in [(llm, Engine), (pipeline, PipelineEngine), (simulated, SimulatedEngine)]:
+        engine = front.core.engine
+        assert type(engine) is kind
+        assert isinstance(engine, StepEngine) and breaches(engine, StepEngine) == []
+        for name in CAPABILITIES:  # declared on the class, not probed
+            assert isinstance(vars(type(engine)).get(name, getattr(type(engine), name)), bool), name
+        info = engine.info()
+        assert isinstance(info, EngineInfo) and info.num_slots == OPTIONS["num_slots"]
+        assert info.max_model_len == front.max_model_len == OPTIONS["max_seq_len"]
+    assert pipeline.engine_info.kind == "pipeline" and pipeline.engine_info.num_devices == 2
+    assert simulated.engine_info.kind == "simulated" and simulated.wait_for_compiles() == 0
+    assert not pipeline.core.engine.can_run_ahead and not simulated.core.engine.supports_structured_output
+
+
+def test_core_kinds_keep_the_core_contract(llm):
+    apart = LLM("tiny-llama", prefill_instances=1, decode_instances=1, **OPTIONS)
+    for front, kind in [(llm, EngineCore), (apart, DisaggregatedCore)]:
+        assert type(front.core) is kind
+        assert isinstance(front.core, Core) and breaches(front.core, Core) == []
+    apart.use_length_predictor(len)  # reaches every instance that admits
+    assert all(c.predict_len is len for c in apart.core.prefill)
+    apart.core.close()
+
+
+def test_fronts_keep_the_front_contract(llm):
+    replicas = Replicas("tiny-llama", data_parallel=2, **OPTIONS)
+    for front in (llm, replicas):
+        assert isinstance(front, Front) and breaches(front, Front) == []
+        assert front.max_model_len == OPTIONS["max_seq_len"] and front.engine_info.num_slots == OPTIONS["num_slots"]
+    assert replicas.data_parallel == 2 and llm.data_parallel == 1
+    asks = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    assert replicas.prompt_scorer([1, 2, 3], asks) is None  # scored where add_request places it
+    scorer = llm.prompt_scorer([1, 2, 3], asks)
+    assert scorer.run()[1] is not None
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.prompt_scorer([], asks)
+    arrived = []
+    replicas.watch_arrivals(lambda: bool(arrived))
+    assert all(r.core.arrivals_pending is not None for r in replicas.replicas)
+    replicas.close()
+
+
+def reach_throughs(text: str) -> list[str]:
+    return re.findall(r"\b\w*llm\w*\.(?:engine|core|scheduler)\b", text)
+
+
+def test_the_server_and_the_experiments_use_only_a_fronts_surface():
+    assert reach_throughs("x = llm.engine.max_len; y = self.llm.core; z = static_llm.scheduler.waiting") == [
+        "llm.engine", "llm.core", "static_llm.scheduler"]
+    found = {}
+    for path in sorted([*(ROOT / "cbjax" / "serve").glob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
+        hits = reach_throughs(path.read_text(encoding="utf-8"))
+        if hits:
+            found[str(path.relative_to(ROOT))] = hits
+    assert found == {}
+
+
+def test_nothing_probes_an_engine_for_a_capability():
+    probe = re.compile(r"getattr\([^,]*engine[^,]*,\s*\"(\w+)\"")
+    found = [f"{path.relative_to(ROOT)}: {m}" for path in sorted((ROOT / "cbjax").rglob("*.py"))
+             for m in probe.findall(path.read_text(encoding="utf-8"))]
+    assert found == []
