@@ -137,7 +137,7 @@ def chat(n: int, tokenizer, *, max_tokens: int = 256, seed: int = 0, arrival: st
 def recorded_lengths(pairs: list[dict], *, arrival: str = "all_at_once", qps: float = 1.0,
                      burstiness: float = 1.0, seed: int = 0) -> list[WorkloadRequest]:
     """Prompts with the output lengths a model gave them (the pairs of
-    experiments/train_length_predictor.py's data: `prompt_token_ids`, `output_len`). Each
+    experiments/studies/train_length_predictor.py's data: `prompt_token_ids`, `output_len`). Each
     request generates exactly its recorded length, EOS ignored, so a scheduler that reads
     max_tokens knows the true length (oracle SJF) and a simulator can replay it."""
     rng = np.random.default_rng(seed)

@@ -261,11 +261,10 @@ def test_disaggregation_experiment_writes_table_json_and_plot(tmp_path):
     from tests.test_scale_out import ROOT
 
     out = tmp_path / "dis"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "disaggregation.py"), "--num_devices=2",
+    proc = subprocess.run([sys.executable, "-m", "experiments", "disaggregation", "--num_devices=2",
                            "--rates_per_device=2,8", "--num_requests=24", "--prompt_low=512", "--prompt_high=1024",
                            "--output_low=16", "--output_high=32", "--max_seq_len=2048", f"--output_dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "disaggregation.json").read_text())
     assert {r["config"] for r in result["goodput_req_s"]} == {

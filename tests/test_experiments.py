@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,10 +16,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def experiment(name: str, *args: str) -> list[str]:
+    """The command that runs experiment `name` from the repository's root, as the README shows."""
+    return [sys.executable, "-m", "experiments", name.removesuffix(".py"), *args]
+
+
 def run_script(name: str, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(experiment(name, *args), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -161,11 +167,10 @@ def test_device_trace_summary_counts_busy_idle_and_syncs(tmp_path):
 
 
 def experiments_module(name: str):
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
+    """A script's or a helper's module, imported as the scripts import each other."""
+    from experiments.__main__ import scripts
+
+    return importlib.import_module(scripts().get(name, f"experiments.lib.{name}"))
 
 
 @pytest.mark.parametrize("script,flag", [
@@ -205,9 +210,7 @@ def experiments_module(name: str):
 ])
 def test_bad_flag_values_are_refused_at_parse_time(script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flag.split()], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(experiment(script, *flag.split()), cwd=ROOT, capture_output=True, text=True, timeout=120)
     name = flag.split()[-1].split("=")[0]
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
@@ -217,8 +220,7 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
 
 @pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py", "serve_bench.py", "capacity.py"])
 def test_help_lists_the_workload_flags(script):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(experiment(script, "--help"), cwd=ROOT, capture_output=True, text=True, timeout=120)
     for name in ("--num_requests", "--prompt_low", "--output_cap", "--burstiness", "--workload", "--length_scale",
                  "--trace_start_s", "--time_scale"):
         assert name in proc.stdout, f"{script} --help does not show {name}"
@@ -514,3 +516,28 @@ def test_host_tier_studies_write_their_tables(tmp_path):
     assert set(study) == {"measured, page 8", "h100 llama3-8b simulated, page 8", "h100 per-page copies, page 8"}
     for cells in study.values():
         assert all(c["swap_out_s"] > 0 and c["swap_in_s"] > 0 and c["recompute_s"] > 0 for c in cells.values())
+
+
+def readme_experiments() -> list[str]:
+    """The experiments the README's commands run (`python -m experiments NAME ...`)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    return sorted(set(re.findall(r"python -m experiments (\w+)", readme)))
+
+
+def test_every_experiment_the_readme_lists_runs_from_the_root_as_shown():
+    """Each one's `--help`, with the command the README shows, from the repository's root (no
+    PYTHONPATH): its flags and its docstring's first line."""
+    from experiments.__main__ import scripts, summary
+
+    names = readme_experiments()
+    assert {"compare_batching", "latency_sweep", "bench_device", "generate"} <= set(names)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda name: subprocess.run(experiment(name, "--help"), cwd=ROOT, env=env,
+                                                         capture_output=True, text=True, timeout=300), names))
+    for name, proc in zip(names, done):  # (absl's --help exits 1)
+        assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, f"{name}: {proc.stderr[-1500:]}"
+        assert summary(scripts()[name])[:40] in " ".join(proc.stdout.split()), name
+    listing = subprocess.run([sys.executable, "-m", "experiments"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert all(name in listing.stdout for name in scripts())

@@ -244,12 +244,12 @@ def test_two_processes_serve_through_jax_distributed(gqa, tmp_path):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     port = _free_port()
     out = str(tmp_path / "out.{process}.json")
-    args = [sys.executable, os.path.join(ROOT, "experiments", "generate.py"), f"--model={path}",
+    args = [sys.executable, "-m", "experiments", "generate", f"--model={path}",
             f"--max_tokens={MAX_TOKENS}", "--max_seq_len=64", "--num_slots=4", "--tensor_parallel=2",
             "--kv_cache=paged", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
             "--local_device_count=1", "--nowarmup", f"--output_json={out}"]
     args += [f"--prompt_ids={','.join(map(str, p))}" for p in prompts[:4]]
-    procs = [subprocess.Popen(args + [f"--process_id={i}"], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(args + [f"--process_id={i}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         logs = [p.communicate(timeout=240)[0] for p in procs]

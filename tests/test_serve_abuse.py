@@ -2,7 +2,7 @@
 our own. Every request here must be answered (an error naming its parameter, a refusal, a
 429/503, or a valid answer) within 30 s; the server keeps serving afterwards.
 
-Stream gaps beside adversarial requests are measured by experiments/serve_abuse.py, not here.
+Stream gaps beside adversarial requests are measured by experiments/benchmarks/serve_abuse.py, not here.
 """
 
 from __future__ import annotations

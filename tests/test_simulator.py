@@ -147,7 +147,7 @@ def test_calibrated_simulation_charges_the_real_engines_calls():
     """Calibrate on one profile, then simulate another workload: the simulated time is exactly
     the fitted cost of the calls the real engine makes for it (the same plan, charged). How
     close that time comes to the wall clock is a measurement, not a pass/fail check:
-    experiments/validate_simulator.py prints it for SmolLM2 (docs/simulator.md)."""
+    experiments/studies/validate_simulator.py prints it for SmolLM2 (docs/simulator.md)."""
     rounds = []
     for slots in (2, 8):
         llm = LLM("tiny-llama", num_slots=slots, max_seq_len=64)
@@ -166,8 +166,8 @@ def test_calibrated_simulation_charges_the_real_engines_calls():
 
 
 def _run_script(name, *args):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "experiments", name.removesuffix(".py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -186,8 +186,7 @@ def test_experiments_run_under_simulate(tmp_path):
     sweep = json.loads((tmp_path / "latency_sweep.json").read_text())
     assert set(sweep["results"]) == {f"{p}@{q}" for p in ("static", "continuous", "continuous-paged") for q in (2, 8)}
     assert all(r["completed"] == 40 for r in sweep["results"].values())
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "latency_sweep.py"),
-                           "--simulate=warp-drive"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    proc = subprocess.run([sys.executable, "-m", "experiments", "latency_sweep", "--simulate=warp-drive"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Flags parsing error" in proc.stderr and "simulate" in proc.stderr
 

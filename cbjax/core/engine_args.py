@@ -52,7 +52,7 @@ class EngineArgs:
     score_priority: float = _knob(2.0, "ordering=score: weight of the priority (lower values rank higher).",
                                   lower=0.0)
     length_predictor: str = _knob(None, "Output-length predictor checkpoint for ordering=sjf/score "
-                                  "(experiments/train_length_predictor.py; made for this model). Default: "
+                                  "(experiments/studies/train_length_predictor.py; made for this model). Default: "
                                   "requests' max_tokens.")
     priority_preemption: bool = _knob(True, "ordering=priority/score, continuous: a waiting request that outranks "
                                       "a running one takes its slot when none is free (recompute).")

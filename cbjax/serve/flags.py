@@ -1,4 +1,4 @@
-"""The engine's absl flags, shared by `python -m cbjax.serve` and experiments/serve_bench.py
+"""The engine's absl flags, shared by `python -m cbjax.serve` and experiments/benchmarks/serve_bench.py
 (which starts the server with the same options it replays in process). Every `EngineArgs`
 field is a flag, its name, default, bounds and help defined there; `seed` is left to each
 script (the server's is the engine's, serve_bench's seeds its workload)."""

@@ -5,7 +5,7 @@ nothing and charges each call its modelled cost on a simulated clock.
     llm = LLM("smollm2-135m", simulate="configs/sim_cpu_smollm2.json")   # calibrated here
 
 `simulate` is an accelerator name (roofline, hardware.ACCELERATORS) or a calibration
-file written by experiments/calibrate_simulator.py (cost_model.CalibratedCost).
+file written by experiments/studies/calibrate_simulator.py (cost_model.CalibratedCost).
 """
 
 from __future__ import annotations

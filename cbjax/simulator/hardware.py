@@ -7,7 +7,7 @@ prefill and decode matmuls reach, the fraction of HBM bandwidth it streams at, h
 of the memory time hides under the compute, and its fixed costs per forward pass, per
 request in a pass and per engine call. The presets' efficiencies were fitted once on
 the published measurements marked `fit` in configs/published_gpu_measurements.json
-(experiments/validate_simulator.py --published --fit) and frozen before the others
+(experiments/studies/validate_simulator.py --published --fit) and frozen before the others
 were compared; docs/simulator.md lists every charge with its formula and source.
 """
 
