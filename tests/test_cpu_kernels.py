@@ -1,4 +1,4 @@
-"""The CPU kernels (cbjax/runtime/cpu_kernels.cc) against the pure-JAX code they replace."""
+"""The CPU kernels (cbjax/runtime/cpu/) against the pure-JAX code they replace."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from cbjax import LLM, SamplingParams
 from cbjax.models.ops import XLA
-from cbjax.runtime import cpu_kernels
+from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.models.attention import attention_part, visible
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.runtime.engine import EngineConfig
@@ -155,7 +155,7 @@ def test_greedy_outputs_equal_with_kernels_on_and_off(kv_dtype):
 def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
     code = ("from cbjax import LLM, SamplingParams\n"
             "from cbjax.models.ops import XLA\n"
-            "from cbjax.runtime import cpu_kernels\n"
+            "from cbjax.runtime.cpu import kernels as cpu_kernels\n"
             "llm = LLM('tiny-llama', num_slots=2, max_seq_len=32)\n"
             "assert llm.engine.ops == XLA\n"
             "assert 'no C++ compiler' in cpu_kernels.build_error(), cpu_kernels.build_error()\n"
@@ -169,7 +169,7 @@ def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
 STRESS = """
 import sys, time
 import jax, jax.numpy as jnp, numpy as np
-from cbjax.runtime import cpu_kernels
+from cbjax.runtime.cpu import kernels as cpu_kernels
 calls = []
 for m, k, n in [(1, 576, 1536), (3, 576, 64), (8, 1536, 576), (2, 64, 4096), (1, 576, 20000)]:
     x, w = jnp.ones((m, k)), jnp.full((n, k), 0.01)

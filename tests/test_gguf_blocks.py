@@ -75,7 +75,7 @@ def test_smollm2_runs_from_its_own_blocks():
     params = llm.engine.params
     kinds = {leaf.kind for leaf in jax.tree.leaves(params, is_leaf=quant.is_quantized) if quant.is_quantized(leaf)}
     assert kinds == {"Q4_1", "Q8_0"} and params["embed"].kind == "Q8_0"
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     assert quant.quantization_of(params) == "gguf"
     assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # its block kernel decodes
@@ -105,7 +105,7 @@ def test_gguf_errors_name_the_knob(tmp_path):
 def test_cpu_block_kernel_matches_the_dequantized_product(kind):
     """The C++ kernel (blocks widened in registers) against x @ dequantized.T, at one row, odd
     row counts and the most rows it takes; the engine's decode sends GGUF matmuls to it."""
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.build_error())

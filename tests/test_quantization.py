@@ -47,7 +47,7 @@ def test_int8_tokens_equal_the_dequantized_reference(hf_dirs, family):
     model = load_model(hf_dirs[family])
     llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8, quantization="int8")
     assert quant.quantization_of(llm.engine.params) == "int8"
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # the int8 kernel decodes
     reference = LLM(dequantized(dataclasses.replace(model, params=llm.engine.params)), num_slots=4, max_seq_len=64,
@@ -59,7 +59,7 @@ def test_cpu_int8_kernel_matches_the_dequantized_product():
     """The C++ int8 kernel (each 32 weights scaled by their group's scale) against
     x @ dequantized.T: groups of 32, 64 and 128 inputs, one row, odd row counts and the most rows
     it takes, an odd number of weight rows; what it does not take stays with XLA."""
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.build_error())

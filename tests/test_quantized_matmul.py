@@ -124,7 +124,7 @@ def test_engine_tokens_equal_xla_dot():
 
 
 def test_engine_choice_and_errors():
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     default = LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8").engine.ops  # the CPU's int8 kernels
     assert default is (cpu_kernels.CPU_KERNELS if cpu_kernels.available() else engine_ops.XLA)

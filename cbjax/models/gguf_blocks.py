@@ -19,7 +19,7 @@ The k-quants hold 256 weights a super-block in sub-blocks with their own 6- or 8
 
 Here the product is the reference: the blocks widened to f32 on the device and multiplied
 (`dense`), which is what XLA runs on any backend; a backend may read the blocks itself
-(cbjax/runtime/cpu_kernels.py on a CPU).
+(cbjax/runtime/cpu/kernels.py on a CPU).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `forward` takes an `Ops` as a static argument (one instance per backend), so a
 backend choice is part of a program's key but not of the model's config. `Ops` itself is
-XLA's way and the reference: a backend (cbjax/runtime/cpu_kernels.py, the C++ CPU
+XLA's way and the reference: a backend (cbjax/runtime/cpu/kernels.py, the C++ CPU
 kernels) subclasses it and says, per call, whether it takes the work or leaves it here.
 """
 

@@ -23,7 +23,8 @@ import numpy as np
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
-from cbjax.runtime import cpu_kernels, programs, sharding, step
+from cbjax.runtime import programs, sharding, step
+from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_ops import engine_ops
@@ -80,7 +81,7 @@ def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel
     """The attention an engine runs: `config.attention` when it names one ("pallas" refused,
     naming the knob, where the kernels cannot run), and for "auto" the kernels on a GPU or
     TPU wherever they take the model, the reference path elsewhere (on a CPU the C++
-    kernels, cbjax/runtime/cpu_kernels.py, are the fast path; the Pallas body only runs
+    kernels, cbjax/runtime/cpu/kernels.py, are the fast path; the Pallas body only runs
     interpreted there)."""
     if config.attention == "reference":
         return "reference"

@@ -73,7 +73,7 @@ class EngineConfig:
     # to it). Default: DEFAULT_MIN_STEP_TOKENS for the engine's platform.
     min_step_tokens: int | None = None
     # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
-    # cbjax/runtime/cpu_kernels.py on a single-device CPU engine when they build, else XLA),
+    # cbjax/runtime/cpu/kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
     # Decode-sized products with int8/fp8 weights: "auto" (the Pallas kernel of

@@ -10,7 +10,7 @@ import numpy as np
 
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
-from cbjax.runtime import cpu_kernels
+from cbjax.runtime.cpu import kernels as cpu_kernels
 from pallas_kernels.quantized_matmul import quantized_matmul, unsupported
 
 

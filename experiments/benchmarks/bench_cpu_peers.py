@@ -76,7 +76,7 @@ def matvec_bandwidth(matrix, kernel: bool = False) -> float:
     import jax.numpy as jnp
     import numpy as np
 
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     x = jnp.ones((1, matrix.shape[1]), matrix.dtype)
     f = jax.jit(cpu_kernels.matmul_nt if kernel else lambda x, m: jnp.einsum("bd,vd->bv", x, m))
@@ -247,7 +247,7 @@ def main(argv):
         model = quantized(model, "int8", jax.devices()[0])
     weight_bytes = quant.weight_bytes(model.params)
     max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
-    from cbjax.runtime import cpu_kernels
+    from cbjax.runtime.cpu import kernels as cpu_kernels
 
     # The roofline's bandwidth: one matvec over a matrix as large as all the weights (a decode
     # step streams them all), the faster of XLA's and the CPU kernel's. The embedding alone

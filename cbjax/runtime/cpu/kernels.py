@@ -1,4 +1,4 @@
-"""The CPU kernels of decode steps (cpu_kernels.cc) as JAX ops: an optional CPU backend.
+"""The CPU kernels of decode steps (the C++ beside this file) as JAX ops: an optional CPU backend.
 
 `CPU_KERNELS`, the model's `Ops` (cbjax/models/ops.py) for a single-device CPU engine
 (`EngineConfig.cpu_kernels`), takes two things from XLA:
@@ -17,39 +17,25 @@
   kernel does not run.
 
 The pure-JAX code they replace is the reference (tests compare the two). The kernels are
-compiled once per machine with the system C++ compiler (`$CXX`, else `c++`) against the XLA
-FFI headers that jaxlib ships, cached under `$CBJAX_CACHE_DIR` (default `~/.cache/cbjax`), and
-registered as XLA FFI targets. Without a compiler `available()` is False and everything runs
-through XLA as before. They use one thread per CPU this process may run on, or
+built, cached and registered as XLA FFI targets by library.py. Without a compiler
+`available()` is False and everything runs through XLA as before. They use one thread per CPU this process may run on, or
 `$CBJAX_CPU_KERNEL_THREADS`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.compile_cache import cache_root
 from cbjax.models.gguf_blocks import GGUFWeight
 from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
+from cbjax.runtime.cpu.library import build_error  # noqa: F401 (re-exported: why the kernels are off)
 
-TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8", "cbjax_history_attention",
-           "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_argmax")
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)
 INT8_KIND = 4  # an int8 matrix (quantization='int8') there (kI8)
@@ -60,68 +46,6 @@ BLOCK_MAX_ROWS = 64
 # layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
 # 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
 MAX_ROWS = 16
-SOURCE = Path(__file__).with_suffix(".cc")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
-
-log = logging.getLogger(__name__)
-
-
-def _cpu_signature() -> str:
-    """What a `-march=native` build depends on: the CPU's feature flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-def library_path() -> Path:
-    key = "\n".join([SOURCE.read_text(), _compiler(), " ".join(_FLAGS), jax.__version__, platform.machine(),
-                     _cpu_signature()])
-    cache = cache_root()
-    return cache / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _build(path: Path) -> None:
-    compiler = _compiler()
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler ({compiler!r}) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes (test workers) never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@functools.cache
-def build_error() -> str | None:
-    """None once the kernels are built, loaded and registered; else why they are not."""
-    try:
-        path = library_path()
-        if not path.exists():
-            _build(path)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        for target in TARGETS:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
-    except Exception as e:  # a machine without a compiler still runs, through XLA
-        log.warning("the CPU kernels are unavailable, XLA runs everything: %s", e)
-        return f"{type(e).__name__}: {e}"
-    return None
-
 
 def available() -> bool:
     return build_error() is None
@@ -278,7 +202,7 @@ def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, nu
 
 # ---------------------------------------------------------------- weights by address
 
-# A layer's weights in the order of the kernel's LayerWeights (cpu_kernels.cc).
+# A layer's weights in the order of the kernel's LayerWeights (layer.h).
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate", "w_up", "w_down")
 
 

@@ -1,0 +1,110 @@
+// CPU kernels of cbjax's decode steps, as XLA FFI custom calls (cbjax/runtime/cpu/kernels.py
+// builds and registers them; the pure-JAX code they replace stays the reference and the tests
+// compare the two).
+//
+// Why they exist: a decode step at batch 1-16 is a chain of ~200 small dependent matmuls and
+// ~60 small attention reads. XLA:CPU runs each matmul through YNNPACK, paying ~40 us of
+// thread-pool hand-off each and streaming the weights at 7-12 GB/s at 8 rows, and runs decode
+// attention as single-threaded multiply-reduce loops over the whole attended-length bucket.
+// Here every weight row is read once for all input rows (4 x 4 register tiles), attention
+// reads each row's keys and values once up to its own length, and the caller and a small pool
+// of briefly spinning workers share the work in chunks.
+//
+// One translation unit (kernels.py compiles this file): the kernels by concern in the headers
+// beside it, and here the XLA FFI handlers that bind them.
+#include "attention.h"
+#include "blocks.h"
+#include "int8.h"
+#include "layer.h"
+#include "matmul.h"
+#include "pool.h"
+#include "sampling.h"
+#include "simd.h"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, MatmulNT,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, MatmulBlocks,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_int8, MatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("head_stride")
+                                  .Attr<int64_t>("page_stride")
+                                  .Attr<int64_t>("num_pages"));
+
+// What both layer kernels take after their weights, in their handlers' order.
+template <typename Binding>
+auto with_rows_and_cache(Binding&& binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::F32>>()  // cos
+      .template Arg<ffi::Buffer<ffi::F32>>()             // sin
+      .template Arg<ffi::AnyBuffer>()                    // cache_k (f32 or f16)
+      .template Arg<ffi::AnyBuffer>()                    // cache_v
+      .template Arg<ffi::Buffer<ffi::S32>>()             // tables
+      .template Arg<ffi::Buffer<ffi::S32>>()             // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()             // valid
+      .template Ret<ffi::Buffer<ffi::F32>>()             // x_out
+      .template Ret<ffi::AnyBuffer>()                    // cache_k (aliased)
+      .template Ret<ffi::AnyBuffer>()                    // cache_v (aliased)
+      .template Attr<float>("eps")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("num_heads")
+      .template Attr<int64_t>("num_kv_heads")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("page_size")
+      .template Attr<int64_t>("head_stride")
+      .template Attr<int64_t>("page_stride")
+      .template Attr<int64_t>("num_pages");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, DecoderLayer,
+                              with_rows_and_cache(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wq
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wk
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wv
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // wo
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // q_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_gate
+                                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_up
+                                                      .Arg<ffi::Buffer<ffi::F32>>())  // w_down
+                                  .Attr<bool>("qk_norm"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at, DecoderLayerAt,
+                              with_rows_and_cache(ffi::Ffi::Bind()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                                      .Arg<ffi::Buffer<ffi::U32>>())  // addresses
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("head_dim"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_argmax, ArgmaxRows,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

@@ -1,0 +1,87 @@
+"""The CPU kernels' C++ (the headers beside this file, `ffi.cc` the one translation unit)
+compiled once per machine with the system C++ compiler (`$CXX`, else `c++`) against the XLA
+FFI headers that jaxlib ships, cached under `$CBJAX_CACHE_DIR` (default `~/.cache/cbjax`),
+loaded and registered as XLA FFI targets."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from cbjax.compile_cache import cache_root
+
+TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8", "cbjax_history_attention",
+           "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_argmax")
+SOURCES = Path(__file__).parent
+MAIN = SOURCES / "ffi.cc"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_signature() -> str:
+    """What a `-march=native` build depends on: the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def library_path() -> Path:
+    code = [p.read_text() for p in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.cc")])]
+    key = "\n".join([*code, _compiler(), " ".join(_FLAGS), jax.__version__, platform.machine(),
+                     _cpu_signature()])
+    cache = cache_root()
+    return cache / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r}) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes (test workers) never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(MAIN), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def build_error() -> str | None:
+    """None once the kernels are built, loaded and registered; else why they are not."""
+    try:
+        path = library_path()
+        if not path.exists():
+            _build(path)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        for target in TARGETS:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+    except Exception as e:  # a machine without a compiler still runs, through XLA
+        log.warning("the CPU kernels are unavailable, XLA runs everything: %s", e)
+        return f"{type(e).__name__}: {e}"
+    return None
