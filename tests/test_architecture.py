@@ -1,6 +1,7 @@
 """The house's shape: no import circle among cbjax/ and pallas_kernels/, no module importing
 one from a layer above its own (docs/architecture.md draws the layers), no file over 400
-lines and no class over 250. Imports inside functions count too."""
+lines and no class over 220 (a class near it has two jobs: split it by responsibility).
+Imports inside functions count too."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def test_files_and_classes_stay_small():
         if source.count("\n") > 400:
             too_long.append(f"{name}: {source.count(chr(10))} lines")
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 220:
                 too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert too_long == []
 
