@@ -521,7 +521,8 @@ def test_host_tier_studies_write_their_tables(tmp_path):
 def readme_experiments() -> list[str]:
     """The experiments the README's commands run (`python -m experiments NAME ...`)."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    return sorted(set(re.findall(r"python -m experiments (\w+)", readme)))
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    return sorted(set(re.findall(r"python -m experiments (\w+)", "".join(blocks))))
 
 
 def test_every_experiment_the_readme_lists_runs_from_the_root_as_shown():

@@ -35,7 +35,7 @@ def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tupl
         nonlocal most
         done.update((o.request_id, o) for o in llm.step() if o.finished)
         if host is not None:
-            stored = llm.engine.host_kv.stored_bytes if hasattr(llm.engine, "host_kv") else host.used
+            stored = llm.engine.host_kv.stored_bytes if llm.engine.host_kv is not None else host.used
             assert stored == host.used <= host.capacity
             most = max(most, stored)
 
