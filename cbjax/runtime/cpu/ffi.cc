@@ -10,8 +10,9 @@
 // reads each row's keys and values once up to its own length, and the caller and a small pool
 // of briefly spinning workers share the work in chunks.
 //
-// One translation unit (kernels.py compiles this file): the kernels by concern in the headers
-// beside it, and here the XLA FFI handlers that bind them.
+// One translation unit (library.py compiles this file): the kernels by concern in the headers
+// beside it, and here the XLA FFI handlers that bind them, each run with the XLA thread pool the
+// kernels share their chunks out over (`Pooled`, pool.h).
 #include "attention.h"
 #include "blocks.h"
 #include "int8.h"
@@ -21,28 +22,28 @@
 #include "sampling.h"
 #include "simd.h"
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, MatmulNT,
-                              ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, Pooled<&MatmulNT>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, MatmulBlocks,
-                              ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, Pooled<&MatmulBlocks>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_int8, MatmulInt8,
-                              ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_int8, Pooled<&MatmulInt8>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, HistoryAttention,
-                              ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_history_attention, Pooled<&HistoryAttention>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -82,8 +83,8 @@ auto with_rows_and_cache(Binding&& binding) {
       .template Attr<int64_t>("num_pages");
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, DecoderLayer,
-                              with_rows_and_cache(ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, Pooled<&DecoderLayer>::call,
+                              with_rows_and_cache(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                                       .Arg<ffi::Buffer<ffi::F32>>()  // x
                                                       .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
                                                       .Arg<ffi::Buffer<ffi::F32>>()  // wq
@@ -98,13 +99,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer, DecoderLayer,
                                                       .Arg<ffi::Buffer<ffi::F32>>())  // w_down
                                   .Attr<bool>("qk_norm"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at, DecoderLayerAt,
-                              with_rows_and_cache(ffi::Ffi::Bind()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at, Pooled<&DecoderLayerAt>::call,
+                              with_rows_and_cache(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                                       .Arg<ffi::Buffer<ffi::F32>>()   // x
                                                       .Arg<ffi::Buffer<ffi::U32>>())  // addresses
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("intermediate")
                                   .Attr<int64_t>("head_dim"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_argmax, ArgmaxRows,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_argmax, Pooled<&ArgmaxRows>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

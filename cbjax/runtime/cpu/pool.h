@@ -19,49 +19,47 @@ int usable_cpus() {
 // A job's chunks are split into one contiguous region per thread, each with its own claim
 // counter. A thread claims the chunks of its own region in order, then helps with the others':
 // while both threads run, each streams one contiguous part of the weights (one sequential stream
-// per core is what the prefetchers like: SmolLM2's 211 matvecs took 7.5 ms in two halves against
-// 11.1 ms with 64 KB chunks dealt out alternately, 2-core AMD EPYC), and a worker that the OS has
-// not scheduled yet costs nothing but its region's chunks going to the caller: the caller never
-// waits for a thread to wake (on 2 cores, XLA's own spinning threads can keep ours off the CPU
-// for a whole time slice), only for chunks already claimed. Workers spin for 100 us after each
-// job before they sleep: a decode step calls its kernels back to back.
+// per core is what the prefetchers like: docs/experiments.md, "The CPU kernels' threads"), and a
+// helper that has not started yet costs nothing but its region's chunks going to the caller: the
+// caller never waits for a thread to wake, only for chunks already claimed.
+//
+// The helpers are tasks on XLA's own intra-op thread pool (the FFI `ThreadPool` of the calling
+// handler), not threads of our own: measured as fast (SmolLM2 decode steps on 2 cores, within
+// noise at 1 and 8 sequences, against the hand-written spinning workers this replaced), and
+// XLA's threads and ours no longer take the same cores from each other.
+thread_local ffi::ThreadPool* xla_threads = nullptr;  // the calling handler's, set by `Pooled`
+
 class Pool {
  public:
   using ChunkFn = void (*)(const void* context, int64_t chunk);
   static constexpr int kMaxThreads = 64;
 
-  explicit Pool(int size) : size_(size < kMaxThreads ? size : kMaxThreads) {
-    for (int i = 1; i < size_; ++i) std::thread([this] { work(); }).detach();
-  }
+  explicit Pool(int size) : size_(size < kMaxThreads ? size : kMaxThreads) {}
 
   // Runs fn(context, c) for c in [0, chunks). A call that finds the pool busy (XLA ran two
-  // kernels concurrently) runs every chunk itself.
+  // kernels concurrently) or has no XLA pool runs every chunk itself.
   void run(ChunkFn fn, const void* context, int64_t chunks) {
     bool idle = false;
-    if (size_ == 1 || chunks < 2 || !busy_.compare_exchange_strong(idle, true)) {
+    if (xla_threads == nullptr || size_ == 1 || chunks < 2 || !busy_.compare_exchange_strong(idle, true)) {
       for (int64_t c = 0; c < chunks; ++c) fn(context, c);
       return;
     }
     const int regions = chunks < size_ ? static_cast<int>(chunks) : size_;
     job_ = Job{fn, context, chunks, regions};
     done_.store(0, std::memory_order_relaxed);
-    joined_.store(1, std::memory_order_relaxed);  // the caller is participant 0
     const uint64_t id = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     for (int r = 0; r < regions; ++r)
       region_[r].next.store((id << 32) | static_cast<uint64_t>(region_start(r)), std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ticket_.store(id << 32, std::memory_order_release);  // publishes job_, done_ and the regions
-    }
-    cv_.notify_all();
+    ticket_.store(id << 32, std::memory_order_release);  // publishes job_, done_ and the regions
+    for (int r = 1; r < regions; ++r) xla_threads->Schedule([this, id, r] { run_regions(id, r); });
     run_regions(id, 0);
     for (int spins = 0; done_.load(std::memory_order_acquire) < chunks;) wait_a_little(spins);
-    // Close job `id` before the next call rewrites job_: a worker that loaded a region counter
+    // Close job `id` before the next call rewrites job_: a helper that loaded a region counter
     // of this job (every chunk claimed) and then read the next job's larger bounds would
     // otherwise win its compare-exchange, run a chunk of the next job under this id and bump
-    // done_ past that job's count, so its caller spun forever (seen once: a hang after 600
-    // decode calls). No compare-exchange on a counter of `id` can succeed after these stores,
-    // since ids only grow.
+    // done_ past that job's count, so its caller spun forever. No compare-exchange on a
+    // counter of `id` can succeed after these stores, since ids only grow; a helper that starts
+    // after its job ended claims nothing.
     for (int r = 0; r < regions; ++r) region_[r].next.store((id << 32) | 0xffffffffu, std::memory_order_release);
     busy_.store(false, std::memory_order_release);
   }
@@ -97,26 +95,6 @@ class Pool {
     }
   }
 
-  void work() {
-    pthread_setname_np(pthread_self(), "cbjax-kernels");  // told apart from XLA's in profiles and top
-    uint64_t seen = 0;
-    for (;;) {
-      const auto start = std::chrono::steady_clock::now();
-      int idle_spins = 0;
-      for (int spins = 1; (ticket_.load(std::memory_order_acquire) >> 32) == seen; ++spins) {
-        if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(100)) {
-          std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait(lock, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
-          break;
-        }
-        wait_a_little(idle_spins);
-      }
-      seen = ticket_.load(std::memory_order_acquire) >> 32;
-      const int me = joined_.fetch_add(1, std::memory_order_acq_rel);
-      run_regions(seen, me % size_);
-    }
-  }
-
   const int size_;
   std::atomic<uint64_t> ticket_{0};  // (job id << 32): the job now published
   // Each region's counter on its own cache line, and done_ on another: one line shared by the
@@ -126,16 +104,26 @@ class Pool {
   };
   Region region_[kMaxThreads];
   alignas(64) std::atomic<int64_t> done_{0};
-  std::atomic<int> joined_{0};
   std::atomic<bool> busy_{false};
   Job job_{};
-  std::mutex mu_;
-  std::condition_variable cv_;
 };
 
 Pool& pool() {
-  static Pool* p = new Pool(usable_cpus());  // never destroyed: its threads live as long as the process
+  static Pool* p = new Pool(usable_cpus());  // never destroyed: a late helper task may still look at it
   return *p;
 }
+
+// A handler run with its XLA thread pool as the one `Pool` schedules on.
+template <auto Handler>
+struct Pooled;
+template <typename... Args, ffi::Error (*Handler)(Args...)>
+struct Pooled<Handler> {
+  static ffi::Error call(ffi::ThreadPool threads, Args... args) {
+    xla_threads = &threads;
+    ffi::Error result = Handler(std::move(args)...);
+    xla_threads = nullptr;
+    return result;
+  }
+};
 
 }  // namespace

@@ -8,16 +8,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
-#include <mutex>
-#include <thread>
 #include <type_traits>
 #include <vector>
-#include <chrono>
 #include <initializer_list>
 #include <tuple>
 #include <utility>
