@@ -327,3 +327,29 @@ def test_swap_and_host_prefix_tier_lose_nothing(config, workload, num_pages, pag
     TALLY.update(swaps=host.stats.swaps_out, fallbacks=host.stats.swap_fallbacks, host_hits=host.stats.pages_in)
     if paged:
         assert pages.num_free == num_pages and not pages.tables
+
+
+def test_policies_read_the_scheduler_and_never_call_back_into_it():
+    """The policies (cbjax/scheduling/policies.py) see the scheduler only through a
+    `SchedulerView`, which reads its attributes and calls none of its methods, and they import
+    nothing of scheduler.py: following `Scheduler.schedule` never re-enters the scheduler from a
+    policy. And the view reads live state: what the scheduler changes, the policy sees."""
+    import ast
+    import inspect
+
+    from cbjax.scheduling import policies
+
+    tree = ast.parse(inspect.getsource(policies))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "cbjax.scheduling.scheduler" not in imported
+    view = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulerView")
+    calls_on_sched = [ast.unparse(n) for n in ast.walk(view) if isinstance(n, ast.Call)
+                      and isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value).endswith("sched")]
+    writes = [ast.unparse(n) for n in ast.walk(view) if isinstance(n, (ast.Assign, ast.AugAssign))
+              and any("sched." in ast.unparse(t) for t in getattr(n, "targets", [getattr(n, "target", None)]))]
+    assert calls_on_sched == [] and writes == []
+    sched = Scheduler(SchedulerConfig(policy="continuous", num_slots=2), {EOS}, MAX_SEQ_LEN)
+    sched.add(Request("a", [5, 6], SamplingParams(max_tokens=2), 0.0))
+    assert sched.view.num_waiting == 1 and sched.view.num_free == 2
+    sched.schedule(0.0)
+    assert sched.view.num_waiting == 0 and [r.request_id for r in sched.view.holders()] == ["a"]
