@@ -87,14 +87,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
-    def plan(self, prefills: list[Row], decode: bool, wake: float | None, mixed: bool = False) -> Plan:
-        """The round's plan, taking the device work recorded while scheduling it."""
-        preempted, self.preempted_slots = self.preempted_slots, []
-        copies, self.copies = self.copies, []
-        return Plan(prefills, decode, wake_time=wake if not prefills and not decode else None, mixed=mixed,
-                    preempted_slots=preempted, copies=copies,
-                    kv_ops=self.host.take_ops() if self.host is not None else [])
-
     def lowest_holder(self) -> Request:
         """The least important request holding a slot: the first to preempt."""
         return max(self.running, key=self.order_key)
@@ -112,7 +104,11 @@ class Scheduler:
             self.reserve_decode_pages(prefills)
         prefills = [c for c in prefills if c.request.slot is not None]
         decode = any(r.state == RequestState.RUNNING for r in self.running) if mixed else self._should_decode(prefills)
-        return self.plan(prefills, decode, admission.wake, mixed)
+        # The plan takes the device work recorded while scheduling it.
+        preempted, self.preempted_slots = self.preempted_slots, []
+        copies, self.copies = self.copies, []
+        return Plan(prefills, decode, wake_time=admission.wake if not prefills and not decode else None, mixed=mixed,
+                    preempted_slots=preempted, copies=copies, kv_ops=self.host.take_ops() if self.host is not None else [])
 
     def _admit(self, now: float) -> Admission:
         admission = self.admission.admit(self.view, now)
@@ -131,18 +127,22 @@ class Scheduler:
         for i, r in enumerate(admitted):
             if step is not None and not step.admits(r):
                 break
-            if self.pages is not None:
-                reserved = self.reservations.take_newcomer(r, reserved, self.copies)
-                if reserved is None:
-                    self.admission.not_placed(admitted[i:])
-                    break
-            self.place(r, now)
+            reserved = self.place(r, now, reserved)
+            if reserved is None:
+                self.admission.not_placed(admitted[i:])
+                break
             if step is not None:
                 step.take(r)
 
-    def place(self, r: Request, now: float) -> None:
-        """Give a waiting request a free slot: it starts prefilling (a swapped-out one decodes
-        on, its KV and state restored)."""
+    def place(self, r: Request, now: float, reserved: int = 0) -> int | None:
+        """Give a waiting request a free slot and (paged) its pages: it starts prefilling (a
+        swapped-out one decodes on, its KV and state restored). Paged: returns the pages still
+        reserved for decodes after its own (`PageReservations.take_newcomer`), or None, nothing
+        changed, when they do not fit."""
+        if self.pages is not None:
+            reserved = self.reservations.take_newcomer(r, reserved, self.copies)
+            if reserved is None:
+                return None
         slot = self.free_slots[0]
         if self.pages is None and not r.swapped and (shared := forks.fork_point(r)) is not None:
             self.copies.append((r.fork_of.slot, slot))  # the slot cache copies the sibling's slot
@@ -157,6 +157,7 @@ class Scheduler:
         r.metrics.scheduled_time = now if r.metrics.scheduled_time is None else r.metrics.scheduled_time
         self.waiting.remove(r)
         self.admission.on_placed(r)
+        return reserved
 
     def reserve_decode_pages(self, prefills: list[Row]) -> None:
         """Pages for the coming decode call of every decoding request. When the pool runs
