@@ -44,8 +44,7 @@ inline __m256 bytes_to_floats(__m128i bytes, bool is_signed) {
 // one load from the table (a broadcast load in the one-row loop, on a load port), where
 // `vpbroadcastw` + `vcvtph2ps` took ~4 of the one-row Q4_1 loop's ~22 vector-pipe uops a scale,
 // two scales a block. Only the patterns a model's scales use are read (a few hundred cache
-// lines). Bit-exact: the table holds `_cvtsh_ss` of each pattern. SmolLM2 Q4_1's 211 block
-// matmuls at one row, alternating runs: 5.63-6.05 -> 5.44-5.56 ms.
+// lines). Bit-exact: the table holds `_cvtsh_ss` of each pattern (docs/cpu_kernels.md: the f16 table).
 struct HalfTable {
   float value[1 << 16];
   HalfTable() {
@@ -101,10 +100,8 @@ inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
 // the row's b-th 32-weight block) into a thread-local buffer (L1), then
 // every pair of input rows multiplied against all of them in one pass over k, a kTileRows x 2
 // register tile (12 accumulators): each x vector loaded serves kTileRows weight rows and each
-// widened vector two inputs, so x streams from L2 once per kTileRows weight rows. Two rows a
-// pass, before, left SmolLM2's Q4_1 at 0.9x llama.cpp at 8 and 32 sequences; 6 x 2 took the
-// layers' matmuls at 32 rows from 185 to 101 ms (4 x 2: 127). `next_tile`: the next tile's
-// `tile_bytes`, asked for while this one computes.
+// widened vector two inputs, so x streams from L2 once per kTileRows weight rows (docs/cpu_kernels.md:
+// the tile's shape). `next_tile`: the next tile's `tile_bytes`, asked for while this one computes.
 template <typename Widen>
 void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t tile_bytes, float* y, int64_t M,
                int64_t N, int64_t K, int64_t n, int rows_here) {
@@ -112,7 +109,7 @@ void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t ti
   thread_local std::vector<float> widened;
   widened.resize(kTileRows * K);
   // Read once: GCC otherwise fetched the thread-local's address (a __tls_get_addr call) at
-  // every block of the int8 widening (SmolLM2's int8 matrices at 8 rows 27 -> 21 ms).
+  // every block of the int8 widening.
   float* const buffer = widened.data();
   for (int r = 0; r < kTileRows; ++r) {
     const int64_t row = n + std::min(r, rows_here - 1);  // a short tile repeats its last row
@@ -132,14 +129,13 @@ void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t ti
     for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
       // The first pass asks for the next tile's blocks (64 bytes a step) while it computes, so
-      // memory is not idle until the next tile's widening (SmolLM2 Q8_0, 211 matmuls at 8 rows
-      // 21.3-21.8 -> 19.6-20.4 ms, 32 rows 2% less, alternating runs).
+      // memory is not idle until the next tile's widening.
       if (m == 0 && k * 8 < tile_bytes) prefetch(next_tile + k * 8);
       const __m256 x0 = _mm256_loadu_ps(x0p + k), x1 = _mm256_loadu_ps(x1p + k);
       for (int r = 0; r < kTileRows; ++r) {
         __m256 v = _mm256_loadu_ps(wr[r] + k);
         // Held in a register for both FMAs: GCC otherwise folds the load into each (14 loads a
-        // step for 12 FMAs, load-bound); SmolLM2's matmuls at 32 rows 61-69 against 82-93 ms.
+        // step for 12 FMAs, load-bound).
         __asm__("" : "+x"(v));
         acc[r][0] = _mm256_fmadd_ps(x0, v, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(x1, v, acc[r][1]);
@@ -223,11 +219,9 @@ inline __m256 eighth_sum_lanes(const float* eighth_sums, int64_t b) {
   else return _mm256_broadcast_ss(eighth_sums + b);
 }
 
-// A block row's stream asks for the bytes 1 KB ahead of the block it reads. The hardware
-// prefetchers alone left the one-row loop short of memory: SmolLM2's 211 matmuls at one row,
-// alternating runs, Q8_0 7.4-8.7 -> 6.9-7.5 ms, Q4_1 7.6-8.8 -> 7.3-7.6 ms; 512 and 2048 bytes
-// ahead measured slower than 1024. (The f32 rows of single_input_rows measured slower with it.)
-// A prefetch past the end of the matrix is harmless: it never faults.
+// A block row's stream asks for the bytes 1 KB ahead of the block it reads: the hardware
+// prefetchers alone left the one-row loop short of memory (docs/cpu_kernels.md: prefetch
+// distance). A prefetch past the end of the matrix is harmless: it never faults.
 constexpr int64_t kPrefetchAhead = 1024;
 
 // One input row (a sequence's decode): per block d * sum(x q) (+ m * sum(x) for Q4_1, - 8 d * sum(x)
@@ -236,19 +230,16 @@ constexpr int64_t kPrefetchAhead = 1024;
 // loads (`vpmovzxbd` / `vpmovsxbd`, 8 bytes each): a Q4 byte j holds weights j and j + 16, so
 // bytes 0-7 masked are weights 0-7, shifted 16-23, and x is read in its own order. That is 10
 // vector ops a Q4 block against 13 for the earlier shifts and masks of one broadcast load (which
-// needed x permuted): the Q4 loop is bound by its f32 products, and the engine's one-sequence
-// Q4_1 step went 10.5 -> 9.5 ms (means of 12 step blocks, alternating runs, 2-core EPYC).
-// SmolLM2's Q4_1 matrices, one row, 57 MB of blocks: 13.4 GB/s (shifts) against 8.2-9.9 for
-// widening each block to d * q + m floats first; the sums differ from the widened ones in the
-// last bits (3e-7 of the largest output).
+// needed x permuted): the Q4 loop is bound by its f32 products, not by the stream. Widening each
+// block to d * q + m floats first is slower; the sums differ from the widened ones in the last
+// bits (3e-7 of the largest output). Figures: docs/cpu_kernels.md, the one-row loop.
 template <int64_t Kind>
 void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_t* w, float* y, int64_t K,
                           int64_t row_bytes, int64_t n0, int64_t n1) {
   constexpr int64_t size = kBlockBytes[Kind];
   const int64_t blocks = K / 32;
-  // Q8_0 one weight row at a time: two (sharing x's loads) ran at 11-12 GB/s against 18-19 for
-  // one in a standalone bench of 147 MB of blocks on the 2-core EPYC. Q4 rows, bound by their
-  // products rather than the stream, run faster by two: 14.7-15.2 against 13.5 GB/s (24 MB Q4_1).
+  // Q8_0 one weight row at a time (two, sharing x's loads, streamed slower); Q4 rows, bound by
+  // their products rather than the stream, two at a time (docs/cpu_kernels.md).
   constexpr int64_t step = Kind == kQ8_0 ? 1 : 2;
   for (int64_t n = n0; n < n1; n += step) {
     const bool pair = step == 2 && n + 1 < n1;
@@ -258,8 +249,7 @@ void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_
     int64_t b = 0;
     if (step == 1) {
       // Two accumulators over alternate blocks: with one, each block's d * t waited on the last
-      // (a 4-cycle chain a block); Q8_0, 40 MB synthetic matrix, 2 threads: 25-27 against 23-25
-      // GB/s; one-sequence decode 8.4 -> 8.1 ms (means of 12 step blocks, alternating runs).
+      // (a 4-cycle chain a block).
       for (; b + 1 < blocks; b += 2) {
         prefetch(r0 + b * size + kPrefetchAhead);
         a = block_dot<Kind>(r0 + b * size, x + b * 32, eighth_sum_lanes<Kind>(eighth_sums, b), a);

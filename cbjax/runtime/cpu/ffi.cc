@@ -3,12 +3,12 @@
 // compare the two).
 //
 // Why they exist: a decode step at batch 1-16 is a chain of ~200 small dependent matmuls and
-// ~60 small attention reads. XLA:CPU runs each matmul through YNNPACK, paying ~40 us of
-// thread-pool hand-off each and streaming the weights at 7-12 GB/s at 8 rows, and runs decode
+// ~60 small attention reads. XLA:CPU runs each matmul through YNNPACK, paying a thread-pool
+// hand-off each and streaming the weights well below the memory's speed, and runs decode
 // attention as single-threaded multiply-reduce loops over the whole attended-length bucket.
-// Here every weight row is read once for all input rows (4 x 4 register tiles), attention
-// reads each row's keys and values once up to its own length, and the caller and a small pool
-// of briefly spinning workers share the work in chunks.
+// Here every weight row is read once for all input rows (register tiles), attention reads each
+// row's keys and values once up to its own length, and the caller and XLA's intra-op threads
+// share the work in chunks. What each choice measured: docs/cpu_kernels.md.
 //
 // One translation unit (library.py compiles this file): the kernels by concern in the headers
 // beside it, and here the XLA FFI handlers that bind them, each run with the XLA thread pool the

@@ -333,8 +333,7 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
 // high, group): the address's 32-bit halves (0 for none), kF32, a GGUF block kind or kI8 (norms
 // are f32), and for kI8 its scales' address and group. A program whose every
 // layer this kernel runs then takes one small table instead of eleven arguments per layer: JAX's
-// dispatch costs ~2.5 us per argument, ~0.5 ms of a SmolLM2 decode step over its 272 weight
-// arrays (cbjax/runtime/cpu_kernels.py, `LayerAddresses`).
+// dispatch pays per argument (cbjax/runtime/cpu/kernels.py, `LayerAddresses`; docs/cpu_kernels.md).
 ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> addresses, ffi::Buffer<ffi::F32> cos,
                           ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> valid,

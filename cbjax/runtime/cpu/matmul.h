@@ -16,8 +16,8 @@ void tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_
     const float* wn = w + n * K;
     // With more than 4 input rows, later passes over this block read the weights from L2 and
     // leave memory idle; the first pass asks for the next tile's rows meanwhile, so the
-    // stream never stalls on compute (8 rows, 30-layer matmul chain: 34.4 -> 29.5 ms; an
-    // 8-wide tile in one pass instead was slower, 42 ms: eight input loads per step).
+    // stream never stalls on compute (an 8-wide tile in one pass was slower: eight input loads
+    // a step; docs/cpu_kernels.md).
     const float* ahead = wn + NW * K;
     for (int64_t k = 0; k < KV; k += kLanes) {
       vw wv[NW];
@@ -51,8 +51,7 @@ void rows_for_inputs(const float* x, const float* w, float* y, int64_t N, int64_
 }
 
 // One input row: each weight row is read start to end, so a thread's part of the matrix is one
-// sequential stream (with the pool's contiguous regions, 211 SmolLM2 matvecs: 7.9 ms against 10.1
-// for the 4-row tile, whose four interleaved row streams the prefetchers follow worse).
+// sequential stream (the 4-row tile's four interleaved row streams the prefetchers follow worse).
 void single_input_rows(const float* x, const float* w, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K2 = K / (2 * kLanes) * (2 * kLanes);
   for (int64_t n = n0; n < n1; ++n) {

@@ -8,10 +8,9 @@ namespace {
 // ---------------------------------------------------------------- greedy sampling
 
 // `jnp.argmax` over each row's last axis, as int32: the first maximum, or the first NaN where the
-// row has one. XLA:CPU's version over SmolLM2's 49,152 logits (YNNPACK's reduce_max, a select of
-// the hits and a min over them: `Ops.argmax`) took ~220 us of a 6.6 ms one-sequence step on
-// the 2-core EPYC, with a hand-off between pool threads inside; this reads the row twice while it
-// is in cache, the second pass stopping at the hit.
+// row has one. XLA:CPU's version (YNNPACK's reduce_max, a select of the hits and a min over them:
+// `Ops.argmax`) hands off between pool threads inside; this reads the row twice while it is in
+// cache, the second pass stopping at the hit.
 int32_t first_max(const float* x, int64_t n) {
   float top = -INFINITY;
   bool nan = false;

@@ -48,9 +48,7 @@ inline void cpu_relax() {
 // takes), offers the core to another runnable thread every 16 pauses. On 2 cores the Python
 // thread that dispatches the next step and records the last one is a third runnable thread:
 // when it preempts a pool thread that holds a claimed chunk, the other spins until the OS gives
-// the CPU back; yielding hands it over at once. First inter-token latency after a prefill in the
-// in-process serving loop, SmolLM2, 2-core EPYC, medians of 8 runs each: 15.9 ms against 17.4
-// (mean ITL within the VM's noise either way).
+// the CPU back; yielding hands it over at once (docs/cpu_kernels.md: spin-waits).
 inline void wait_a_little(int& spins) {
   cpu_relax();
   if (++spins > 256 && spins % 16 == 0) sched_yield();
@@ -70,10 +68,8 @@ inline float sum16(v16 v) {
 
 // The matmul's vector and tile follow the register file. 4 weight rows x 4 input rows of
 // 16-float accumulators take 16 + 4 + 1 of AVX-512's 32 registers. On AVX2 (16 registers of
-// 8 floats) that tile, each 16-float vector split in two, spilled on every step: a SmolLM2
-// decode step of 8 rows took 185 ms against 43 ms for 1 row (2-core AMD EPYC). With 8-float
-// vectors and 2 weight rows x 4 input rows (8 + 2 + 1 registers): 48 ms for 8 rows, 75 ms for
-// 16 (4 x 4 of 8-float vectors: 50 / 78 ms; 4 x 2: 65 / 97 ms).
+// 8 floats) that tile, each 16-float vector split in two, spilled on every step; there, 8-float
+// vectors and 2 weight rows x 4 input rows (8 + 2 + 1 registers) (docs/cpu_kernels.md: tiles).
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
 constexpr int kInputTile = 4;
