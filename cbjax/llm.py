@@ -26,7 +26,6 @@ from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.warmup import warm_structured_output
 
 
-
 def progress_bar(total: int | None, use_tqdm: bool, desc: str):
     from tqdm.auto import tqdm
 
