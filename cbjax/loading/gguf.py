@@ -183,9 +183,9 @@ def _read(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, 
     return config, {t.name: functools.partial(load, t) for t in reader.tensors}
 
 
-# Reading a GGUF file costs seconds (SmolLM2-135M: 2.4 s parsing its metadata, 1 s
-# dequantizing), most of a warm server start; the float32 tensors it yields are kept as .npy
-# files beside the tokenizer and memory-mapped on the next load (0.1 s). The key holds this
+# Reading a GGUF file costs seconds (parsing its metadata, dequantizing), most of a warm
+# server start; the float32 tensors it yields are kept as .npy files beside the tokenizer and
+# memory-mapped on the next load (docs/engine.md, "The step's figures"). The key holds this
 # module's source, so a change to the conversion converts again.
 _CONVERTER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 

@@ -182,9 +182,9 @@ def forward(
     history_end = starts if history_end is None else history_end
     ks, vs = list(cache.k), list(cache.v)
     # The layers are a Python loop over per-layer weight and cache arrays, not a lax.scan over
-    # stacked ones. experiments/benchmarks/bench_layer_loop.py, SmolLM2's 30 layers on XLA:CPU with XLA's
-    # matmuls: the scan compiles in 0.25 s against 0.9-2.1 s and runs 1.12x / 0.93x / 1.01x as
-    # long at 1 / 8 / 512 tokens. Kept unrolled on every backend for now because the engine's
+    # stacked ones: the scan compiles faster and runs about as fast on XLA:CPU with XLA's
+    # matmuls (experiments/benchmarks/bench_layer_loop.py; docs/engine.md, "The step's figures").
+    # Kept unrolled on every backend for now because the engine's
     # CPU decode sends its matmuls to the C++ kernels (an FFI call cannot read a scanned slice
     # in place: 3x the weight traffic measured) and a loop-carried stacked cache was copied
     # around its reads; on an accelerator the scan's compile time is the open question.

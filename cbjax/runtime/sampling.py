@@ -87,7 +87,7 @@ def _sample_row_unsorted(logits, temperature, top_k, top_p, min_p, seed, index):
 def _draw(scaled, keep_by_id, seed, index):
     # Gumbel-max, as jax.random.categorical does, but with the uniforms drawn from a
     # counter-based hash of (seed, index, token id): threefry's rounds made sampling a
-    # fifth of every step program's compile time (0.15 s of ~0.8 s on the tiny model).
+    # fifth of every step program's compile time (docs/engine.md, "The step's figures").
     gumbel = -jnp.log(-jnp.log(_hash_uniform(seed, index, scaled.shape[-1])))
     return XLA.argmax(jnp.where(keep_by_id, scaled, -jnp.inf) + gumbel)
 
@@ -121,9 +121,8 @@ def sample(
     rows = (logits, temperature, top_k, top_p, min_p, seeds, indices)
 
     def stochastic(_):
-        # The sort over the vocabulary is the expensive part (on a 2-core CPU, 30 ms a row of
-        # SmolLM2's 49,152 logits: eight rows at temperature 1 made a step 13x slower): only
-        # when some sampling row has top-k or top-p.
+        # The sort over the vocabulary is the expensive part (docs/engine.md, "The step's
+        # figures"): only when some sampling row has top-k or top-p.
         unsorted = lambda _: jax.vmap(_sample_row_unsorted)(*rows)  # noqa: E731
         if sorts:
             needed = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1)))
@@ -208,8 +207,7 @@ def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None,
     elif mask is None:
         # Greedy rows without a logits processor (most decode steps): the argmax of the logits as
         # they are. Deciding it here, around everything, leaves no branch that passes the
-        # `[R, V]` logits through unchanged: XLA:CPU copies a conditional's result, ~50 us of
-        # SmolLM2's one-sequence step for its 49,152 logits.
+        # `[R, V]` logits through unchanged: XLA:CPU copies a conditional's result.
         plain = ~jnp.any(processes(rows, index) | (rows.temperature > 0))
         token = skip_unless(plain, ops.argmax, processed_and_sampled, logits)
     else:

@@ -297,8 +297,8 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     row = jnp.minimum(batch.token_row, num_rows - 1)
     # A request whose logits processors read the history had its slot's row cleared before
     # this call (Engine.record_histories); clearing it here, for any prompt row at position 0,
-    # wrote [rows, vocab] zeros and False every step: at 32 rows of SmolLM2's 49,152 tokens,
-    # 8 MB a step (Q8_0 decode, 32 sequences, alternating runs: 74-87 -> 72-78 ms).
+    # wrote [rows, vocab] zeros and False every step (8 MB a step at 32 rows of SmolLM2's
+    # vocabulary; docs/engine.md, "The step's figures").
     state = record_tokens(state, jnp.where(batch.valid & prompt_row[row], batch.token_slot, num_slots), flat[0],
                           batch.token_pos < ints[:, PROMPT_LEN][row])
     # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.

@@ -16,7 +16,7 @@ MAX_ROWS = 64  # decode-sized products; more rows are compute-bound and XLA's do
 REDUCE_ROWS = 4  # up to this many rows the "reduce" form, past it the tensor cores' "dot"
 # One row's defaults from a sweep on an H200 (bench_device quant_matmul, Llama-3-8B's matrices):
 # "reduce", 32 outputs, one block a step, 4 warps, 4 stages was the fastest weighted by a layer's
-# uses (251 us a layer against 277 for 2 blocks a step and 312 for "dot"; XLA's bf16 dots 284).
+# uses (docs/quantization.md has the sweep).
 # An engine's decode step on a GPU has at least 16 rows (its smallest token bucket), so it runs
 # "dot", whose settings (64 outputs a program) are not swept yet.
 TARGET_PROGRAMS = 512  # about four per SM of an H100/H200 (132): enough loads in flight

@@ -42,9 +42,8 @@ INT8_KIND = 4  # an int8 matrix (quantization='int8') there (kI8)
 # Rows up to which the block kernel takes a GGUF (or int8) matmul; above, XLA dequantizes the
 # weight once per call (a prefill's GEMM amortizes that; a decode step's would not).
 BLOCK_MAX_ROWS = 64
-# Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul. SmolLM2's 30
-# layers plus LM head, matmuls alone (2-core Xeon): 1 row 19.1 vs 26.2 ms, 8 rows 32.8 vs
-# 45.6 ms; a 32-slot decode step ran 4-5% faster with its 32-row matmuls left to XLA.
+# Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul (docs/cpu_kernels.md:
+# where XLA takes over).
 MAX_ROWS = 16
 
 def available() -> bool:
