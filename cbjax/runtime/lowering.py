@@ -33,9 +33,10 @@ def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = 
         for sampler in samplers or (ALL,):
             args, static = engine.padding_arguments(prog[1], prog[2], sampler)
             key = prog if samplers is None else (*prog, sampler)
-            traced = ragged_step.trace(*args, **static)  # once: the kernels' platform_dependent holds every platform's
             out[key] = {}
             for p in platforms:
+                # Traced inside the target's context, not once for all: from JAX 0.11 a trace made
+                # outside it fails to lower for cuda ("No supported GPU devices found").
                 with lowering_target(p):
-                    out[key][p] = traced.lower(lowering_platforms=(p,))
+                    out[key][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
     return out
