@@ -185,7 +185,6 @@ class LLM:
         (`background`) on a thread of their own. Returns how many; 0 where the engine has none."""
         if not self.core.engine.supports_structured_output:
             return 0
-        self.grammars.tokenizer()  # llguidance's view of the tokenizer (0.3 s for SmolLM2): now, not mid-stream
         return warm_structured_output(self.core.engine, background)
 
     def prompt_scorer(self, prompt: Prompt, sampling: SamplingParams) -> PromptScorer | None:
