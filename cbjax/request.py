@@ -185,6 +185,8 @@ class RequestMetrics:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it
+    num_accepted_tokens: int = 0  # ... and kept
 
     @property
     def ttft(self) -> float | None:

@@ -22,6 +22,7 @@ from cbjax.runtime.engine_ops import start_cpu_kernel_build
 from cbjax.scheduling import BlockManager, Scheduler
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
+from cbjax.scheduling.speculation import make_speculator
 
 
 def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], float] = time.perf_counter,
@@ -42,6 +43,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if simulate is None and (args.weight_dtype or args.kv_dtype):
         raise ValueError("weight_dtype and kv_dtype are simulated only: this engine runs dtype "
                          f"({args.dtype}); pass simulate=<accelerator> to model them")
+    if simulate is not None and args.speculation_tokens:
+        raise ValueError("speculative decoding is not simulated yet: its acceptance comes from real tokens")
     if simulate is not None:
         if mesh is not None or devices is not None or args.pipeline_stages > 1:
             raise ValueError("simulate runs no device: it takes no devices, mesh or pipeline_stages "
@@ -98,6 +101,10 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                                 pages=pages, host=host)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
+    buckets = engine.token_buckets()
+    core.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
+                                      args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
+                                      step_tokens=lambda n: next((b for b in buckets if b >= n), n))
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 

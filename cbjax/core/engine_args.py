@@ -125,6 +125,16 @@ class EngineArgs:
     weight_dtype: str = _knob(None, "Simulated weight dtype (default: dtype); fp8 runs on fp8 tensor cores, int8 "
                               "is weight-only.", SIM_WEIGHT_DTYPES)
     kv_dtype: str = _knob(None, "Simulated KV-cache dtype (default: the weight dtype).", SIM_KV_DTYPES)
+    # Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/speculative.py)
+    speculative_method: str = _knob("none", "Speculative decoding: none, or ngram (prompt lookup: the tokens that "
+                                    "followed the latest earlier occurrence of a request's last n tokens).",
+                                    ("none", "ngram"))
+    num_speculative_tokens: int = _knob(4, "Speculation: the most tokens proposed per request and step.", lower=1)
+    speculative_length: str = _knob("adaptive", "Speculation: fixed (num_speculative_tokens every step) or adaptive "
+                                    "(each step's length, 0 included, from the measured acceptance and step cost: "
+                                    "SmartSpec's goodput).", ("fixed", "adaptive"))
+    speculative_ngram_min: int = _knob(2, "ngram speculation: the shortest suffix matched.", lower=1)
+    speculative_ngram_max: int = _knob(4, "ngram speculation: the longest suffix matched.", lower=1)
 
     def __post_init__(self):
         if self.merge_mode in ("fused", "chunked") and self.max_num_batched_tokens is None:
@@ -150,37 +160,12 @@ class EngineArgs:
                 raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r}")
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
-        self._check_disaggregation()
-        self._check_host_tier()
+        check_disaggregation(self)
+        check_host_tier(self)
+        check_speculation(self)
         for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES), ("kv_link", LINKS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-
-    def _check_disaggregation(self) -> None:
-        for name in ("prefill_instances", "decode_instances", "prefill_tensor_parallel", "decode_tensor_parallel"):
-            if getattr(self, name) is not None:
-                setattr(self, name, checks.integer(name, getattr(self, name), 0 if name == "prefill_instances" else 1))
-        if not self.prefill_instances:
-            return
-        if self.merge_mode != "prefill_first" or self.policy != "continuous":
-            raise ValueError("disaggregated instances run policy=continuous, merge_mode=prefill_first (each side "
-                             f"does one kind of work), got policy={self.policy!r}, merge_mode={self.merge_mode!r}")
-        if self.pipeline_stages > 1:
-            raise ValueError("disaggregation and pipeline stages do not combine: choose one")
-
-    def _check_host_tier(self) -> None:
-        self.host_kv_cache_bytes = checks.integer("host_kv_cache_bytes", self.host_kv_cache_bytes, 0, 2 ** 62)
-        if self.preemption_mode == "swap":
-            if not self.host_kv_cache_bytes:
-                raise ValueError("preemption_mode='swap' needs host memory to swap to: set host_kv_cache_bytes > 0")
-            if self.pipeline_stages > 1 or self.prefill_instances:
-                raise ValueError("preemption_mode='swap' needs a cache layout one engine gathers and restores: "
-                                 "not pipeline stages nor disaggregated instances (use recompute)")
-        elif self.host_kv_cache_bytes and not (self.enable_prefix_caching and self.kv_cache == "paged"):
-            raise ValueError("host_kv_cache_bytes has nothing to hold: set preemption_mode='swap', or "
-                             "kv_cache='paged' with enable_prefix_caching (prefix pages behind the device's)")
-        if self.host_kv_cache_bytes and self.pipeline_stages > 1:
-            raise ValueError("host_kv_cache_bytes: pipeline stages keep no host tier (their caches are split by layer)")
 
     def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(
@@ -191,7 +176,7 @@ class EngineArgs:
             max_prefill_tokens=self.max_prefill_tokens, ordering=self.ordering, length_aware=self.length_aware,
             decode_steps=self.decode_steps, score_wait=self.score_wait, score_short=self.score_short,
             score_priority=self.score_priority, priority_preemption=self.priority_preemption,
-            preemption_mode=self.preemption_mode)
+            preemption_mode=self.preemption_mode, num_speculative_tokens=self.speculation_tokens)
 
     def engine_config(self, num_slots: int | None = None, num_pages: int | None = None) -> EngineConfig:
         return EngineConfig(
@@ -204,7 +189,12 @@ class EngineArgs:
             quantized_matmul=self.quantized_matmul,
             kv_cache_dtype=self.kv_cache_dtype,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
-            min_step_tokens=self.min_step_tokens)
+            min_step_tokens=self.min_step_tokens, num_speculative_tokens=self.speculation_tokens)
+
+    @property
+    def speculation_tokens(self) -> int:
+        """The most tokens proposed per request and step; 0 without speculation."""
+        return self.num_speculative_tokens if self.speculative_method != "none" else 0
 
     # ------------------------------------------------------------- flags
     @classmethod
@@ -245,3 +235,48 @@ class EngineArgs:
         values = {n: flags.FLAGS[n].value for n in names}
         return [f"--{'' if v else 'no'}{n}" if isinstance(v, bool) else f"--{n}={v}"
                 for n, v in values.items() if v is not None]
+
+
+def check_disaggregation(args: EngineArgs) -> None:
+    """Refuse (ValueError) disaggregation knobs that do not combine."""
+    for name in ("prefill_instances", "decode_instances", "prefill_tensor_parallel", "decode_tensor_parallel"):
+        if getattr(args, name) is not None:
+            setattr(args, name, checks.integer(name, getattr(args, name), 0 if name == "prefill_instances" else 1))
+    if not args.prefill_instances:
+        return
+    if args.merge_mode != "prefill_first" or args.policy != "continuous":
+        raise ValueError("disaggregated instances run policy=continuous, merge_mode=prefill_first (each side "
+                         f"does one kind of work), got policy={args.policy!r}, merge_mode={args.merge_mode!r}")
+    if args.pipeline_stages > 1:
+        raise ValueError("disaggregation and pipeline stages do not combine: choose one")
+
+def check_host_tier(args: EngineArgs) -> None:
+    """Refuse (ValueError) a host tier with nothing to hold, or on a layout that keeps none."""
+    args.host_kv_cache_bytes = checks.integer("host_kv_cache_bytes", args.host_kv_cache_bytes, 0, 2 ** 62)
+    if args.preemption_mode == "swap":
+        if not args.host_kv_cache_bytes:
+            raise ValueError("preemption_mode='swap' needs host memory to swap to: set host_kv_cache_bytes > 0")
+        if args.pipeline_stages > 1 or args.prefill_instances:
+            raise ValueError("preemption_mode='swap' needs a cache layout one engine gathers and restores: "
+                             "not pipeline stages nor disaggregated instances (use recompute)")
+    elif args.host_kv_cache_bytes and not (args.enable_prefix_caching and args.kv_cache == "paged"):
+        raise ValueError("host_kv_cache_bytes has nothing to hold: set preemption_mode='swap', or "
+                         "kv_cache='paged' with enable_prefix_caching (prefix pages behind the device's)")
+    if args.host_kv_cache_bytes and args.pipeline_stages > 1:
+        raise ValueError("host_kv_cache_bytes: pipeline stages keep no host tier (their caches are split by layer)")
+
+def check_speculation(args: EngineArgs) -> None:
+    """Refuse (ValueError) speculative decoding where its verification does not run yet."""
+    from cbjax.scheduling.speculation import LENGTH_POLICIES, METHODS
+
+    if args.speculative_method not in METHODS:
+        raise ValueError(f"speculative_method must be one of {METHODS}, got {args.speculative_method!r}")
+    if args.speculative_length not in LENGTH_POLICIES:
+        raise ValueError(f"speculative_length must be one of {LENGTH_POLICIES}, got {args.speculative_length!r}")
+    args.num_speculative_tokens = checks.integer("num_speculative_tokens", args.num_speculative_tokens, 1, 64)
+    args.speculative_ngram_min = checks.integer("speculative_ngram_min", args.speculative_ngram_min, 1)
+    args.speculative_ngram_max = checks.integer("speculative_ngram_max", args.speculative_ngram_max,
+                                                args.speculative_ngram_min)
+    if args.speculative_method != "none" and (args.pipeline_stages > 1 or args.prefill_instances):
+        raise ValueError("speculative decoding verifies in one engine's step: not with pipeline stages nor "
+                         "disaggregated instances yet")

@@ -18,24 +18,20 @@ from typing import Callable
 import jax
 import numpy as np
 
+from cbjax.core.recording import record_round
 from cbjax.core.step_stats import Load, StepStats
-from cbjax.request import FinishReason, Request, RequestState, SamplingParams, TokenLogprob
-from cbjax.runtime.step import split_logprobs, to_host
+from cbjax.request import FinishReason, Request, RequestState, SamplingParams
+from cbjax.runtime.step import to_host
 from cbjax.scheduling import BlockManager, Plan, Row, Scheduler
+from cbjax.scheduling.speculation import Speculator
 
 
-def add_logprobs(r: Request, columns) -> None:
-    """Attach logprob columns (`[n, 1 + 2 max_logprobs]`, one per token the call sampled for
-    `r`, in order) to the output tokens that have none yet; a request that asked for none
-    gets none."""
-    k = r.sampling.logprobs
-    if k is None:
-        return
-    width = (columns.shape[-1] - 1) // 2 if len(columns) else 0
-    start = len(r.logprobs)
-    for token, row in zip(r.output_token_ids[start:], columns):
-        top = tuple((int(i), float(v)) for v, i in zip(row[1:1 + k], row[1 + width:1 + width + k]))
-        r.logprobs.append(TokenLogprob(token, float(row[0]), top))
+def decode_rows(running: list[Request], plan: Plan, speculator: Speculator | None) -> list[Row]:
+    """A row for each running request: a decode, or (speculating) its verification."""
+    if speculator is None or not plan.draft_len:
+        return [Row.decode(r) for r in running]
+    return [Row.speculating(r, p) if (p := speculator.proposal(r, plan.draft_len)) else Row.decode(r)
+            for r in running]
 
 
 def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
@@ -84,6 +80,7 @@ class EngineCore:
         # Whether requests have arrived that the front has not handed in yet (a server's queue);
         # None: the front hands requests in only between rounds (offline generate, replay).
         self.arrivals_pending: Callable[[], bool] | None = None
+        self.speculator: Speculator | None = None  # speculative decoding's proposer and length policy
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -157,7 +154,8 @@ class EngineCore:
                 return list(touched.values())
         sched, engine, stats = self.scheduler, self.engine, self.stats
         t0 = time.perf_counter()
-        plan = sched.schedule(self.clock())
+        speculator = self.speculator
+        plan = sched.schedule(self.clock(), speculator.length(len(sched.running)) if speculator else 0)
         self.last_plan = plan
         t1 = time.perf_counter()
         stats.schedule_s += t1 - t0
@@ -173,7 +171,7 @@ class EngineCore:
             engine.set_block_tables(block_tables(self))
         running = RequestState.RUNNING
         if plan.mixed and plan.prefills:  # one step: the plan's chunks, then a decode row per running request
-            rows = plan.prefills + [Row.decode(r) for r in sched.running if r.state == running]
+            rows = plan.prefills + decode_rows([r for r in sched.running if r.state == running], plan, speculator)
             calls = [(engine.run(rows), rows)]
         else:  # prefill_first: a step of prompt rows, then one of decode rows (a mixed plan's
             # round without prompt rows too, so that it may run ahead)
@@ -187,13 +185,17 @@ class EngineCore:
                 t1, calls = self._record(calls, t1, touched), []
             live = [r for r in sched.slots if r is not None and (r.state == running or r.request_id in finishing)]
             if plan.decode and live:
-                rows = [Row.decode(r) for r in live]
-                # A constrained row's mask follows the token before it: one step per call.
-                steps = 1 if any(r.grammar is not None for r in live) else engine.config.decode_steps
-                calls.append((engine.run(rows, steps), rows))
-                if not plan.prefills:
+                rows = decode_rows(live, plan, speculator)
+                # A constrained row's mask follows the token before it, a verify row's end is the
+                # host's to read: one step per call.
+                one = any(r.grammar is not None for r in live) or any(r.verify for r in rows)
+                calls.append((engine.run(rows, 1 if one else engine.config.decode_steps), rows))
+                if not plan.prefills and not one:
                     t1 += self._run_ahead(calls[-1][0])
-        self._count_round(plan, self._record(calls, t1, touched))
+        t_end = self._record(calls, t1, touched)
+        self._count_round(plan, t_end)
+        if speculator is not None:
+            speculator.after_round([rows for _, rows in calls], None if plan.prefills else t_end - t0, touched.values())
         return list(touched.values())
 
     def _record(self, calls, t_dispatch: float, touched: dict[str, Request]) -> float:
@@ -207,36 +209,8 @@ class EngineCore:
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
-        decoded: list[tuple[Request, list[int], object]] = []
-        slots = self.scheduler.slots
-        for (dispatched, rows), outs in zip(calls, host):
-            for (_, members), out in zip(dispatched, outs):
-                out, logprobs = split_logprobs(out)
-                tokens = out[:, :, 0].T.tolist()  # each row's tokens: one conversion a call, not a view a row
-                for j, i in enumerate(members):
-                    if i < 0:
-                        continue  # a piece of a prompt chunk that continues in a later call
-                    row = rows[i]
-                    if row.is_decode:  # whoever holds the slot now (a row dispatched ahead names no request)
-                        holder = slots[row.slot]
-                        if holder is not None:
-                            decoded.append((holder, tokens[j], None if logprobs is None
-                                            or holder.sampling.logprobs is None else logprobs[:, j]))
-                    else:
-                        self._record_prefill(row, tokens[j][0], bool(out[0, j, 1]), now, touched)
-                        if logprobs is not None and row.is_last:
-                            add_logprobs(row.request, logprobs[0, j][None])
-        if decoded:
-            record_decodes(self.scheduler, stats, self.engine.num_slots, decoded, now, touched)
+        record_round(self.scheduler, stats, self.engine.num_slots, self.speculator, calls, host, now, touched)
         return t3
-
-    def _record_prefill(self, chunk: Row, token: int, device_done: bool, now: float,
-                        touched: dict[str, Request]) -> None:
-        finished = self.scheduler.on_prefill(chunk, token if chunk.is_last else -1, now)
-        if chunk.is_last:
-            if device_done != finished:
-                raise RuntimeError(f"engine and scheduler disagree on whether {chunk.request.request_id!r} finished")
-            touched[chunk.request.request_id] = chunk.request
 
     def _run_ahead(self, in_flight: list) -> float:
         """Host/device overlap: with a decode call in flight and nothing to admit, dispatch the
@@ -252,7 +226,10 @@ class EngineCore:
         host's recording still overlaps the next call; the device idles only while it is
         dispatched. Returns the seconds it waited for the device."""
         steps = self.engine.config.decode_steps
-        slots = slots_to_run_ahead(self.scheduler, steps) if self.overlap and self.engine.can_run_ahead else None
+        # Not while requests speculate: a proposal needs the tokens of the call in flight.
+        speculates = self.speculator is not None and self.speculator.length(len(self.scheduler.running)) > 0
+        slots = slots_to_run_ahead(self.scheduler, steps) if (
+            self.overlap and self.engine.can_run_ahead and not speculates) else None
         if slots is None:
             return 0.0
         # Rows by slot alone: the call may outlive its requests (nothing else holds them then).
@@ -285,33 +262,6 @@ class EngineCore:
         self.stats.prefill_chunks += len(plan.prefills)
         self.stats.prefill_tokens += sum(c.length for c in plan.prefills)
         self.stats.process_s += time.perf_counter() - t_recorded
-
-
-def record_decodes(scheduler, stats: StepStats, num_slots: int, decoded, now: float,
-                   touched: dict[str, Request]) -> None:
-    """Decode rows' tokens (`decoded`: (request, `[steps]` tokens, -1 where the row did not
-    sample, logprob columns or None)) handed to `scheduler` as its `[steps][slots]`."""
-    steps = len(decoded[0][1])
-    per_slot = [[-1] * num_slots for _ in range(steps)]
-    # Rows of requests that finished before this record (their first token was their last,
-    # or an earlier call ended them) come back -1 and are skipped.
-    running = [d for d in decoded if d[0].state == RequestState.RUNNING]
-    sampled = 0
-    for r, tokens, _ in running:
-        if tokens[0] < 0:
-            raise RuntimeError(f"engine and scheduler out of sync: slot {r.slot} produced no token "
-                               f"for running request {r.request_id!r}")
-        slot = r.slot
-        for step, token in enumerate(tokens):
-            per_slot[step][slot] = token
-        sampled += steps - tokens.count(-1)
-    scheduler.on_decode(per_slot, now)
-    for r, tokens, logprobs in running:
-        if logprobs is not None:
-            add_logprobs(r, logprobs[np.asarray(tokens) >= 0])
-        touched[r.request_id] = r
-    stats.active_slot_steps += sampled
-    stats.decode_steps += steps
 
 
 def slots_to_run_ahead(sched: Scheduler, steps: int) -> list[int] | None:

@@ -120,6 +120,11 @@ class EngineBase:
         self.eos_ids = tuple(model.config.eos_token_ids)
         self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
         self.step_tokens = config.step_tokens(self.platform)
+        # Positions a verify row's program samples (its last token and the proposal); 0: no speculation.
+        self.verify_positions = config.num_speculative_tokens + 1 if config.num_speculative_tokens else 0
+        if self.verify_positions > self.step_tokens:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens}: a verify row of "
+                             f"{self.verify_positions} tokens exceeds the step's {self.step_tokens}")
         self._token_buckets = token_buckets(self.step_tokens, config.token_bucket_steps, config.prefill_floor,
                                             config.smallest_step(self.platform))
 
@@ -168,14 +173,15 @@ class EngineBase:
         """The token bucket of one call; a call with prompt rows pads to at least `prefill_floor`."""
         buckets = self._token_buckets
         total = sum(r.num_tokens for r in rows)
-        if any(not r.is_decode for r in rows):
+        if any(not r.decodes for r in rows):
             total = max(total, min(self.config.prefill_floor, buckets[-1]))
         return next(b for b in buckets if b >= total)
 
     def programs(self, only: str | None = None) -> list[tuple]:
         """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
         those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
-        return reachable_programs(self.token_buckets(), self.num_slots, self.config.decode_steps, only)
+        return reachable_programs(self.token_buckets(), self.num_slots, self.config.decode_steps, only,
+                                  self.verify_positions, self.mixed)
 
 
 class Engine(EngineBase):
@@ -243,7 +249,8 @@ class Engine(EngineBase):
         for members in self.split(rows):
             call_rows = [r for _, r in members]
             sampler = self.samplers.for_rows(call_rows) if self.samplers.specializes else ALL
-            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps, sampler),
+            verify = self.verify_positions if any(r.verify for r in call_rows) else 0
+            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps, sampler, verify),
                           [i for i, _ in members]))
         return calls
 
@@ -259,21 +266,19 @@ class Engine(EngineBase):
         masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)
 
-    def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL) -> jax.Array:
+    def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL,
+                  verify: int = 0) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""
-        return self._step(packed, steps, sampler)
+        return self.run_program(*self._step_arguments(packed, steps, sampler, verify))
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int,
-                        sampler: Sampler = ALL) -> tuple[tuple, dict]:
+                        sampler: Sampler = ALL, verify: int = 0) -> tuple[tuple, dict]:
         by_address = (self._params_by_address is not None
                       and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
-                     ops=self.ops, sampler=sampler))
-
-    def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL) -> jax.Array:
-        return self.run_program(*self._step_arguments(packed, steps, sampler))
+                     ops=self.ops, sampler=sampler, verify=verify))
 
     def run_program(self, args: tuple, static: dict) -> jax.Array:
         """Run the step program of these arguments (`_step_arguments`): the cache and state advance."""
@@ -283,28 +288,30 @@ class Engine(EngineBase):
     def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
-        key = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"])  # as step_programs.program_key
+        key = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"], static["verify"])  # program_key
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait)
 
     def padding_arguments(self, num_tokens: int, steps: int, sampler: Sampler = ALL,
-                          masks: np.ndarray | None = None) -> tuple[tuple, dict]:
+                          masks: np.ndarray | None = None, verify: int = 0) -> tuple[tuple, dict]:
         """The arguments of one step program over padding rows (they name no slot), as it is
         compiled ahead of time or lowered for another platform."""
         packed = self._pack([], num_tokens)
-        return self._step_arguments(packed if masks is None else (*packed, masks), steps, sampler)
+        return self._step_arguments(packed if masks is None else (*packed, masks), steps, sampler, verify)
 
     def compile_program(self, num_tokens: int, steps: int, sampler: Sampler = ALL) -> None:
         """Compile one program ahead of time (a narrower sampler variant than ALL: in the background)."""
         self._program(*self.padding_arguments(num_tokens, steps, sampler), wait=sampler == ALL)
 
     def compile_programs(self, progs: list[tuple]) -> None:
-        """Compile every program, then run each once on padding (the rows name no slot): XLA:CPU
-        sets up a program's YNNPACK matmuls at its first execution, not at compile, 0.6-1 s for a
-        SmolLM2 step of 32+ tokens, which the first request through that program would pay."""
-        self.compiled.compile_all([self.padding_arguments(n, steps) for _, n, steps in progs])
+        """Compile every program (("step" or "verify", tokens bucket, steps)), then run each once on
+        padding (the rows name no slot): XLA:CPU sets up a program's YNNPACK matmuls at its first
+        execution, not at compile, 0.6-1 s for a SmolLM2 step of 32+ tokens, which the first
+        request through that program would pay."""
+        verify = {"step": 0, "verify": self.verify_positions}
+        self.compiled.compile_all([self.padding_arguments(n, steps, verify=verify[kind]) for kind, n, steps in progs])
         out = None
-        for _, num_tokens, steps in progs:
-            out = self._dispatch(self._pack([], num_tokens), steps)
+        for kind, num_tokens, steps in progs:
+            out = self._dispatch(self._pack([], num_tokens), steps, ALL, verify[kind])
         jax.block_until_ready(out)
 
     def warmup(self, only: str | None = None) -> int:

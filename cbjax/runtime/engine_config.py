@@ -87,6 +87,10 @@ class EngineConfig:
     # leaves them out of every program. Computed only in steps where some row asks.
     max_logprobs: int = 20
     max_logit_bias: int = 64  # logit_bias entries per request
+    # Speculative decoding: the most tokens proposed for a request per step (0: none). A verify
+    # row is its last token and these: the programs of calls with such rows sample 1 + this
+    # many positions per row (runtime/speculative.py).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         self.num_slots = checks.integer("num_slots", self.num_slots, 1)
@@ -97,6 +101,7 @@ class EngineConfig:
             raise ValueError(f"token_bucket_steps must be a power of two, got {self.token_bucket_steps}")
         self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
         self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
+        self.num_speculative_tokens = checks.integer("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:

@@ -31,7 +31,8 @@ def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = 
     out = {}
     for prog in engine.programs():
         for sampler in samplers or (ALL,):
-            args, static = engine.padding_arguments(prog[1], prog[2], sampler)
+            args, static = engine.padding_arguments(prog[1], prog[2], sampler,
+                                                    verify=engine.verify_positions if prog[0] == "verify" else 0)
             key = prog if samplers is None else (*prog, sampler)
             out[key] = {}
             for p in platforms:

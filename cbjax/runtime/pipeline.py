@@ -29,7 +29,8 @@ from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
 from cbjax.runtime.engine import Engine, kv_dtype
-from cbjax.runtime.step import resolve, run_layers, sample_rows
+from cbjax.runtime.packed import QLEN, START, resolve
+from cbjax.runtime.step import run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
 from cbjax.scheduling.plan import Row
 
@@ -170,11 +171,11 @@ class PipelineEngine(Engine):
         self._new_round()
         return super().run(rows, steps)
 
-    def _dispatch(self, packed, steps: int, sampler=None) -> jax.Array:
+    def _dispatch(self, packed, steps: int, sampler=None, verify: int = 0) -> jax.Array:
         """A call of prompt rows through the stages (logged with the longest row's end as its
         attended length); `sampler` is always ALL here (`takes_sampler_variants`)."""
         ints = packed[1]
-        attended = int((ints[:, step.START] + ints[:, step.QLEN]).max())
+        attended = int((ints[:, START] + ints[:, QLEN]).max())
         return self._through_stages(packed, ("prefill", len(self.call_log[-1])), "prefill", attended)[None]
 
     def _decode(self, rows: list[Row], steps: int):

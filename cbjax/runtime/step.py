@@ -35,15 +35,12 @@ from cbjax.models import forward
 from cbjax.models.ops import XLA
 from cbjax.request import SamplingParams
 from cbjax.runtime.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
-                                        PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, TRACE_COUNTS,
-                                        is_done, record_tokens)
-from cbjax.runtime.sampling import ALL, Sampler, count_sampled, sample_next
+                                        PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, TRACE_COUNTS)
+from cbjax.runtime import speculative
+from cbjax.runtime.packed import HEADER, Resolved, resolve
+from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.scheduling.plan import Row
 
-# Packed int32 columns of one row (one host-to-device copy for every row's scalars), then the
-# sampling parameters of a row that ends its prompt, packed as `SlotState.ints` and `.floats` are.
-SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN = range(7)
-HEADER = 7
 
 
 def token_buckets(max_tokens: int, steps: int = 1, floor: int = 1, smallest: int = 1) -> list[int]:
@@ -104,7 +101,8 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
         if row.tokens:
             flat[0, t:t + n] = row.tokens
         flat[1, t:t + n] = i
-        ints[i, :HEADER] = (row.slot, row.start, n, row.is_decode, row.is_last, row.generated, row.prompt_len)
+        ints[i, :HEADER] = (row.slot, row.start, n, row.is_decode, row.is_last, row.generated, row.prompt_len,
+                            row.verify)
         if row.is_last:
             ints[i, HEADER:], floats[i] = sampling_row(row)
         t += n
@@ -118,12 +116,12 @@ def split_rows(rows: list[Row], top: int) -> list[list[tuple[int, Row]]]:
     calls: list[list[tuple[int, Row]]] = [[]]
     room = top
     for i, row in enumerate(rows):
-        if row.is_decode:
-            if room < 1:
+        if row.decodes:  # whole in one call (a verify row: its tokens are one decision)
+            if room < row.num_tokens:
                 calls.append([])
                 room = top
             calls[-1].append((i, row))
-            room -= 1
+            room -= row.num_tokens
             continue
         done = 0
         while done < row.length:
@@ -227,50 +225,14 @@ def copy_pairs(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------- device side: the step
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Resolved:
-    """A packed batch with what only the device knows filled in (decode rows' inputs and
-    positions, whether their slot is still active)."""
-
-    inputs: jax.Array  # [N] token ids
-    token_row: jax.Array  # [N] row of each token, R for padding
-    token_slot: jax.Array  # [N] slot of each token (in range)
-    token_pos: jax.Array  # [N] absolute position
-    valid: jax.Array  # [N] bool: a real token of a row that computes
-    slot: jax.Array  # [R] the rows' slots (num_slots for none)
-    start: jax.Array  # [R] tokens of the sequence in the cache before the row
-    q_len: jax.Array  # [R] tokens the row computes (a finished decode row: 0)
-    cu_q: jax.Array  # [R + 1] where each row's tokens start in the buffer
-    decode: jax.Array  # [R] bool
-    is_last: jax.Array  # [R] bool: ends its prompt
-
-
-def resolve(state, lengths, flat, ints) -> Resolved:
-    num_rows, num_tokens = ints.shape[0], flat.shape[1]
-    num_slots = lengths.shape[0]
-    tokens, token_row = flat[0], flat[1]
-    slot = ints[:, SLOT]
-    live = jnp.minimum(slot, num_slots - 1)
-    host_len = ints[:, QLEN]
-    decode = (ints[:, IS_DECODE] > 0) & (host_len > 0) & (slot < num_slots)
-    q_len = jnp.where(decode, state.active[live].astype(jnp.int32), host_len)
-    start = jnp.where(decode, lengths[live], ints[:, START])
-    cu_q = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(host_len)])
-    row = jnp.minimum(token_row, num_rows - 1)
-    offset = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q[row]
-    valid = (token_row < num_rows) & (offset < q_len[row])
-    inputs = jnp.where(decode[row], state.tokens[live[row]], tokens)
-    return Resolved(inputs, token_row, live[row], start[row] + offset, valid, slot, start, q_len, cu_q, decode,
-                    (ints[:, IS_LAST] > 0) & (q_len > 0) & ~decode)
-
-
 def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention_kernel=False, history_block=None,
-               first_layer=0, embed=True, head=True, ops=XLA):
+               first_layer=0, embed=True, head=True, ops=XLA, verify=0):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
-    `head=False`, the hidden states of every token), and the cache with the keys written."""
+    `head=False`, the hidden states of every token), and the cache with the keys written.
+    `verify`: logits `[R * verify, vocab]` at each position of verify rows (speculative.py)."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
-    last_token = jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1)
+    last_token = (speculative.logits_rows(batch, verify) if verify
+                  else jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1))
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
         if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
@@ -290,53 +252,38 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
     """Sample each row that ends its prompt or decodes, and update its slot's state; record the
     prompt tokens for the penalties. Returns `[R, 2]` (token or -1, done), logprob columns
     (or None) and the state. `mask`: the rows' structured-output bitmasks, or None; `ops`: the
-    backend's (its argmax takes the greedy rows); `sampler`: the sampling parts traced."""
-    num_slots = state.active.shape[0]
-    num_rows = ints.shape[0]
-    prompt_row = (batch.q_len > 0) & ~batch.decode
-    row = jnp.minimum(batch.token_row, num_rows - 1)
-    # A request whose logits processors read the history had its slot's row cleared before
-    # this call (Engine.record_histories); clearing it here, for any prompt row at position 0,
-    # wrote [rows, vocab] zeros and False every step (8 MB a step at 32 rows of SmolLM2's
-    # vocabulary; docs/engine.md, "The step's figures").
-    state = record_tokens(state, jnp.where(batch.valid & prompt_row[row], batch.token_slot, num_slots), flat[0],
-                          batch.token_pos < ints[:, PROMPT_LEN][row])
-    # Sampling parameters: a row ending its prompt brings its own; a decode row's live on the device.
-    slots = jnp.minimum(batch.slot, num_slots - 1)
-    rows = state.sampling_rows(slots)
-    is_last = batch.is_last
-    rows = dataclasses.replace(rows, ints=jnp.where(is_last[:, None], ints[:, HEADER:], rows.ints),
-                               floats=jnp.where(is_last[:, None], floats, rows.floats))
-    # A request resumed after preemption has `generated` tokens already: its next token is
-    # sampled as output index `generated`, so seeded sampling continues where it was.
-    before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
-    token, logprobs = sample_next(logits, rows, before, max_logprobs, mask,
-                                  history=lambda seen=state.seen, counts=state.counts: (seen[slots], counts[slots]),
-                                  ops=ops, sampler=sampler)
-    samples = (batch.decode & (batch.q_len > 0)) | is_last
-    done = is_done(token, rows.stop_ids, before + 1, rows.max_tokens, batch.start + batch.q_len + 1,
-                   max_len) & samples
-    target = jnp.where(samples, batch.slot, num_slots)
-    state = state.set_rows(target, tokens=token, active=~done, num_generated=before + 1, ints=rows.ints,
-                           floats=rows.floats)
-    state = dataclasses.replace(state, counts=count_sampled(state.counts, target, token))
-    out = jnp.stack([jnp.where(samples, token, -1), done.astype(jnp.int32)], axis=-1)
-    return out, logprobs, state
+    backend's (its argmax takes the greedy rows); `sampler`: the sampling parts traced. The
+    one-position case of `speculative.sample_positions`."""
+    out, logprobs, state, _ = speculative.sample_positions(
+        state, logits, batch, flat, ints, floats, positions=1, max_len=max_len, max_logprobs=max_logprobs, mask=mask,
+        ops=ops, sampler=sampler)
+    return out[0], None if logprobs is None else logprobs[0], state
 
 
-_STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops", "sampler")
+_STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops", "sampler",
+           "verify")
 JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
-                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL):
+                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
     rows' structured-output bitmasks (`steps` 1); None compiles a program without one.
-    `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row)."""
-    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler)] += 1
+    `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row).
+    `verify > 0` (`steps` 1): the program of calls with speculating rows of up to `verify`
+    tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py)."""
+    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify)] += 1
+    if verify:
+        batch = resolve(state, cache.lengths, flat, ints)
+        logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
+                                   history_block=history_block, ops=ops, verify=verify)
+        out, logprobs, state, held = speculative.sample_positions(
+            state, logits, batch, flat, ints, floats, positions=verify, max_len=max_len, max_logprobs=max_logprobs,
+            mask=mask, ops=ops, sampler=sampler)
+        return (out if logprobs is None else (out, logprobs)), speculative.settle_lengths(cache, batch, held), state
 
     def one_step(carry, _):
         cache, state = carry

@@ -72,8 +72,9 @@ class SamplerVariants:
 
 
 def program_key(args: tuple, static: dict) -> tuple:
-    """(the packed arrays' shapes, steps, sampler): what tells one engine's step programs apart."""
-    return tuple(a.shape for a in args[3:]), static["steps"], static["sampler"]
+    """(the packed arrays' shapes, steps, sampler, verify positions): what tells one engine's step
+    programs apart."""
+    return tuple(a.shape for a in args[3:]), static["steps"], static["sampler"], static["verify"]
 
 
 class StepPrograms:
@@ -141,10 +142,13 @@ class StepPrograms:
             list(pool.map(lambda call: self.get(*call, wait=True), calls))
 
 
-def reachable_programs(buckets: list[int], num_slots: int, decode_steps: int, only: str | None = None) -> list[tuple]:
+def reachable_programs(buckets: list[int], num_slots: int, decode_steps: int, only: str | None = None,
+                       verify_positions: int = 0, mixed: bool = False) -> list[tuple]:
     """Every step program a workload can reach: ("step", tokens bucket, steps), those of
     prompt rows (one step) and of decode rows (`decode_steps`, up to the bucket of every slot
-    decoding). `only`: "decode" or "prefill", one kind alone."""
+    decoding); with speculation (`verify_positions`), ("verify", tokens bucket, 1), those of
+    calls with verify rows (beside prompt rows when `mixed`, else up to every slot verifying).
+    `only`: "decode" or "prefill", one kind alone."""
     most_rows = 1 << (num_slots - 1).bit_length()
     decode_top = next((n for n in buckets if n >= most_rows), buckets[-1])
     progs = []
@@ -153,4 +157,7 @@ def reachable_programs(buckets: list[int], num_slots: int, decode_steps: int, on
     if only != "prefill":
         progs += [("step", n, decode_steps) for n in buckets
                   if n <= decode_top and ("step", n, decode_steps) not in progs]
+    if verify_positions and only != "prefill":
+        verify_top = next((n for n in buckets if n >= num_slots * verify_positions), buckets[-1])
+        progs += [("verify", n, 1) for n in buckets if mixed or n <= verify_top]
     return progs

@@ -17,7 +17,7 @@ def warm_up(engine, only: str | None = None) -> int:
     progs = engine.programs(only)
     engine.compile_programs(progs)
     for sampler in engine.samplers.ahead[1:]:  # narrower variants: in the background
-        for _, num_tokens, steps in progs:
+        for _, num_tokens, steps in (p for p in progs if p[0] == "step"):
             engine.compile_program(num_tokens, steps, sampler)
     # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
     # KV copies and the penalties' history of the tokens before them.
@@ -39,7 +39,7 @@ def warm_structured_output(engine, background: bool = False) -> int:
     its own program only, and on a CPU its first run pays XLA's set-up of the program's
     matmuls, which the padding run would have paid). Returns the number of programs."""
     words = grammar.mask_words(engine.model.config.vocab_size)
-    progs = [(n, steps) for _, n, steps in engine.programs() if steps == 1]
+    progs = [(n, steps) for kind, n, steps in engine.programs() if steps == 1 and kind == "step"]
     out = None
     for num_tokens, steps in progs:
         masks = np.full((row_bucket(num_tokens, engine.num_slots), words), -1, np.int32)

@@ -46,6 +46,10 @@ class SchedulerConfig:
     # What a preempted decoding request keeps: nothing ("recompute": its tokens are prefilled
     # again, vLLM's default) or its KV and state, in the host tier ("swap").
     preemption_mode: str = "recompute"
+    # Speculative decoding: the most tokens proposed per request and step. A speculating
+    # request's step writes up to this many positions past a decode's: the paged cache's
+    # look-ahead and the mixed step's token budget count them.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -60,6 +64,7 @@ class SchedulerConfig:
         if self.batch_size is None:
             self.batch_size = self.num_slots
         self.batch_size = checks.integer("batch_size", self.batch_size, 1, self.num_slots)
+        self.num_speculative_tokens = checks.integer("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
         for name in ("refill_interval", "decode_steps", "max_waiting_steps"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
         self.window_ms = checks.real("window_ms", self.window_ms, 0.0)

@@ -99,6 +99,17 @@ class PageReservations:
         r.num_prefilled = shared
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
+    def grow_for_round(self, prefills: list, slots: list, order_key: Callable, victim: Callable[[], Request],
+                       preempt: Callable[[Request], int]) -> None:
+        """Pages for the coming decode call of every request holding one of `slots` that decodes
+        this round (running, or ending its prompt in `prefills`), as `grow`: when the pool runs dry,
+        `preempt(victim())`, the least important holder (highest `order_key`: lowest priority,
+        latest arrival under fcfs), recomputed later."""
+        finishing = {c.request.request_id for c in prefills if c.is_last}
+        decoding = [r for r in slots if r is not None and
+                    (r.state == RequestState.RUNNING or r.request_id in finishing)]
+        self.grow(decoding, order_key, victim, preempt)
+
     def grow(self, decoding: list[Request], order_key: Callable, victim: Callable[[], Request],
              preempt: Callable[[Request], int]) -> None:
         """Pages for the coming decode call of each `decoding` request, most important first

@@ -32,6 +32,10 @@ class Row:
     # The tokens before `start` when the row's request starts past position 0 (cached prefix
     # pages, a fork of a sibling's prompt) and its logits processors need them on the device.
     history: list[int] | None = None
+    # A speculating request's row: `tokens` are its last sampled token and the proposed ones after
+    # it, from position `start` (the last token's); the step samples every position and keeps
+    # the proposal's longest prefix the target agrees with (cbjax/runtime/speculative.py).
+    verify: bool = False
 
     @classmethod
     def chunk(cls, request: Request, start: int, length: int) -> "Row":
@@ -47,6 +51,18 @@ class Row:
     @classmethod
     def decode(cls, request: Request) -> "Row":
         return cls(request.slot, [], request.num_tokens - 1, request=request, prompt_len=request.prompt_len)
+
+    @classmethod
+    def speculating(cls, request: Request, proposal: list[int]) -> "Row":
+        """A running request's last token and the `proposal` after it, verified in one row."""
+        last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+        return cls(request.slot, [last, *proposal], request.num_tokens - 1, request=request,
+                   prompt_len=request.prompt_len, verify=True)
+
+    @property
+    def decodes(self) -> bool:
+        """A running request's row: a decode, or a speculating one's verification."""
+        return not self.tokens or self.verify
 
     @property
     def length(self) -> int:
@@ -82,6 +98,7 @@ class Plan:
     # Moves between the device cache and its host tier, in order (host_tier.KVOp), run after
     # the preempted slots are deactivated and before the copies and the steps.
     kv_ops: list = dataclasses.field(default_factory=list)
+    draft_len: int = 0  # speculative decoding: the most tokens a decoding request proposes this round
 
     @property
     def idle(self) -> bool:

@@ -287,11 +287,16 @@ class MixedStep:
     """One mixed step's rows as they are taken: `take` a holder's next chunk, `admits` a
     newcomer before the scheduler places it."""
 
-    def __init__(self, view: SchedulerView):
+    def __init__(self, view: SchedulerView, draft_len: int = 0):
+        """`draft_len`: tokens each decoding request may propose beside its own (speculation)."""
         cfg = view.config
         self.view = view
         self.chunked = cfg.merge_mode == "chunked"
-        self.budget = cfg.max_num_batched_tokens - len(view.decoding())
+        decoding = len(view.decoding())
+        # Proposals take what the decodes leave, but never the last token: prompts always advance.
+        room = (cfg.max_num_batched_tokens - 1 - decoding) // decoding if decoding else 0
+        self.draft_len = max(min(draft_len, cfg.num_speculative_tokens, room), 0)
+        self.budget = cfg.max_num_batched_tokens - decoding * (1 + self.draft_len)
         self.chunks: list[Row] = []
 
     def take_started(self) -> None:

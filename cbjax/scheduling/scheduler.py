@@ -31,7 +31,9 @@ class Scheduler:
         self.host = host  # the KV cache's host tier (swapped-out requests, prefix pages), or None
         if config.preemption_mode == "swap" and host is None:
             raise ValueError("preemption_mode='swap' needs a host tier (host_kv_cache_bytes > 0)")
-        self.reservations = None if pages is None else PageReservations(pages, config.decode_steps, max_seq_len)
+        # The positions a decode call (or a speculating request's verification) writes ahead.
+        reach = max(config.decode_steps, 1 + config.num_speculative_tokens)
+        self.reservations = None if pages is None else PageReservations(pages, reach, max_seq_len)
         self.num_preemptions = 0
         self.tokens = TokenRecorder(stop_tokens, max_seq_len, pages)
         self.waiting: list[Request] = []  # in admission order (order_key)
@@ -92,23 +94,26 @@ class Scheduler:
         return max(self.running, key=self.order_key)
 
     # ---------------------------------------------------------- schedule
-    def schedule(self, now: float) -> Plan:
+    def schedule(self, now: float, draft_len: int = 0) -> Plan:
+        """The round's plan. `draft_len`: the tokens each decoding request may propose this round
+        (speculative decoding), counted against the mixed step's token budget."""
         mixed = self.config.merge_mode != "prefill_first"
-        step = MixedStep(self.view) if mixed else None
+        step = MixedStep(self.view, draft_len) if mixed else None
         if step is not None:
             step.take_started()
         admission = self._admit(now) if step is None or step.budget > 0 else NOTHING
         self._place_admitted(admission.requests, now, step)
         prefills = step.chunks if mixed else prefill_chunks(self.view)
-        if self.pages is not None:
-            self.reserve_decode_pages(prefills)
+        if self.pages is not None:  # pages for the coming decodes, preempting when the pool runs dry
+            self.reservations.grow_for_round(prefills, self.slots, self.order_key, self.lowest_holder, self.preempt)
         prefills = [c for c in prefills if c.request.slot is not None]
         decode = any(r.state == RequestState.RUNNING for r in self.running) if mixed else self._should_decode(prefills)
         # The plan takes the device work recorded while scheduling it.
         preempted, self.preempted_slots = self.preempted_slots, []
         copies, self.copies = self.copies, []
         return Plan(prefills, decode, wake_time=admission.wake if not prefills and not decode else None, mixed=mixed,
-                    preempted_slots=preempted, copies=copies, kv_ops=self.host.take_ops() if self.host is not None else [])
+                    preempted_slots=preempted, copies=copies, kv_ops=self.host.take_ops() if self.host is not None else [],
+                    draft_len=(step.draft_len if mixed else draft_len) if decode else 0)
 
     def _admit(self, now: float) -> Admission:
         admission = self.admission.admit(self.view, now)
@@ -121,7 +126,7 @@ class Scheduler:
     def _place_admitted(self, admitted, now: float, step: MixedStep | None) -> None:
         """Place what admission admitted while there is room: in the mixed step's budget and
         (paged) pages that leave this round's decode reservations covered (those of the running
-        requests and the newcomer's own first decode call, the look-ahead `reserve_decode_pages`
+        requests and the newcomer's own first decode call, the look-ahead `grow_for_round`
         takes), so an admission is never undone in its own round."""
         reserved = self.reservations.pages_to_grow(self.running) if self.pages is not None and admitted else 0
         for i, r in enumerate(admitted):
@@ -144,7 +149,8 @@ class Scheduler:
             if reserved is None:
                 return None
         slot = self.free_slots[0]
-        if self.pages is None and not r.swapped and (shared := forks.fork_point(r)) is not None:
+        forked = r.fork_of is not None and not r.swapped  # n > 1: a sibling's prompt to copy (forks.py)
+        if self.pages is None and forked and (shared := forks.fork_point(r)) is not None:
             self.copies.append((r.fork_of.slot, slot))  # the slot cache copies the sibling's slot
             r.num_prefilled = shared
         self.slots[slot] = r
@@ -158,15 +164,6 @@ class Scheduler:
         self.waiting.remove(r)
         self.admission.on_placed(r)
         return reserved
-
-    def reserve_decode_pages(self, prefills: list[Row]) -> None:
-        """Pages for the coming decode call of every decoding request. When the pool runs
-        dry, preempt (recompute) the least important request holding a slot (highest
-        `order_key`: lowest priority, latest arrival under fcfs)."""
-        finishing = {c.request.request_id for c in prefills if c.is_last}
-        decoding = [r for r in self.slots if r is not None and
-                    (r.state == RequestState.RUNNING or r.request_id in finishing)]
-        self.reservations.grow(decoding, self.order_key, self.lowest_holder, self.preempt)
 
     def preempt(self, r: Request) -> int:
         """Take `r`'s slot (and pages); it waits again and, when readmitted, recomputes its
@@ -205,11 +202,12 @@ class Scheduler:
         r.state = RequestState.RUNNING
         return self._append(r, token, now)
 
-    def on_decode(self, tokens_per_step, now: float) -> list[Request]:
-        """Record a decode call's tokens, `[steps][slots]` with -1 for idle slots.
+    def on_decode(self, tokens_per_step, now: float, device_steps: int | None = None) -> list[Request]:
+        """Record a decode call's tokens, `[steps][slots]` with -1 for idle slots (`device_steps`:
+        the steps it ran, when fewer: a verified proposal brings several tokens from one).
         Returns the requests that finished."""
         finished = []
-        steps = len(tokens_per_step)
+        steps = len(tokens_per_step) if device_steps is None else device_steps
         self.num_decode_steps += steps
         self.admission.on_decode(steps, bool(self.waiting))
         running = RequestState.RUNNING

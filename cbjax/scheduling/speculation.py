@@ -1,0 +1,190 @@
+"""Speculative decoding's host side: what to propose for each running request, and how many
+tokens to propose at the current load. No JAX: the device verifies (cbjax/runtime/speculative.py).
+
+A `Proposer` proposes up to `k` next tokens for a request from what the host holds (its
+prompt and output so far); `NgramProposer` is prompt lookup (the request's latest earlier
+occurrence of its last n tokens, and what followed it). A proposer that reads the target's
+hidden states (EAGLE) or runs a draft model would take the same `propose` call.
+
+The length policies pick each round's `k`: `FixedLength`, or `AdaptiveLength`, which
+maximises SmartSpec's goodput (arXiv 2406.14066): with a per-token acceptance rate `a`, a
+request proposing `k` tokens makes (1 - a^(k+1)) / (1 - a) tokens a step, and the step costs
+`c(B (1 + k))` for `B` requests, a line fitted to the measured steps; at high load the extra
+tokens cost more than they bring and `k` falls to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from cbjax.request import Request, RequestState
+
+METHODS = ("none", "ngram")
+LENGTH_POLICIES = ("fixed", "adaptive")
+
+
+def may_speculate(r: Request) -> bool:
+    """Whether a request's tokens may be proposed and verified: running, unconstrained (a
+    structured-output mask follows each accepted token on the host) and without penalties
+    (their counts would change inside the verified row). Other requests decode as before."""
+    s = r.sampling
+    return (r.state == RequestState.RUNNING and r.grammar is None and s.repetition_penalty == 1.0
+            and not s.presence_penalty and not s.frequency_penalty)
+
+
+class Proposer(Protocol):
+    def propose(self, r: Request, k: int) -> list[int]:
+        """Up to `k` tokens to follow `r`'s tokens (fewer, or none, when it has no guess)."""
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` finished: drop what was kept for it."""
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the request's last `n` tokens
+    (`max_n` down to `min_n`) in its prompt and output, and propose the tokens that followed
+    it. Each request keeps an index of its n-grams (n-gram -> the position after its latest
+    occurrence), extended by the tokens appended since the last call: O(new tokens) a step."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[str, tuple[dict, list[int]]] = {}  # request id -> (index, [positions indexed])
+
+    def propose(self, r: Request, k: int) -> list[int]:
+        tokens = r.prompt_token_ids + r.output_token_ids
+        index, done = self._index.setdefault(r.request_id, ({}, [0]))
+        end = len(tokens) - 1  # n-grams ending before the last token: each has a token after it
+        for e in range(done[0], end):
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                index[tuple(tokens[e - n + 1:e + 1])] = e + 1
+        done[0] = max(done[0], end)
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            after = index.get(tuple(tokens[-n:]))
+            if after is not None:
+                return tokens[after:after + k]
+        return []
+
+    def forget(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step makes for a request proposing `k` at per-token acceptance `acceptance`."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class FixedLength:
+    def __init__(self, k: int):
+        self.k = k
+
+    def length(self, batch: int) -> int:
+        return self.k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        pass
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+class AdaptiveLength:
+    """`k` in 0..`max_k` maximising goodput at the batch's size. The acceptance rate is a
+    running mean over the last ~`memory` proposed tokens; the step cost a line a + b x tokens
+    fitted by least squares over the last ~`memory` steps (`tokens`: what the engine pads a
+    step to, `step_tokens`). Until two step sizes have been measured, it proposes `max_k`."""
+
+    def __init__(self, max_k: int, step_tokens: Callable[[int], int] = lambda n: n, memory: int = 256,
+                 prior_acceptance: float = 0.5):
+        self.max_k = max_k
+        self.step_tokens = step_tokens
+        self.decay = 1.0 - 1.0 / memory
+        self.proposed, self.accepted = 1.0, prior_acceptance
+        self._sums = [0.0] * 5  # decayed sums of 1, x, y, x^2, xy over measured steps
+
+    @property
+    def acceptance(self) -> float:
+        return min(self.accepted / self.proposed, 0.999)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            d = self.decay ** proposed
+            self.proposed = self.proposed * d + proposed
+            self.accepted = self.accepted * d + accepted
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        x = float(tokens)
+        self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, seconds, x * x, x * seconds))]
+
+    def cost(self, tokens: int) -> float | None:
+        """The fitted seconds of a step of `tokens` tokens, or None before two sizes were measured."""
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx
+        if n < 2 or spread <= 1e-9 * max(n * sxx, 1.0):
+            return None
+        slope = max((n * sxy - sx * sy) / spread, 0.0)
+        return max((sy - slope * sx) / n + slope * self.step_tokens(tokens), 1e-9)
+
+    def length(self, batch: int) -> int:
+        if batch < 1 or self.max_k == 0 or self.cost(batch) is None:
+            return self.max_k
+        a = self.acceptance
+        goodput = [batch * expected_tokens(a, k) / self.cost(batch * (1 + k)) for k in range(self.max_k + 1)]
+        return max(range(self.max_k + 1), key=lambda k: (goodput[k], -k))
+
+
+class Speculator:
+    """A proposer and a length policy, with their running totals (`/metrics`, the step stats)."""
+
+    def __init__(self, proposer: Proposer, lengths, max_seq_len: int):
+        self.proposer = proposer
+        self.lengths = lengths
+        self.max_seq_len = max_seq_len
+        self.proposed = 0
+        self.accepted = 0
+        self.verify_rows = 0
+
+    def length(self, batch: int) -> int:
+        """The most tokens each request proposes this round, at `batch` decoding requests."""
+        return self.lengths.length(batch)
+
+    def proposal(self, r: Request, k: int) -> list[int]:
+        """At most `k` tokens for `r`: none past its max_tokens or the cache's length (the
+        verify row's positions all fit where a decode's would), nor for a request that may not
+        speculate."""
+        k = min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens)
+        return self.proposer.propose(r, k) if k > 0 and may_speculate(r) else []
+
+    def record(self, r: Request, proposed: int, accepted: int) -> None:
+        """A verify row's outcome: `accepted` of its `proposed` tokens were kept."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.verify_rows += 1
+        r.metrics.num_draft_tokens += proposed
+        r.metrics.num_accepted_tokens += accepted
+        self.lengths.observe(proposed, accepted)
+
+    def after_round(self, calls: list[list], seconds: float | None, touched) -> None:
+        """A round's rows (per call) and, for a round of decodes alone, its seconds: the length
+        policy's step cost; finished requests are forgotten."""
+        if seconds is not None:
+            self.lengths.observe_step(sum(r.num_tokens for rows in calls for r in rows), seconds)
+        for r in touched:
+            if r.finished:
+                self.proposer.forget(r.request_id)
+
+
+def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, min_n: int = 2, max_n: int = 4,
+                    step_tokens: Callable[[int], int] = lambda n: n) -> Speculator | None:
+    """The speculator `EngineArgs` ask for, or None (`method` "none" or `k` 0)."""
+    if method not in METHODS:
+        raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
+    if length_policy not in LENGTH_POLICIES:
+        raise ValueError(f"speculative_length must be one of {LENGTH_POLICIES}, got {length_policy!r}")
+    if method == "none" or k == 0:
+        return None
+    lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k, step_tokens)
+    return Speculator(NgramProposer(min_n, max_n), lengths, max_seq_len)
