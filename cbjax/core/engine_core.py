@@ -97,6 +97,8 @@ class EngineCore:
         self.scheduler.abort(request.request_id, self.clock())
         if slot is not None:
             self.engine.deactivate(slot)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -127,7 +129,7 @@ class EngineCore:
     in_flight = property(lambda self: self._ahead is not None)
 
     def load(self) -> Load:
-        return Load.of(self.scheduler, self.pages)
+        return Load.of(self.scheduler, self.pages, self.speculator)
 
     @contextlib.contextmanager
     def engine_swapped(self, engine):

@@ -54,13 +54,21 @@ class Load:
     swaps_out: int = 0
     swap_fallbacks: int = 0
     host_kv_cache_usage: float = 0.0  # fraction of the host tier's bytes in use
+    # Speculative decoding since the start: verify rows (drafts), tokens proposed, tokens accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @staticmethod
-    def of(sched: Scheduler, pages: BlockManager | None) -> "Load":
-        """What `sched` holds now."""
+    def of(sched: Scheduler, pages: BlockManager | None, speculator=None) -> "Load":
+        """What `sched` holds now (and what `speculator`, the core's or None, did so far)."""
         running = sum(r is not None for r in sched.slots)
         usage = 1.0 - pages.num_free / pages.num_pages if pages is not None else running / len(sched.slots)
-        return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(pages, sched.host))
+        spec = {} if speculator is None else dict(spec_drafts=speculator.verify_rows,
+                                                  spec_draft_tokens=speculator.proposed,
+                                                  spec_accepted_tokens=speculator.accepted)
+        return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(pages, sched.host),
+                    **spec)
 
     @staticmethod
     def combine(loads: list["Load"]) -> "Load":

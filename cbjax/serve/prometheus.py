@@ -44,6 +44,12 @@ class ServerMetrics:
         self.swaps = gauge("cbjax:kv_swaps_out", "Preemptions whose KV was swapped to host memory.")
         self.swap_fallbacks = gauge("cbjax:kv_swap_fallbacks", "Swap preemptions recomputed: host memory was full.")
         self.host_kv_usage = gauge("cbjax:host_kv_cache_usage_perc", "Fraction of the KV host tier in use, 0 to 1.")
+        self.spec_drafts = gauge("vllm:spec_decode_num_drafts", "Speculative decoding: rows verified (proposals).")
+        self.spec_draft_tokens = gauge("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.")
+        self.spec_accepted = gauge("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: tokens accepted.")
+        self.spec_rate = gauge("cbjax:spec_decode_acceptance_rate", "Accepted / proposed tokens, 0 to 1.")
+        self.spec_length = gauge("cbjax:spec_decode_mean_accepted_length",
+                                 "Tokens a verified row makes, on average: 1 + accepted / rows.")
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests started.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
@@ -97,6 +103,11 @@ class ServerMetrics:
         self.swaps.set(load.swaps_out)
         self.swap_fallbacks.set(load.swap_fallbacks)
         self.host_kv_usage.set(load.host_kv_cache_usage)
+        self.spec_drafts.set(load.spec_drafts)
+        self.spec_draft_tokens.set(load.spec_draft_tokens)
+        self.spec_accepted.set(load.spec_accepted_tokens)
+        self.spec_rate.set(load.spec_accepted_tokens / load.spec_draft_tokens if load.spec_draft_tokens else 0.0)
+        self.spec_length.set(1 + load.spec_accepted_tokens / load.spec_drafts if load.spec_drafts else 0.0)
 
     def render(self, load: Load) -> bytes:
         self.set_load(load)

@@ -1,0 +1,218 @@
+"""Speculative decoding inside continuous batching: verify rows in the ragged step give exactly
+the tokens decoding gives (greedy, and seeded sampling: randomness is keyed by the output
+index), whatever is proposed; rejected positions leave nothing behind; the host side (n-gram
+proposals, the adaptive length) on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cbjax import LLM, SamplingParams
+from cbjax.request import Request
+from cbjax.scheduling.speculation import AdaptiveLength, NgramProposer, expected_tokens, may_speculate
+
+MODEL = "tiny-llama"
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    motif = [int(t) for t in rng.integers(3, 250, 10)]
+    return [motif * 4,  # repeats: the n-gram proposer has a lot to go on
+            [int(t) for t in rng.integers(3, 250, 23)],
+            [7, 8, 9, 7, 8, 9, 7, 8],
+            [int(t) for t in rng.integers(3, 250, 5)]]
+
+
+class ScriptedProposer:
+    """Proposes the reference continuation with every third proposed token replaced by a wrong
+    one (so rows are accepted whole, in part, and not at all), and nothing for some rounds."""
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab: int):
+        self.reference, self.vocab, self.calls = reference, vocab, 0
+
+    def propose(self, r: Request, k: int) -> list[int]:
+        self.calls += 1
+        if self.calls % 5 == 0:
+            return []
+        ref = self.reference[tuple(r.prompt_token_ids)]
+        done = len(r.output_token_ids)
+        proposal = list(ref[done:done + k]) or [1] * k
+        for i in range((self.calls % 3), len(proposal), 3):
+            proposal[i] = (proposal[i] + 1 + self.calls) % self.vocab
+        return proposal
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def run(sampling, speculate: str = "none", scripted=None, **kwargs):
+    llm = LLM(MODEL, max_seq_len=kwargs.pop("max_seq_len", 96), num_slots=kwargs.pop("num_slots", 4),
+              speculative_method="ngram" if speculate != "none" else "none", num_speculative_tokens=4,
+              speculative_length="fixed", **kwargs)
+    if scripted is not None:
+        llm.core.speculator.proposer = scripted(llm)
+    outs = llm.generate(prompts(), sampling, use_tqdm=False)
+    return llm, outs
+
+
+@pytest.mark.parametrize("kv_cache,merge_mode", [("slots", "prefill_first"), ("paged", "chunked"),
+                                                 ("paged", "prefill_first"), ("slots", "fused")])
+def test_verified_tokens_equal_decoding_whatever_is_proposed(kv_cache, merge_mode):
+    """Greedy and seeded top-k/top-p sampling: proposals right, wrong and partly right, with
+    n-gram and scripted proposers, give the tokens plain decoding gives; a request stops on its
+    max_tokens inside an accepted proposal."""
+    greedy = [SamplingParams(max_tokens=m) for m in (24, 30, 7, 19)]
+    sampled = [SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.9, seed=s) for s in range(4)]
+    kw = dict(kv_cache=kv_cache, merge_mode=merge_mode)
+    if kv_cache == "paged":
+        kw["page_size"] = 8
+    for sampling in (greedy, sampled):
+        _, plain = run(sampling, **kw)
+        reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
+        llm, ngram = run(sampling, "ngram", **kw)
+        assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]
+        llm, scripted = run(sampling, "ngram", scripted=lambda llm: ScriptedProposer(reference, 256), **kw)
+        assert [o.token_ids for o in scripted] == [o.token_ids for o in plain]
+        spec = llm.core.speculator
+        assert spec.proposed > spec.accepted > 0  # both paths were taken
+        assert sum(o.metrics.num_draft_tokens for o in scripted) == spec.proposed
+        assert sum(o.metrics.num_accepted_tokens for o in scripted) == spec.accepted
+
+
+def test_accepted_proposals_save_steps_and_the_cache_ends_consistent():
+    """Proposals that are the target's own tokens are all accepted: fewer device steps for the
+    same tokens; afterwards the engine serves a new batch exactly (nothing left behind)."""
+    greedy = SamplingParams(max_tokens=32)
+    plain_llm, plain = run(greedy)
+    reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
+
+    class Oracle(ScriptedProposer):
+        def propose(self, r, k):
+            done = len(r.output_token_ids)
+            return list(self.reference[tuple(r.prompt_token_ids)][done:done + k])
+
+    llm, spec = run(greedy, "ngram", scripted=lambda llm: Oracle(reference, 256))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.core.speculator.accepted == llm.core.speculator.proposed > 0
+    assert llm.core.stats.decode_steps < plain_llm.core.stats.decode_steps / 3
+    llm.core.speculator.proposer = NgramProposer()
+    again = llm.generate(prompts(1), greedy, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in plain_llm.generate(prompts(1), greedy,
+                                                                                     use_tqdm=False)]
+
+
+def test_logprobs_and_stop_tokens_through_verification():
+    """A speculating request's logprobs are those decoding gives; a stop token inside an accepted
+    proposal ends it there."""
+    _, plain = run(SamplingParams(max_tokens=24, logprobs=3))
+    stop = plain[0].token_ids[9]
+    sampling = SamplingParams(max_tokens=24, logprobs=3, stop_token_ids=[stop])
+    _, plain = run(sampling)
+    reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
+    _, spec = run(sampling, "ngram", scripted=lambda llm: ScriptedProposer(reference, 256))
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]
+        np.testing.assert_allclose([[t.logprob, *(v for _, v in t.top)] for t in a.logprobs],
+                                   [[t.logprob, *(v for _, v in t.top)] for t in b.logprobs], atol=1e-4)
+    assert spec[0].finish_reason == "stop" and spec[0].token_ids[-1] == stop
+
+
+def test_penalised_and_constrained_requests_do_not_speculate():
+    penalised = SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5)
+    _, plain = run(penalised)
+    llm, spec = run(penalised, "ngram", scripted=lambda llm: ScriptedProposer({}, 256))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.core.speculator.proposed == 0
+    r = Request("a", [1, 2], SamplingParams(max_tokens=4, presence_penalty=0.5), 0.0)
+    assert not may_speculate(r)
+
+
+def test_ngram_proposer_finds_the_latest_earlier_occurrence():
+    p = NgramProposer(min_n=2, max_n=3)
+    r = Request("a", [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(max_tokens=8), 0.0)
+    assert p.propose(r, 2) == [4, 5]  # the latest "1 2 3" before the end
+    r.output_token_ids.append(6)
+    assert p.propose(r, 3) == []  # "3 6" and "2 3 6" never occurred
+    r.output_token_ids += [1, 2]
+    assert p.propose(r, 3) == [3, 6, 1]
+    p.forget("a")
+    assert p._index == {}
+    with pytest.raises(ValueError):
+        NgramProposer(min_n=3, max_n=2)
+
+
+def test_adaptive_length_turns_speculation_off_when_the_step_is_compute_bound():
+    """Memory-bound steps (cost flat in tokens) and high acceptance: the longest proposal; steps
+    whose cost grows with every token: none at a large batch, some at a small one."""
+    flat = AdaptiveLength(max_k=6)
+    assert flat.length(8) == 6  # nothing measured yet: explore
+    for tokens in (8, 16, 32, 56):
+        flat.observe_step(tokens, 0.010 + 1e-6 * tokens)
+    flat.observe(100, 90)
+    assert flat.length(8) == 6
+    steep = AdaptiveLength(max_k=6)
+    for tokens in (8, 16, 64, 128, 256):
+        steep.observe_step(tokens, 0.001 + 0.001 * tokens)
+    steep.observe(100, 50)
+    assert steep.length(64) == 0
+    assert steep.length(1) > 0
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+
+
+def test_speculation_knobs_are_checked():
+    from cbjax import EngineArgs
+
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineArgs(speculative_method="eagle")
+    with pytest.raises(ValueError, match="speculative_length"):
+        EngineArgs(speculative_method="ngram", speculative_length="sometimes")
+    with pytest.raises(ValueError, match="pipeline"):
+        EngineArgs(speculative_method="ngram", pipeline_stages=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineArgs(speculative_method="ngram", num_speculative_tokens=0)
+
+
+def test_preemption_and_prefix_cache_under_speculation():
+    """A paged cache too small for every request (recompute preemptions) with prefix caching:
+    follow-up prompts (prompt + answer + more) hit pages registered from accepted tokens only,
+    and every output equals plain decoding's."""
+    kw = dict(kv_cache="paged", page_size=8, num_pages=18, enable_prefix_caching=True, merge_mode="chunked")
+    greedy = SamplingParams(max_tokens=28)
+    outs = {}
+    for method in ("none", "ngram"):
+        llm, first = run(greedy, method, **kw)
+        follow = [o.prompt_token_ids + o.token_ids + [5, 6, 7] for o in first]
+        second = llm.generate(follow, greedy, use_tqdm=False)
+        outs[method] = ([o.token_ids for o in first], [o.token_ids for o in second])
+        load = llm.load()
+        if method == "ngram":
+            assert load.spec_draft_tokens > 0 and load.prefix_hits > 0
+            assert load.num_preemptions > 0
+    assert outs["ngram"] == outs["none"]
+
+
+def test_speculation_counts_reach_the_metrics_endpoint():
+    from cbjax.serve.prometheus import ServerMetrics
+
+    llm, _ = run(SamplingParams(max_tokens=24), "ngram")
+    load = llm.load()
+    text = ServerMetrics("tiny").render(load).decode()
+    assert load.spec_draft_tokens >= load.spec_accepted_tokens > 0
+    assert f'vllm:spec_decode_num_draft_tokens{{model_name="tiny"}} {float(load.spec_draft_tokens)}' in text
+    rate = load.spec_accepted_tokens / load.spec_draft_tokens
+    assert f'cbjax:spec_decode_acceptance_rate{{model_name="tiny"}} {rate}' in text
+
+
+def test_warm_up_compiles_the_verify_programs():
+    from cbjax.runtime.device_state import TRACE_COUNTS
+
+    llm = LLM(MODEL, max_seq_len=96, num_slots=4, speculative_method="ngram", num_speculative_tokens=3,
+              speculative_length="fixed")
+    llm.warmup()
+    assert any(kind == "verify" for kind, _, _ in llm.engine.programs())
+    traced = sum(TRACE_COUNTS.values())
+    llm.generate(prompts(2), SamplingParams(max_tokens=20), use_tqdm=False)
+    assert llm.load().spec_draft_tokens > 0
+    assert sum(TRACE_COUNTS.values()) == traced, "a speculating workload compiled after warm-up"
