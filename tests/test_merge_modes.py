@@ -26,9 +26,9 @@ def recording(llm):
     plans = []
     schedule = llm.scheduler.schedule
 
-    def wrapped(now):
+    def wrapped(now, *speculation):
         running = [r for r in llm.scheduler.running if r.state == RequestState.RUNNING]
-        plan = schedule(now)
+        plan = schedule(now, *speculation)
         plans.append((plan, running))
         return plan
 

@@ -145,19 +145,23 @@ def test_ngram_proposer_finds_the_latest_earlier_occurrence():
 
 def test_adaptive_length_turns_speculation_off_when_the_step_is_compute_bound():
     """Memory-bound steps (cost flat in tokens) and high acceptance: the longest proposal; steps
-    whose cost grows with every token: none at a large batch, some at a small one."""
-    flat = AdaptiveLength(max_k=6)
+    whose cost grows with every token: none at a large batch, some at a small one. A first step
+    of a size that compiled its program (a spike) does not count; 0 is probed now and then."""
+    flat = AdaptiveLength(max_k=6, probe_every=4)
     assert flat.length(8) == 6  # nothing measured yet: explore
     for tokens in (8, 16, 32, 56):
+        flat.observe_step(tokens, 5.0)  # the step that compiled
         flat.observe_step(tokens, 0.010 + 1e-6 * tokens)
     flat.observe(100, 90)
     assert flat.length(8) == 6
-    steep = AdaptiveLength(max_k=6)
+    steep = AdaptiveLength(max_k=6, probe_every=4)
     for tokens in (8, 16, 64, 128, 256):
-        steep.observe_step(tokens, 0.001 + 0.001 * tokens)
+        for _ in range(2):
+            steep.observe_step(tokens, 0.010 + 0.0005 * tokens)
     steep.observe(100, 50)
     assert steep.length(64) == 0
     assert steep.length(1) > 0
+    assert [steep.next_length(64) for _ in range(4)] == [0, 0, 0, 6]
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
 
 

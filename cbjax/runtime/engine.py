@@ -269,6 +269,9 @@ class Engine(EngineBase):
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL,
                   verify: int = 0) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""
+        return self._step(packed, steps, sampler, verify)
+
+    def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL, verify: int = 0) -> jax.Array:
         return self.run_program(*self._step_arguments(packed, steps, sampler, verify))
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int,
@@ -288,7 +291,7 @@ class Engine(EngineBase):
     def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
-        key = (tuple(a.shape for a in args[3:]), static["steps"], static["sampler"], static["verify"])  # program_key
+        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"])  # program_key
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait)
 
     def padding_arguments(self, num_tokens: int, steps: int, sampler: Sampler = ALL,

@@ -83,12 +83,12 @@ def sample_positions(state, logits, batch: Resolved, flat, ints, floats, *, posi
     accepted = jnp.sum(jnp.cumprod(proposed & (token == draft), axis=1), axis=1)
     total_len = jnp.where(batch.verify[:, None], batch.start[:, None] + j + 2,
                           (batch.start + batch.q_len)[:, None] + 1 + j)
+    samples = (batch.decode & (batch.q_len > 0)) | is_last | batch.verify
     done = is_done(token, rows.stop_ids[:, None, :], before[:, None] + j + 1, rows.max_tokens[:, None], total_len,
-                   max_len) & (j <= accepted[:, None])
+                   max_len) & (j <= accepted[:, None]) & samples[:, None]
     stopped = jnp.any(done, axis=1)
     emitted_len = jnp.where(stopped, jnp.argmax(done, axis=1) + 1, accepted + 1)  # [R]
     emitted = j < emitted_len[:, None]
-    samples = (batch.decode & (batch.q_len > 0)) | is_last | batch.verify
     last = jnp.take_along_axis(token, (emitted_len - 1)[:, None], axis=1)[:, 0]
     target = jnp.where(samples, batch.slot, num_slots)
     state = state.set_rows(target, tokens=last, active=~stopped, num_generated=before + emitted_len, ints=rows.ints,

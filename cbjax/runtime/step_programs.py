@@ -72,21 +72,21 @@ class SamplerVariants:
 
 
 def program_key(args: tuple, static: dict) -> tuple:
-    """(the packed arrays' shapes, steps, sampler, verify positions): what tells one engine's step
+    """(the packed arrays' shapes, steps, verify positions, sampler): what tells one engine's step
     programs apart."""
-    return tuple(a.shape for a in args[3:]), static["steps"], static["sampler"], static["verify"]
+    return tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"]
 
 
 class StepPrograms:
     def __init__(self):
-        # (the packed arrays' shapes, steps, sampler) -> compiled program (the engine's hot path reads it)
+        # (the packed arrays' shapes, steps, verify, sampler) -> compiled program (the engine's hot path reads it)
         self.ready: dict = {}
         self._compiling: dict = {}  # key -> Future of a background compile
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def keys(self) -> list[tuple]:
-        """(argument shapes, steps, sampler) of every program ready."""
+        """(argument shapes, steps, verify, sampler) of every program ready."""
         return list(self.ready)
 
     def get(self, args: tuple, static: dict, wait: bool = False):

@@ -84,6 +84,8 @@ class FixedLength:
     def length(self, batch: int) -> int:
         return self.k
 
+    next_length = length
+
     def observe(self, proposed: int, accepted: int) -> None:
         pass
 
@@ -93,17 +95,21 @@ class FixedLength:
 
 class AdaptiveLength:
     """`k` in 0..`max_k` maximising goodput at the batch's size. The acceptance rate is a
-    running mean over the last ~`memory` proposed tokens; the step cost a line a + b x tokens
-    fitted by least squares over the last ~`memory` steps (`tokens`: what the engine pads a
-    step to, `step_tokens`). Until two step sizes have been measured, it proposes `max_k`."""
+    running mean over the last ~`memory` proposed tokens. The step cost is a line a + b x tokens
+    fitted to one estimate per measured step size (`step_tokens`: what the engine pads a step
+    to); an estimate falls fast and rises slowly, so a step that compiled a program, or was
+    interrupted, hardly moves it. Until two sizes have been measured it proposes `max_k`;
+    after `probe_every` rounds at 0 it proposes `max_k` once, to measure again."""
 
     def __init__(self, max_k: int, step_tokens: Callable[[int], int] = lambda n: n, memory: int = 256,
-                 prior_acceptance: float = 0.5):
+                 prior_acceptance: float = 0.5, probe_every: int = 64):
         self.max_k = max_k
         self.step_tokens = step_tokens
         self.decay = 1.0 - 1.0 / memory
         self.proposed, self.accepted = 1.0, prior_acceptance
-        self._sums = [0.0] * 5  # decayed sums of 1, x, y, x^2, xy over measured steps
+        self.seconds: dict[int, tuple[float, int]] = {}  # step size -> (its estimated seconds, steps seen)
+        self.probe_every = probe_every
+        self._off = 0  # rounds at k = 0 since the last probe
 
     @property
     def acceptance(self) -> float:
@@ -116,24 +122,42 @@ class AdaptiveLength:
             self.accepted = self.accepted * d + accepted
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        x = float(tokens)
-        self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, seconds, x * x, x * seconds))]
+        size = self.step_tokens(tokens)
+        old, count = self.seconds.get(size, (seconds, 0))
+        if count <= 1 or seconds < old:  # the first step of a size may have compiled its program
+            estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
+        else:
+            estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
+        self.seconds[size] = (estimate, count + 1)
 
     def cost(self, tokens: int) -> float | None:
-        """The fitted seconds of a step of `tokens` tokens, or None before two sizes were measured."""
-        n, sx, sy, sxx, sxy = self._sums
-        spread = n * sxx - sx * sx
-        if n < 2 or spread <= 1e-9 * max(n * sxx, 1.0):
+        """The fitted seconds of a step of `tokens` tokens, or None before two sizes were
+        measured twice (a size's weight: its steps, up to 16)."""
+        points = [(x, y, min(c, 16)) for x, (y, c) in self.seconds.items() if c >= 2]
+        if len(points) < 2:
             return None
-        slope = max((n * sxy - sx * sy) / spread, 0.0)
-        return max((sy - slope * sx) / n + slope * self.step_tokens(tokens), 1e-9)
+        w = sum(c for _, _, c in points)
+        mx, my = sum(x * c for x, _, c in points) / w, sum(y * c for _, y, c in points) / w
+        slope = max(sum(c * (x - mx) * (y - my) for x, y, c in points) / sum(c * (x - mx) ** 2 for x, _, c in points),
+                    0.0)
+        return max(my + slope * (self.step_tokens(tokens) - mx), 1e-9)
 
     def length(self, batch: int) -> int:
+        """The goodput-maximising `k` at `batch` requests (no side effect)."""
         if batch < 1 or self.max_k == 0 or self.cost(batch) is None:
             return self.max_k
         a = self.acceptance
         goodput = [batch * expected_tokens(a, k) / self.cost(batch * (1 + k)) for k in range(self.max_k + 1)]
         return max(range(self.max_k + 1), key=lambda k: (goodput[k], -k))
+
+    def next_length(self, batch: int) -> int:
+        """This round's `k`: `length`, but `max_k` once every `probe_every` rounds at 0."""
+        best = self.length(batch)
+        self._off = self._off + 1 if best == 0 else 0
+        if self._off >= self.probe_every:
+            self._off = 0
+            return self.max_k
+        return best
 
 
 class Speculator:
@@ -148,8 +172,12 @@ class Speculator:
         self.verify_rows = 0
 
     def length(self, batch: int) -> int:
-        """The most tokens each request proposes this round, at `batch` decoding requests."""
+        """The most tokens each request would propose at `batch` decoding requests."""
         return self.lengths.length(batch)
+
+    def next_length(self, batch: int) -> int:
+        """The most tokens each request proposes this round (at `batch` decoding requests)."""
+        return self.lengths.next_length(batch)
 
     def proposal(self, r: Request, k: int) -> list[int]:
         """At most `k` tokens for `r`: none past its max_tokens or the cache's length (the

@@ -1,0 +1,234 @@
+"""When speculation pays: n-gram speculative decoding against plain decoding, by batch size and load.
+
+For each workload and batch size (closed batches: `num_slots` = the batch, every request
+submitted at once), each configuration runs the same requests: no speculation, a fixed
+proposal length k for each of --ks, and the adaptive length (SmartSpec's goodput, k up to
+max(--ks)). Prints throughput, the speedup over no speculation measured side by side, mean
+TPOT and the acceptance; then, at --qps Poisson rates on --num_slots, TPOT and E2E latency.
+Writes JSON, a markdown table and a plot of speedup against batch size.
+
+    python -m experiments speculation --flagfile=configs/speculation_cpu.cfg
+    python -m experiments speculation --model=tiny-llama --workloads=synthetic --batch_sizes=1,4
+
+Workloads: `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
+the prompt, n-gram's best case), `sharegpt` (ShareGPT opening turns, chat-templated, until EOS
+or --max_tokens), `synthetic` (random prompts with a repeated motif; for models without a
+tokenizer).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+from experiments.lib import common
+from cbjax.core import engine_args
+from cbjax.core.engine_args import EngineArgs
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
+flags.DEFINE_list("workloads", ["copy", "sharegpt"], "Workloads: copy, sharegpt, synthetic.")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Closed batch sizes (num_slots = batch; requests at once).")
+flags.DEFINE_list("ks", ["2", "4", "8"], "Fixed proposal lengths to compare; adaptive proposes up to the largest.")
+flags.DEFINE_bool("adaptive", True, "Also run the adaptive length.")
+flags.DEFINE_integer("requests_per_slot", 2, "Requests per batch slot in the closed-batch runs.", lower_bound=1)
+flags.DEFINE_integer("max_tokens", 128, "Most tokens a request generates.", lower_bound=1)
+flags.DEFINE_integer("copy_tokens", 160, "copy: the passage's length in tokens (cut at a word).", lower_bound=8)
+flags.DEFINE_list("qps", [], "Poisson request rates for the latency part (on --num_slots slots); empty: skip it.")
+flags.DEFINE_integer("poisson_requests", 32, "Requests per Poisson run.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_string("output_dir", "results/speculation", "Where the JSON, the table and the plot go.")
+EngineArgs.define_flags(["num_slots", "max_seq_len", "dtype", "speculative_ngram_min", "speculative_ngram_max"],
+                        max_seq_len=1024, num_slots=16)
+flags.adopt_module_key_flags(engine_args)
+common.validate_list("batch_sizes", int, 1, "positive batch sizes")
+common.validate_list("ks", int, 1, "positive proposal lengths")
+common.validate_list("qps", float, 1e-6, "positive request rates", allow_empty=True)
+common.validate_list("workloads", lambda w: 0 if w in ("copy", "sharegpt", "synthetic") else -1, 0,
+                     "workloads among copy, sharegpt, synthetic")
+
+
+def configurations() -> list[tuple[str, dict]]:
+    """(label, `LLM` speculation keywords) of every configuration compared."""
+    ks = [int(k) for k in FLAGS.ks]
+    out = [("none", dict(speculative_method="none"))]
+    out += [(f"k={k}", dict(speculative_method="ngram", num_speculative_tokens=k, speculative_length="fixed"))
+            for k in ks]
+    if FLAGS.adaptive:
+        out.append(("adaptive", dict(speculative_method="ngram", num_speculative_tokens=max(ks),
+                                     speculative_length="adaptive")))
+    return out
+
+
+def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
+    """`n` (prompt ids, SamplingParams) of `workload`."""
+    from cbjax import SamplingParams
+
+    rng = np.random.default_rng(FLAGS.seed)
+    if workload == "synthetic":
+        vocab = model.config.vocab_size
+        out = []
+        for _ in range(n):
+            motif = rng.integers(3, vocab, 8).tolist()
+            out.append((rng.integers(3, vocab, 8).tolist() + motif * 4, SamplingParams(max_tokens=FLAGS.max_tokens)))
+        return out
+    if model.tokenizer is None:
+        raise ValueError(f"the {workload} workload needs a model with a tokenizer (or --workloads=synthetic)")
+    from cbjax.tokenization import chat_prompt_ids
+    from cbjax.traces import sharegpt_conversations
+
+    tok = model.tokenizer
+    pairs = sharegpt_conversations()
+    out = []
+    for i in rng.permutation(len(pairs)):
+        human, reply = pairs[i]
+        if workload == "sharegpt":
+            prompt = chat_prompt_ids(tok, human)
+            budget = FLAGS.max_tokens
+        else:
+            words = reply.split()
+            passage = " ".join(words[:FLAGS.copy_tokens * 3 // 4])  # about copy_tokens tokens of English
+            if len(words) < 40:
+                continue
+            prompt = chat_prompt_ids(tok, "Repeat the following text exactly, word for word:\n\n" + passage)
+            budget = min(FLAGS.max_tokens, len(tok.encode(passage, add_special_tokens=False)) + 16)
+        if len(prompt) + budget > FLAGS.max_seq_len:
+            continue
+        out.append((prompt, SamplingParams(max_tokens=budget)))
+        if len(out) == n:
+            return out
+    raise ValueError(f"only {len(out)} {workload} requests fit max_seq_len={FLAGS.max_seq_len}")
+
+
+def measure(llm, reqs) -> dict:
+    """Generate `reqs` at once; throughput, mean TPOT and the speculation counters."""
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
+             for o in outs if len(o.metrics.token_times) > 1]
+    load = llm.load()
+    return {"tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+            "mean_tpot_ms": 1000 * float(np.mean(tpots)) if tpots else None,
+            "proposed": load.spec_draft_tokens, "accepted": load.spec_accepted_tokens,
+            "acceptance": load.spec_accepted_tokens / load.spec_draft_tokens if load.spec_draft_tokens else None,
+            "tokens_per_verify": 1 + load.spec_accepted_tokens / load.spec_drafts if load.spec_drafts else None}
+
+
+def closed_batches(model, workload: str) -> dict:
+    from cbjax import LLM
+
+    sizes = [int(b) for b in FLAGS.batch_sizes]
+    pool = requests(model, workload, max(sizes) * FLAGS.requests_per_slot)
+    rows = {}
+    for batch in sizes:
+        reqs = pool[:batch * FLAGS.requests_per_slot]
+        for label, options in configurations():
+            llm = LLM(model, num_slots=batch, max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                      speculative_ngram_min=FLAGS.speculative_ngram_min,
+                      speculative_ngram_max=FLAGS.speculative_ngram_max, **options)
+            llm.warmup()
+            row = measure(llm, reqs)
+            row["speedup"] = row["tok_per_s"] / rows[f"{workload}/b{batch}/none"]["tok_per_s"] if label != "none" \
+                else 1.0
+            rows[f"{workload}/b{batch}/{label}"] = {"workload": workload, "batch": batch, "config": label, **row}
+            print(f"{workload:>9} batch {batch:>3} {label:>9}: {row['tok_per_s']:8.1f} tok/s  "
+                  f"x{row['speedup']:.2f}", flush=True)
+            del llm
+            common.release_programs()
+    return rows
+
+
+def poisson(model, workload: str) -> dict:
+    from cbjax import LLM
+    from cbjax.workload import WorkloadRequest, arrival_times
+
+    reqs = requests(model, workload, FLAGS.poisson_requests)
+    rows = {}
+    for qps in (float(q) for q in FLAGS.qps):
+        times = arrival_times("poisson", len(reqs), np.random.default_rng(FLAGS.seed), qps, 1.0)
+        work = [WorkloadRequest(float(t), p, s) for t, (p, s) in zip(times, reqs)]
+        for label, options in configurations():
+            llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype, **options)
+            m = common.run_replay(llm, work, desc=f"{label}@{qps:g}")
+            load = llm.load()
+            rows[f"{workload}/{qps:g}/{label}"] = {
+                "workload": workload, "qps": qps, "config": label, "mean_running": m["mean_running"],
+                **{k: m[k] for k in ("mean_tpot_ms", "median_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
+                                     "output_throughput")},
+                "acceptance": load.spec_accepted_tokens / load.spec_draft_tokens if load.spec_draft_tokens else None}
+            del llm
+            common.release_programs()
+    return rows
+
+
+def table(closed: dict, arrivals: dict) -> str:
+    lines = ["| workload | batch | config | tok/s | speedup | mean TPOT ms | acceptance | tokens / verify |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in closed.values():
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        per = "" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}"
+        tpot = "" if r["mean_tpot_ms"] is None else f"{r['mean_tpot_ms']:.1f}"
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {r['tok_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {tpot} | {acc} | {per} |")
+    if arrivals:
+        lines += ["", "| workload | Poisson req/s | config | mean running | mean TPOT ms | median E2E ms | "
+                  "p99 E2E ms | tok/s | acceptance |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in arrivals.values():
+            acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+            lines.append(f"| {r['workload']} | {r['qps']:g} | {r['config']} | {r['mean_running']:.1f} | "
+                         f"{r['mean_tpot_ms']:.1f} | {r['median_e2el_ms']:.0f} | {r['p99_e2el_ms']:.0f} | "
+                         f"{r['output_throughput']:.1f} | {acc} |")
+    return "\n".join(lines)
+
+
+def plot(closed: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in closed.values()))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        rows = [r for r in closed.values() if r["workload"] == workload]
+        for label in dict.fromkeys(r["config"] for r in rows):
+            mine = [r for r in rows if r["config"] == label]
+            ax.plot([r["batch"] for r in mine], [r["speedup"] for r in mine], marker="o", label=label)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests decoding together)")
+        ax.set_ylabel("throughput / no speculation")
+        ax.set_title(f"{FLAGS.model}: {workload}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    common.savefig(fig, path)
+
+
+def main(argv):
+    del argv
+    start = time.perf_counter()
+    text = any(w != "synthetic" for w in FLAGS.workloads)
+    model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=text)
+    closed, arrivals = {}, {}
+    for workload in FLAGS.workloads:
+        closed.update(closed_batches(model, workload))
+        if FLAGS.qps:
+            arrivals.update(poisson(model, workload))
+    result = table(closed, arrivals)
+    print("\n" + result)
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, "speculation.md"), "w") as f:
+        f.write(result + "\n")
+    plot(closed, os.path.join(FLAGS.output_dir, "speculation.png"))
+    common.write_json({"flags": common.script_flags(), "closed_batches": closed, "poisson": arrivals,
+                       "table": result, "wall_s": time.perf_counter() - start},
+                      os.path.join(FLAGS.output_dir, "speculation.json"))
+
+
+if __name__ == "__main__":
+    app.run(main)
