@@ -70,6 +70,16 @@ def test_latency_sweep_and_ablate_write_results(tmp_path):
     assert (tmp_path / "ablate_refill_interval.png").stat().st_size > 0
 
 
+def test_speculation_study_writes_its_table(tmp_path):
+    run_script("speculation.py", "--model=tiny-llama", "--workloads=synthetic", "--batch_sizes=2", "--ks=2",
+               "--max_tokens=24", "--max_seq_len=64", "--requests_per_slot=1", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "speculation.json").read_text())
+    rows = result["closed_batches"]
+    assert [r["config"] for r in rows.values()] == ["none", "k=2", "adaptive"]
+    assert rows["synthetic/b2/none"]["speedup"] == 1.0 and rows["synthetic/b2/k=2"]["proposed"] > 0
+    assert (tmp_path / "speculation.png").stat().st_size > 0 and "| synthetic | 2 | k=2 |" in result["table"]
+
+
 def test_fcfs_schedules_count_each_steps_sequences():
     cb = experiments_module("compare_batching")
     budgets = [3, 1, 2, 2, 1]
