@@ -31,7 +31,13 @@ class ScriptedProposer:
     def __init__(self, reference: dict[tuple, list[int]], vocab: int):
         self.reference, self.vocab, self.calls = reference, vocab, 0
 
-    def propose(self, r: Request, k: int) -> list[int]:
+    def propose(self, requests, ks):
+        return [self.guess(r, k) if k else [] for r, k in zip(requests, ks)]
+
+    def warmup(self):
+        return 0
+
+    def guess(self, r: Request, k: int) -> list[int]:
         self.calls += 1
         if self.calls % 5 == 0:
             return []
@@ -46,9 +52,9 @@ class ScriptedProposer:
         pass
 
 
-def run(sampling, speculate: str = "none", scripted=None, **kwargs):
-    llm = LLM(MODEL, max_seq_len=kwargs.pop("max_seq_len", 96), num_slots=kwargs.pop("num_slots", 4),
-              speculative_method="ngram" if speculate != "none" else "none", num_speculative_tokens=4,
+def run(sampling, speculate: str = "none", scripted=None, model: str = MODEL, **kwargs):
+    llm = LLM(model, max_seq_len=kwargs.pop("max_seq_len", 96), num_slots=kwargs.pop("num_slots", 4),
+              speculative_method=speculate, num_speculative_tokens=kwargs.pop("num_speculative_tokens", 4),
               speculative_length="fixed", **kwargs)
     if scripted is not None:
         llm.core.speculator.proposer = scripted(llm)
@@ -88,7 +94,7 @@ def test_accepted_proposals_save_steps_and_the_cache_ends_consistent():
     reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
 
     class Oracle(ScriptedProposer):
-        def propose(self, r, k):
+        def guess(self, r, k):
             done = len(r.output_token_ids)
             return list(self.reference[tuple(r.prompt_token_ids)][done:done + k])
 
@@ -132,11 +138,11 @@ def test_penalised_and_constrained_requests_do_not_speculate():
 def test_ngram_proposer_finds_the_latest_earlier_occurrence():
     p = NgramProposer(min_n=2, max_n=3)
     r = Request("a", [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(max_tokens=8), 0.0)
-    assert p.propose(r, 2) == [4, 5]  # the latest "1 2 3" before the end
+    assert p.propose([r], [2]) == [[4, 5]]  # the latest "1 2 3" before the end
     r.output_token_ids.append(6)
-    assert p.propose(r, 3) == []  # "3 6" and "2 3 6" never occurred
+    assert p.propose([r], [3]) == [[]]  # "3 6" and "2 3 6" never occurred
     r.output_token_ids += [1, 2]
-    assert p.propose(r, 3) == [3, 6, 1]
+    assert p.propose([r, r], [3, 0]) == [[3, 6, 1], []]
     p.forget("a")
     assert p._index == {}
     with pytest.raises(ValueError):
@@ -220,3 +226,47 @@ def test_warm_up_compiles_the_verify_programs():
     llm.generate(prompts(2), SamplingParams(max_tokens=20), use_tqdm=False)
     assert llm.load().spec_draft_tokens > 0
     assert sum(TRACE_COUNTS.values()) == traced, "a speculating workload compiled after warm-up"
+
+
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_speculates_token_exact(family):
+    """n-gram, a draft that is the target itself (every proposal accepted), and scripted
+    proposals, greedy, over the paged cache with chunked prefill: plain decoding's tokens."""
+    greedy = SamplingParams(max_tokens=20)
+    kw = dict(model=family, kv_cache="paged", page_size=8, merge_mode="chunked")
+    _, plain = run(greedy, **kw)
+    expected = [o.token_ids for o in plain]
+    reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
+    _, ngram = run(greedy, "ngram", **kw)
+    assert [o.token_ids for o in ngram] == expected
+    llm, itself = run(greedy, "draft", speculative_model=family, **kw)
+    assert [o.token_ids for o in itself] == expected
+    spec = llm.core.speculator
+    assert spec.accepted == spec.proposed > 0
+    llm, scripted = run(greedy, "ngram", scripted=lambda llm: ScriptedProposer(reference, 500), **kw)
+    assert [o.token_ids for o in scripted] == expected
+
+
+@pytest.mark.parametrize("merge_mode", ["prefill_first", "fused", "chunked"])
+def test_a_second_model_drafts_for_the_target(merge_mode):
+    """A different tiny model of the same vocabulary as the draft: some proposals accepted, some
+    not; greedy and seeded sampling give plain decoding's tokens, in every merge mode."""
+    for sampling in (SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.8, seed=3)):
+        _, plain = run(sampling, merge_mode=merge_mode)
+        llm, drafted = run(sampling, "draft", speculative_model="tiny-mistral", merge_mode=merge_mode)
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+        assert llm.core.speculator.proposed > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="speculative_model.*vocabulary"):
+        LLM(MODEL, max_seq_len=64, speculative_method="draft", speculative_model="tiny-qwen2")
+    from cbjax import EngineArgs
+
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineArgs(speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineArgs(speculative_model="tiny-llama")

@@ -102,9 +102,14 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                                 pages=pages, host=host)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
     buckets = engine.token_buckets()
+    draft = None
+    if args.speculative_method == "draft":
+        from cbjax.core.draft import draft_proposer
+
+        draft = draft_proposer(args.speculative_model, model, args, num_slots)
     core.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
                                       args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
-                                      step_tokens=lambda n: next((b for b in buckets if b >= n), n))
+                                      step_tokens=lambda n: next((b for b in buckets if b >= n), n), draft=draft)
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 

@@ -126,9 +126,11 @@ class EngineArgs:
                               "is weight-only.", SIM_WEIGHT_DTYPES)
     kv_dtype: str = _knob(None, "Simulated KV-cache dtype (default: the weight dtype).", SIM_KV_DTYPES)
     # Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/speculative.py)
-    speculative_method: str = _knob("none", "Speculative decoding: none, or ngram (prompt lookup: the tokens that "
-                                    "followed the latest earlier occurrence of a request's last n tokens).",
-                                    ("none", "ngram"))
+    speculative_method: str = _knob("none", "Speculative decoding: none, ngram (prompt lookup: the tokens that "
+                                    "followed the latest earlier occurrence of a request's last n tokens) or draft "
+                                    "(a smaller model's greedy tokens: speculative_model).", ("none", "ngram", "draft"))
+    speculative_model: str = _knob(None, "speculative_method=draft: the draft model (preset, Hugging Face directory, "
+                                   ".gguf or orbax), with the target's vocabulary.")
     num_speculative_tokens: int = _knob(4, "Speculation: the most tokens proposed per request and step.", lower=1)
     speculative_length: str = _knob("adaptive", "Speculation: fixed (num_speculative_tokens every step) or adaptive "
                                     "(each step's length, 0 included, from the measured acceptance and step cost: "
@@ -280,3 +282,10 @@ def check_speculation(args: EngineArgs) -> None:
     if args.speculative_method != "none" and (args.pipeline_stages > 1 or args.prefill_instances):
         raise ValueError("speculative decoding verifies in one engine's step: not with pipeline stages nor "
                          "disaggregated instances yet")
+    if args.speculative_method == "draft" and not args.speculative_model:
+        raise ValueError("speculative_method='draft' needs speculative_model: the draft to load")
+    if args.speculative_model and args.speculative_method != "draft":
+        raise ValueError(f"speculative_model is the draft of speculative_method='draft' (got "
+                         f"{args.speculative_method!r})")
+    if args.speculative_method == "draft" and args.tensor_parallel > 1:
+        raise ValueError("speculative_method='draft' runs its draft on one device: not with tensor_parallel yet")

@@ -30,8 +30,8 @@ def decode_rows(running: list[Request], plan: Plan, speculator: Speculator | Non
     """A row for each running request: a decode, or (speculating) its verification."""
     if speculator is None or not plan.draft_len:
         return [Row.decode(r) for r in running]
-    return [Row.speculating(r, p) if (p := speculator.proposal(r, plan.draft_len)) else Row.decode(r)
-            for r in running]
+    return [Row.speculating(r, p) if p else Row.decode(r)
+            for r, p in zip(running, speculator.proposals(running, plan.draft_len))]
 
 
 def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
@@ -110,7 +110,7 @@ class EngineCore:
     def warmup(self) -> int:
         """Compile every program this configuration can reach (the step per token bucket, the
         host tier's moves)."""
-        count = self.engine.warmup()
+        count = self.engine.warmup() + (self.speculator.warmup() if self.speculator is not None else 0)
         host, host_kv = self.scheduler.host, self.engine.host_kv
         if host is not None and host_kv is not None:
             swap = self.scheduler.config.preemption_mode == "swap"

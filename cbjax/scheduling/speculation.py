@@ -1,10 +1,11 @@
 """Speculative decoding's host side: what to propose for each running request, and how many
 tokens to propose at the current load. No JAX: the device verifies (cbjax/runtime/speculative.py).
 
-A `Proposer` proposes up to `k` next tokens for a request from what the host holds (its
-prompt and output so far); `NgramProposer` is prompt lookup (the request's latest earlier
-occurrence of its last n tokens, and what followed it). A proposer that reads the target's
-hidden states (EAGLE) or runs a draft model would take the same `propose` call.
+A `Proposer` proposes up to `k` next tokens for each of a round's speculating requests, all at
+once; `NgramProposer` is prompt lookup (the request's latest earlier occurrence of its last n
+tokens, and what followed it) from what the host holds, `cbjax/core/draft.py`'s `DraftProposer`
+runs a draft model on an engine of its own. A proposer that reads the target's hidden states
+(EAGLE) would take the same call.
 
 The length policies pick each round's `k`: `FixedLength`, or `AdaptiveLength`, which
 maximises SmartSpec's goodput (arXiv 2406.14066): with a per-token acceptance rate `a`, a
@@ -19,7 +20,7 @@ from typing import Callable, Protocol
 
 from cbjax.request import Request, RequestState
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "draft")
 LENGTH_POLICIES = ("fixed", "adaptive")
 
 
@@ -33,11 +34,16 @@ def may_speculate(r: Request) -> bool:
 
 
 class Proposer(Protocol):
-    def propose(self, r: Request, k: int) -> list[int]:
-        """Up to `k` tokens to follow `r`'s tokens (fewer, or none, when it has no guess)."""
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """For each request, up to its `k` tokens to follow its tokens (fewer, or none, when it
+        has no guess; none for `k` 0). Proposals must be point masses (a fixed guess, or a
+        draft's greedy token): the verification is exact rejection sampling for those."""
 
     def forget(self, request_id: str) -> None:
         """`request_id` finished: drop what was kept for it."""
+
+    def warmup(self) -> int:
+        """Compile what it runs ahead of time; the number of programs."""
 
 
 class NgramProposer:
@@ -52,7 +58,14 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._index: dict[str, tuple[dict, list[int]]] = {}  # request id -> (index, [positions indexed])
 
-    def propose(self, r: Request, k: int) -> list[int]:
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self.lookup(r, k) if k > 0 else [] for r, k in zip(requests, ks)]
+
+    def warmup(self) -> int:
+        return 0
+
+    def lookup(self, r: Request, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of `r`'s last n tokens."""
         tokens = r.prompt_token_ids + r.output_token_ids
         index, done = self._index.setdefault(r.request_id, ({}, [0]))
         end = len(tokens) - 1  # n-grams ending before the last token: each has a token after it
@@ -179,12 +192,16 @@ class Speculator:
         """The most tokens each request proposes this round (at `batch` decoding requests)."""
         return self.lengths.next_length(batch)
 
-    def proposal(self, r: Request, k: int) -> list[int]:
-        """At most `k` tokens for `r`: none past its max_tokens or the cache's length (the
-        verify row's positions all fit where a decode's would), nor for a request that may not
-        speculate."""
-        k = min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens)
-        return self.proposer.propose(r, k) if k > 0 and may_speculate(r) else []
+    def proposals(self, requests: list[Request], k: int) -> list[list[int]]:
+        """At most `k` tokens for each request: none past its max_tokens or the cache's length
+        (the verify row's positions all fit where a decode's would), nor for a request that may
+        not speculate."""
+        ks = [min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens)
+              if may_speculate(r) else 0 for r in requests]
+        return self.proposer.propose(requests, [max(n, 0) for n in ks])
+
+    def warmup(self) -> int:
+        return self.proposer.warmup()
 
     def record(self, r: Request, proposed: int, accepted: int) -> None:
         """A verify row's outcome: `accepted` of its `proposed` tokens were kept."""
@@ -206,8 +223,10 @@ class Speculator:
 
 
 def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, min_n: int = 2, max_n: int = 4,
-                    step_tokens: Callable[[int], int] = lambda n: n) -> Speculator | None:
-    """The speculator `EngineArgs` ask for, or None (`method` "none" or `k` 0)."""
+                    step_tokens: Callable[[int], int] = lambda n: n, draft: Proposer | None = None
+                    ) -> Speculator | None:
+    """The speculator `EngineArgs` ask for, or None (`method` "none" or `k` 0). `draft`: the
+    draft model's proposer (`method` "draft")."""
     if method not in METHODS:
         raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
     if length_policy not in LENGTH_POLICIES:
@@ -215,4 +234,6 @@ def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, m
     if method == "none" or k == 0:
         return None
     lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k, step_tokens)
-    return Speculator(NgramProposer(min_n, max_n), lengths, max_seq_len)
+    if method == "draft" and draft is None:
+        raise ValueError("speculative_method='draft' needs speculative_model (the draft to load)")
+    return Speculator(draft if method == "draft" else NgramProposer(min_n, max_n), lengths, max_seq_len)

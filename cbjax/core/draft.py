@@ -1,0 +1,96 @@
+"""A draft model's proposals for speculative decoding: a second, smaller model with the target's
+vocabulary, on an engine and KV cache of its own, slot for slot with the target's.
+
+Each round, for the requests that speculate, the draft catches up on what it has not seen
+(one prompt-like row per request, from the first position whose keys it holds wrongly or not
+at all; a rejected proposal's positions are simply written over), samples its first proposed
+token greedily at the row's end, then runs `k - 1` one-step decode calls that feed themselves
+on the device; the host reads every call's tokens once. Greedy proposals are point masses,
+for which the target's verification (cbjax/runtime/speculative.py) is exact rejection
+sampling: the outputs keep the target's distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from cbjax.request import Request, SamplingParams
+from cbjax.runtime.engine import Engine, EngineConfig
+from cbjax.runtime.step import split_logprobs, to_host
+from cbjax.scheduling.plan import Row
+
+
+class DraftProposer:
+    def __init__(self, model, target_config, config: EngineConfig):
+        """`model`: the loaded draft; `target_config`: the target's `ModelConfig` (the vocabulary
+        must match); `config`: the draft engine's knobs (the target's slots and length)."""
+        if model.config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"speculative_model: the draft's vocabulary ({model.config.vocab_size} tokens) is not "
+                             f"the target's ({target_config.vocab_size}): a draft proposes the target's token ids")
+        self.engine = Engine(model, config)
+        self.greedy = SamplingParams(max_tokens=config.max_seq_len, ignore_eos=True)
+        # request id -> (its slot, tokens it had when proposed, the proposal, positions whose keys were right)
+        self._seen: dict[str, tuple[int, int, list[int], int]] = {}
+
+    def warmup(self) -> int:
+        return self.engine.warmup()
+
+    def _valid(self, r: Request, tokens: list[int]) -> int:
+        """Leading positions of `r` whose keys the draft's cache holds correctly."""
+        slot, known, proposal, valid = self._seen.get(r.request_id, (None, 0, [], 0))
+        if slot != r.slot:
+            return 0
+        if proposal:  # its proposal's keys are right up to the first token the target rejected
+            agreed = 0
+            while agreed < len(proposal) - 1 and known + agreed < len(tokens) and \
+                    tokens[known + agreed] == proposal[agreed]:
+                agreed += 1
+            valid = known + agreed
+        return min(valid, len(tokens) - 1)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        todo = [(r, k) for r, k in zip(requests, ks) if k > 0]
+        if not todo:
+            return [[] for _ in requests]
+        rows = []
+        for r, _ in todo:
+            tokens = r.prompt_token_ids + r.output_token_ids
+            start = self._valid(r, tokens)
+            rows.append(Row(r.slot, tokens[start:], start, is_last=True, sampling=self.greedy,
+                            prompt_len=r.prompt_len))
+        calls = [self.engine.run(rows)]
+        steps = max(k for _, k in todo) - 1
+        decodes = [Row(r.slot, [], 0) for r, _ in todo]
+        calls += [self.engine.run(decodes) for _ in range(steps)]
+        host = to_host([[out for out, _ in call] for call in calls], self.engine.platform)
+        drafted = {r.request_id: [] for r, _ in todo}
+        for call, results in zip(calls, host):
+            for (_, members), out in zip(call, results):
+                tokens = split_logprobs(out)[0][0, :, 0]
+                for j, i in enumerate(members):
+                    if i >= 0 and tokens[j] >= 0:
+                        drafted[todo[i][0].request_id].append(int(tokens[j]))
+        out = []
+        for r, k in zip(requests, ks):
+            proposal = drafted.get(r.request_id, [])[:k]
+            if k > 0:
+                self._seen[r.request_id] = (r.slot, r.num_tokens, proposal, r.num_tokens)
+            out.append(proposal)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+
+
+def draft_proposer(spec: str, target, args, num_slots: int) -> DraftProposer:
+    """The draft `args.speculative_model` names, loaded as the target was (dtype), on an engine of
+    the target's slots and length."""
+    from cbjax.loading import load_model
+
+    model = load_model(spec, dtype=args.dtype, with_tokenizer=False)
+    config = EngineConfig(num_slots=num_slots, max_seq_len=args.max_seq_len, prefill_floor=args.prefill_floor,
+                          kv_cache="slots", max_logprobs=0, cpu_kernels=args.cpu_kernels,
+                          max_step_tokens=args.max_step_tokens, min_step_tokens=args.min_step_tokens)
+    if jax.devices()[0].platform != "cpu":
+        config.attention = args.attention
+    return DraftProposer(model, target.config, config)
