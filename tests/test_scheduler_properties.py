@@ -16,7 +16,7 @@ from cbjax.scheduling.scheduler import Scheduler, SchedulerConfig
 EOS = 2
 MAX_SEQ_LEN = 48
 TICK = 0.001  # fake seconds per engine round
-TALLY = collections.Counter()  # what the host-tier property exercised, over its examples
+TALLY = collections.Counter()  # what the host-tier and speculation properties exercised, over their examples
 
 
 @dataclasses.dataclass
@@ -88,6 +88,32 @@ class FakeEngine:
             out.append(row)
         return out
 
+    def verify(self, proposals: dict[int, list[int]]) -> list[list[int]]:
+        """One step in which the slots in `proposals` verify their proposed tokens (the target's
+        token at each position, kept while it agrees, then its own) and the other active slots
+        decode one token: `[positions][slots]`, -1 past a slot's tokens."""
+        width = 1 + max((len(p) for p in proposals.values()), default=0)
+        out = [[-1] * len(self.active) for _ in range(width)]
+        for slot, on in enumerate(self.active):
+            for j in range(1 + len(proposals.get(slot, []))):
+                if not on:
+                    break
+                token = fake_token(self.specs[slot], self.generated[slot])
+                self.generated[slot] += 1
+                self.lengths[slot] += 1
+                on = self.active[slot] = not self._done(slot, token)
+                out[j][slot] = token
+                if j < len(proposals.get(slot, [])) and proposals[slot][j] != token:
+                    break
+        return out
+
+
+def fake_proposal(spec: Spec, r: Request, k: int, round_: int) -> list[int]:
+    """`k` tokens, right for a prefix whose length varies with the round, then wrong."""
+    done = len(r.output_token_ids)
+    right = (round_ + int(r.request_id)) % (k + 1)
+    return [fake_token(spec, done + i) if i < right else 99 for i in range(k)]
+
 
 configs = st.builds(
     SchedulerConfig,
@@ -105,6 +131,7 @@ configs = st.builds(
     priority_preemption=st.booleans(),
     length_aware=st.booleans(),
     decode_steps=st.integers(1, 3),
+    num_speculative_tokens=st.sampled_from([0, 0, 1, 3]),
 ).flatmap(lambda c: st.builds(lambda b: dataclasses.replace(c, batch_size=b), st.integers(1, c.num_slots)))
 
 specs = st.lists(
@@ -121,7 +148,7 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
     requests: list[Request] = [None] * len(workload)  # type: ignore[list-item]
     finish_events: dict[str, int] = {}
     batches: list[set[str]] = []
-    now, pending = 0.0, 0
+    now, pending, rounds = 0.0, 0, 0
     for _ in range(10_000):
         while pending < len(order) and workload[order[pending]].arrival <= now:
             i = order[pending]
@@ -134,7 +161,7 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
         if pending == len(order) and not sched.has_unfinished():
             break
         before = {r.request_id for r in sched.running}
-        plan = sched.schedule(now)
+        plan = sched.schedule(now, config.num_speculative_tokens)
         admitted = {r.request_id for r in sched.running} - before
         if admitted:
             batches.append(admitted)
@@ -148,6 +175,8 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
             now = max(now + TICK / 10, min(nxt))
             continue
         now += TICK
+        rounds += 1
+        speculating = [r for r in sched.running if r.state == RequestState.RUNNING]
         for slot in plan.preempted_slots:
             engine.active[slot] = False
         engine.move_kv(plan.kv_ops)
@@ -155,7 +184,18 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
             token = engine.prefill(chunk.slot, workload[int(chunk.request.request_id)], chunk.request, chunk.is_last)
             if sched.on_prefill(chunk, -1 if token is None else token, now):
                 finish_events[chunk.request.request_id] = finish_events.get(chunk.request.request_id, 0) + 1
-        if plan.decode:
+        if plan.decode and plan.draft_len:  # as the core: a proposal for each request running before the round
+            proposals = {}
+            for r in speculating:
+                k = min(plan.draft_len, r.sampling.max_tokens - len(r.output_token_ids) - 1, MAX_SEQ_LEN - r.num_tokens)
+                if k > 0 and r.slot is not None:
+                    proposals[r.slot] = fake_proposal(workload[int(r.request_id)], r, k, rounds)
+                    if pages is not None:  # the verify row's positions are in the request's pages
+                        assert r.num_tokens - 1 + k < len(pages.tables[r.request_id]) * pages.page_size
+            TALLY.update(verify_rows=len(proposals), proposed=sum(map(len, proposals.values())))
+            for r in sched.on_decode(engine.verify(proposals), now, 1):
+                finish_events[r.request_id] = finish_events.get(r.request_id, 0) + 1
+        elif plan.decode:
             for r in sched.on_decode(engine.decode(), now):
                 finish_events[r.request_id] = finish_events.get(r.request_id, 0) + 1
         _check_slots(sched)

@@ -270,3 +270,28 @@ def test_a_draft_with_another_vocabulary_is_refused():
         EngineArgs(speculative_method="draft")
     with pytest.raises(ValueError, match="speculative_model"):
         EngineArgs(speculative_model="tiny-llama")
+
+
+@pytest.mark.parametrize("case", ["slots-swap", "paged-swap-prefix", "paged-recompute"])
+def test_priority_preemption_of_speculating_requests(case):
+    """Later arrivals outrank running, speculating requests: they are swapped out (or recomputed)
+    and come back token-exact; after the drain no slot, page or swapped sequence is held."""
+    from tests.test_host_tier import assert_drained, run as staggered, workload
+
+    options = dict(ordering="priority", num_slots=4, max_seq_len=64)
+    if "paged" in case:
+        options.update(kv_cache="paged", page_size=8, num_pages=12, enable_prefix_caching="prefix" in case,
+                       merge_mode="chunked", max_num_batched_tokens=24)
+    if "swap" in case:
+        options.update(preemption_mode="swap", host_kv_cache_bytes=1 << 24)
+    prompts, max_tokens, priorities = workload(512)
+    expected, _ = staggered(LLM(MODEL, **options), prompts, max_tokens, priorities)
+    llm = LLM(MODEL, speculative_method="ngram", num_speculative_tokens=3, speculative_length="fixed", **options)
+    llm.core.speculator.proposer = ScriptedProposer(
+        {tuple(p): e for p, e in zip(prompts, expected)}, 512)
+    outputs, _ = staggered(llm, prompts, max_tokens, priorities)
+    assert outputs == expected
+    assert llm.load().spec_accepted_tokens > 0 and llm.load().num_preemptions > 0
+    if "swap" in case:
+        assert llm.scheduler.host.stats.swaps_out > 0
+    assert_drained(llm)
