@@ -295,3 +295,40 @@ def test_priority_preemption_of_speculating_requests(case):
     if "swap" in case:
         assert llm.scheduler.host.stats.swaps_out > 0
     assert_drained(llm)
+
+
+def test_sampled_tokens_keep_the_targets_distribution_on_a_tiny_vocabulary():
+    """A 12-token vocabulary at temperature 1.5, 400 seeds: with the same seeds, speculation's
+    tokens are decoding's, position by position (so their frequencies are equal); and against
+    decoding with other seeds, a two-sample chi-square test at every position finds nothing."""
+    import dataclasses
+
+    from jax.scipy.stats import chi2
+
+    from cbjax.loading.model import Model
+    from cbjax.loading.presets import RANDOM_PRESETS
+    from cbjax.models.params import init_params
+
+    config = dataclasses.replace(RANDOM_PRESETS[MODEL], vocab_size=12, eos_token_ids=(11,))
+    model = Model(config, init_params(config, seed=4), None, source="tiny-vocabulary")
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+
+    def frequencies(method, seeds):
+        llm = LLM(model, max_seq_len=32, num_slots=16, speculative_method=method, num_speculative_tokens=3,
+                  speculative_length="fixed", speculative_ngram_min=1)
+        outs = llm.generate([prompt] * len(seeds), [SamplingParams(max_tokens=6, temperature=1.5, seed=s,
+                                                                   ignore_eos=True) for s in seeds], use_tqdm=False)
+        if method != "none":
+            assert llm.load().spec_accepted_tokens > 0
+        return np.array([o.token_ids for o in outs])
+
+    seeds = list(range(400))
+    plain, spec = frequencies("none", seeds), frequencies("ngram", seeds)
+    assert (plain == spec).all()
+    other = frequencies("none", [1000 + s for s in seeds])
+    for position in range(6):
+        counts = np.array([np.bincount(spec[:, position], minlength=12), np.bincount(other[:, position], minlength=12)])
+        counts = counts[:, counts.sum(axis=0) > 0]
+        expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
+        statistic = float(((counts - expected) ** 2 / expected).sum())
+        assert float(chi2.sf(statistic, counts.shape[1] - 1)) > 1e-3, (position, statistic)

@@ -118,7 +118,8 @@ class EngineBase:
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.eos_ids = tuple(model.config.eos_token_ids)
-        self.max_logprobs = config.max_logprobs  # what its programs compute (0 on engines without them)
+        # What its programs compute (0 on engines without them); never more than the vocabulary holds.
+        self.max_logprobs = min(config.max_logprobs, model.config.vocab_size)
         self.step_tokens = config.step_tokens(self.platform)
         # Positions a verify row's program samples (its last token and the proposal); 0: no speculation.
         self.verify_positions = config.num_speculative_tokens + 1 if config.num_speculative_tokens else 0
