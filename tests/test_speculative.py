@@ -150,24 +150,40 @@ def test_ngram_proposer_finds_the_latest_earlier_occurrence():
 
 
 def test_adaptive_length_turns_speculation_off_when_the_step_is_compute_bound():
-    """Memory-bound steps (cost flat in tokens) and high acceptance: the longest proposal; steps
-    whose cost grows with every token: none at a large batch, some at a small one. A first step
-    of a size that compiled its program (a spike) does not count; 0 is probed now and then."""
+    """Rounds whose cost is flat in k (memory-bound) at high acceptance: the longest proposal;
+    rounds whose cost grows with every proposed token: none at a large batch, some at a small
+    one; a knee: the longest proposal that stays flat. A first round of a length that compiled
+    its program (a spike) does not count; with every length measured and 0 best, one token is
+    tried now and then. The acceptance is per token tried, as `expected_tokens` assumes."""
+    def measured(policy, batch, cost):
+        for k in range(policy.max_k + 1):
+            policy.observe_step(batch, k, 5.0)  # the round that compiled
+            policy.observe_step(batch, k, cost(batch, k))
+
     flat = AdaptiveLength(max_k=6, probe_every=4)
-    assert flat.length(8) == 6  # nothing measured yet: explore
-    for tokens in (8, 16, 32, 56):
-        flat.observe_step(tokens, 5.0)  # the step that compiled
-        flat.observe_step(tokens, 0.010 + 1e-6 * tokens)
-    flat.observe(100, 90)
-    assert flat.length(8) == 6
+    assert flat.length(8) == 6  # nothing measured yet: explore the longest, then none
+    flat.observe_step(8, 6, 0.01), flat.observe_step(8, 6, 0.01)
+    assert flat.length(8) == 0
+    measured(flat, 8, lambda b, k: 0.010 + 1e-5 * k)
+    for _ in range(10):
+        flat.observe(6, 5)  # 5 accepted of 6 tried each time: 5 of 6 rows' tokens, one rejected
+    assert flat.acceptance == pytest.approx(50.5 / 61, rel=1e-3) and flat.length(8) == 6
     steep = AdaptiveLength(max_k=6, probe_every=4)
-    for tokens in (8, 16, 64, 128, 256):
-        for _ in range(2):
-            steep.observe_step(tokens, 0.010 + 0.0005 * tokens)
-    steep.observe(100, 50)
-    assert steep.length(64) == 0
-    assert steep.length(1) > 0
-    assert [steep.next_length(64) for _ in range(4)] == [0, 0, 0, 6]
+    for batch in (1, 64):
+        measured(steep, batch, lambda b, k: 0.010 + 0.0005 * b * (1 + k))
+    for _ in range(10):
+        steep.observe(4, 2)
+    assert steep.length(64) == 0 and steep.length(1) > 0
+    assert [steep.next_length(64) for _ in range(4)] == [0, 0, 0, 1]
+    knee = AdaptiveLength(max_k=4, probe_every=2)  # flat to 32 tokens (k = 3 at 8 requests), then compute-bound
+    for k in (0, 2, 4):
+        knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32)), knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32))
+    knee.observe(10, 8)  # 8 of 9 tried: 0.85 with the prior
+    assert knee.cost(8, 1) == pytest.approx(0.01) and knee.cost(8, 3) == pytest.approx(0.01125)
+    assert [knee.next_length(8) for _ in range(4)] == [4, 3, 4, 3]  # the unmeasured length nearest the best, tried
+    knee.observe_step(8, 3, 0.01), knee.observe_step(8, 3, 0.01)
+    knee.observe_step(8, 1, 0.01), knee.observe_step(8, 1, 0.01)
+    assert knee.length(8) == 3
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
 
 
@@ -332,3 +348,23 @@ def test_sampled_tokens_keep_the_targets_distribution_on_a_tiny_vocabulary():
         expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
         statistic = float(((counts - expected) ** 2 / expected).sum())
         assert float(chi2.sf(statistic, counts.shape[1] - 1)) > 1e-3, (position, statistic)
+
+
+def test_speculation_is_simulated_with_the_same_verification_and_charged_drafts():
+    """On the simulator: every proposal accepted (acceptance 1) needs a fraction of the rounds;
+    a draft's steps are charged, so it finishes later than n-gram proposals of the same
+    acceptance; a draft of another vocabulary is refused."""
+    prompts = [[5] * 64 for _ in range(4)]
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    results = {}
+    for label, kw in [("none", {}), ("ngram", dict(speculative_method="ngram")),
+                      ("draft", dict(speculative_method="draft", speculative_model="llama3.2-1b"))]:
+        llm = LLM("llama3-8b", simulate="h100", dtype="bfloat16", num_slots=4, max_seq_len=256,
+                  num_speculative_tokens=4, speculative_length="fixed", simulated_acceptance=1.0, **kw)
+        outs = llm.generate(prompts, sampling, use_tqdm=False)
+        assert all(len(o.token_ids) == 40 for o in outs)
+        results[label] = (max(o.metrics.finish_time for o in outs), llm.stats.decode_steps)
+    assert results["ngram"][1] <= results["none"][1] / 4
+    assert results["none"][0] > results["draft"][0] > results["ngram"][0]
+    with pytest.raises(ValueError, match="speculative_model.*vocabulary"):
+        LLM("llama3-8b", simulate="h100", speculative_method="draft", speculative_model="llama2-13b")

@@ -43,8 +43,6 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if simulate is None and (args.weight_dtype or args.kv_dtype):
         raise ValueError("weight_dtype and kv_dtype are simulated only: this engine runs dtype "
                          f"({args.dtype}); pass simulate=<accelerator> to model them")
-    if simulate is not None and args.speculation_tokens:
-        raise ValueError("speculative decoding is not simulated yet: its acceptance comes from real tokens")
     if simulate is not None:
         if mesh is not None or devices is not None or args.pipeline_stages > 1:
             raise ValueError("simulate runs no device: it takes no devices, mesh or pipeline_stages "
@@ -53,6 +51,7 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
 
         if not isinstance(model, Model):
             model = simulator.model_for_simulation(model, dtype=args.dtype)
+        accelerator = simulate if isinstance(simulate, str) and not simulate.endswith(".json") else None
         if isinstance(simulate, str):
             simulate = simulator.load_cost_model(simulate, model.config, 2 if args.dtype != "float32" else 4,
                                                  args.tensor_parallel, args.weight_dtype, args.kv_dtype)
@@ -101,20 +100,50 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                                 pages=pages, host=host)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
-    buckets = engine.token_buckets()
     draft = None
-    if args.speculative_method == "draft":
+    if simulate is not None and args.speculation_tokens:
+        draft = simulated_proposer(engine, args, accelerator)
+    elif args.speculative_method == "draft":
         from cbjax.core.draft import draft_proposer
 
         draft = draft_proposer(args.speculative_model, model, args, num_slots)
     core.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
                                       args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
-                                      step_tokens=lambda n: next((b for b in buckets if b >= n), n), draft=draft)
+                                      draft=draft)
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 
         core.predict_len = LengthPredictor.load(args.length_predictor, model)
     return model, core
+
+
+def simulated_proposer(engine, args: EngineArgs, accelerator: str | None):
+    """Speculation in a simulation: proposals accepted with probability `simulated_acceptance`
+    each; a draft model's steps (`speculative_model`, a shape) charged at its own roofline on the
+    same accelerator: k decode steps of the speculating rows a round."""
+    from cbjax import simulator
+    from cbjax.scheduling.speculation import SimulatedProposer
+    from cbjax.simulator.cost_model import Call
+
+    charge = None
+    if args.speculative_method == "draft":
+        if accelerator is None:
+            raise ValueError("speculative_method='draft' is simulated on an accelerator's roofline: a calibration "
+                             "file models the target alone")
+        draft = simulator.model_for_simulation(args.speculative_model, dtype=args.dtype)
+        if draft.config.vocab_size != engine.model.config.vocab_size:
+            raise ValueError(f"speculative_model: the draft's vocabulary ({draft.config.vocab_size} tokens) is not "
+                             f"the target's ({engine.model.config.vocab_size})")
+        cost = simulator.load_cost_model(accelerator, draft.config, 2 if args.dtype != "float32" else 4, 1,
+                                         args.weight_dtype, args.kv_dtype)
+
+        def charge(requests, ks):
+            rows = [r for r, k in zip(requests, ks) if k > 0]
+            keys = sum(r.num_tokens for r in rows)
+            step = Call("decode", tokens=len(rows), attended=keys, kv_read=keys, rows=len(rows))
+            engine.charge(max(ks) * cost.seconds(step))
+
+    return SimulatedProposer(args.simulated_acceptance, lambda r: engine.filler_for(r.sampling), args.seed, charge)
 
 
 def quantized(model: Model, mode: str, device) -> Model:

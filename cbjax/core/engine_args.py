@@ -137,6 +137,8 @@ class EngineArgs:
                                     "SmartSpec's goodput).", ("fixed", "adaptive"))
     speculative_ngram_min: int = _knob(2, "ngram speculation: the shortest suffix matched.", lower=1)
     speculative_ngram_max: int = _knob(4, "ngram speculation: the longest suffix matched.", lower=1)
+    simulated_acceptance: float = _knob(0.7, "Simulated speculation: the probability that each proposed token is "
+                                        "accepted (the simulator has no real tokens to compare).", lower=0.0)
 
     def __post_init__(self):
         if self.merge_mode in ("fused", "chunked") and self.max_num_batched_tokens is None:
@@ -276,6 +278,7 @@ def check_speculation(args: EngineArgs) -> None:
     if args.speculative_length not in LENGTH_POLICIES:
         raise ValueError(f"speculative_length must be one of {LENGTH_POLICIES}, got {args.speculative_length!r}")
     args.num_speculative_tokens = checks.integer("num_speculative_tokens", args.num_speculative_tokens, 1, 64)
+    args.simulated_acceptance = checks.real("simulated_acceptance", args.simulated_acceptance, 0.0, 1.0)
     args.speculative_ngram_min = checks.integer("speculative_ngram_min", args.speculative_ngram_min, 1)
     args.speculative_ngram_max = checks.integer("speculative_ngram_max", args.speculative_ngram_max,
                                                 args.speculative_ngram_min)

@@ -155,7 +155,7 @@ class EngineCore:
             if self._ahead is not None or not self.scheduler.waiting:
                 return list(touched.values())
         sched, engine, stats = self.scheduler, self.engine, self.stats
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), self.clock()  # the clock: simulated time in a simulation
         speculator = self.speculator
         plan = sched.schedule(self.clock(), speculator.next_length(len(sched.running)) if speculator else 0)
         self.last_plan = plan
@@ -197,7 +197,8 @@ class EngineCore:
         t_end = self._record(calls, t1, touched)
         self._count_round(plan, t_end)
         if speculator is not None:
-            speculator.after_round([rows for _, rows in calls], None if plan.prefills else t_end - t0, touched.values())
+            speculator.after_round([rows for _, rows in calls], plan.draft_len,
+                                   None if plan.prefills else self.clock() - started, touched.values())
         return list(touched.values())
 
     def _record(self, calls, t_dispatch: float, touched: dict[str, Request]) -> float:

@@ -83,6 +83,39 @@ class NgramProposer:
         self._index.pop(request_id, None)
 
 
+class SimulatedProposer:
+    """The simulator's proposals (its tokens are fillers, so nothing real to propose from): each
+    proposed token is the target's own (`filler(r)`) with probability `acceptance`,
+    independently, from a seeded generator; the first one that is not is the filler's
+    neighbour. `charge(requests, ks)`: what proposing costs on the simulated clock (a draft
+    model's steps), or None (n-gram lookups cost the host only)."""
+
+    def __init__(self, acceptance: float, filler: Callable[[Request], int], seed: int = 0,
+                 charge: Callable[[list[Request], list[int]], None] | None = None):
+        import random
+
+        self.acceptance, self.filler, self.charge = acceptance, filler, charge
+        self._random = random.Random(seed)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        out = []
+        for r, k in zip(requests, ks):
+            right = 0
+            while right < k and self._random.random() < self.acceptance:
+                right += 1
+            token = self.filler(r)
+            out.append([token] * right + [token + 1] * (k - right))
+        if self.charge is not None and any(ks):
+            self.charge(requests, ks)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def warmup(self) -> int:
+        return 0
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a step makes for a request proposing `k` at per-token acceptance `acceptance`."""
     if acceptance >= 1.0:
@@ -102,75 +135,93 @@ class FixedLength:
     def observe(self, proposed: int, accepted: int) -> None:
         pass
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
         pass
 
 
 class AdaptiveLength:
     """`k` in 0..`max_k` maximising goodput at the batch's size. The acceptance rate is a
-    running mean over the last ~`memory` proposed tokens. The step cost is a line a + b x tokens
-    fitted to one estimate per measured step size (`step_tokens`: what the engine pads a step
-    to); an estimate falls fast and rises slowly, so a step that compiled a program, or was
-    interrupted, hardly moves it. Until two sizes have been measured it proposes `max_k`;
-    after `probe_every` rounds at 0 it proposes `max_k` once, to measure again."""
+    running mean over the last ~`memory` proposed tokens tried. The cost of a round is measured
+    per (batch, k), batches grouped by powers of two, and interpolated over k between measured
+    lengths (extrapolated past them along the nearest segment): keyed by k rather than by the
+    step's tokens, it holds what proposing costs (a draft model's steps) and where the engine
+    pads every k to one step size. A length's estimate falls fast and rises slowly, and its
+    first round (which may have compiled a program) counts only once a second confirms it.
+    At a batch with fewer than two lengths measured it tries `max_k`, then 0; every
+    `probe_every` rounds the unmeasured length nearest the best (or, all measured and the best
+    0, one token, to keep the acceptance current)."""
 
-    def __init__(self, max_k: int, step_tokens: Callable[[int], int] = lambda n: n, memory: int = 256,
-                 prior_acceptance: float = 0.5, probe_every: int = 64):
+    def __init__(self, max_k: int, memory: int = 256, prior_acceptance: float = 0.5, probe_every: int = 16):
         self.max_k = max_k
-        self.step_tokens = step_tokens
         self.decay = 1.0 - 1.0 / memory
         self.proposed, self.accepted = 1.0, prior_acceptance
-        self.seconds: dict[int, tuple[float, int]] = {}  # step size -> (its estimated seconds, steps seen)
+        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k) -> (seconds, rounds seen)
         self.probe_every = probe_every
-        self._off = 0  # rounds at k = 0 since the last probe
+        self._rounds = 0
 
     @property
     def acceptance(self) -> float:
         return min(self.accepted / self.proposed, 0.999)
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            d = self.decay ** proposed
-            self.proposed = self.proposed * d + proposed
+        """A verify row's outcome. The rate is per token given the ones before it were accepted
+        (what `expected_tokens` assumes): a row tried its accepted tokens and, if it stopped
+        short of its proposal, one more."""
+        trials = accepted + (accepted < proposed)
+        if trials:
+            d = self.decay ** trials
+            self.proposed = self.proposed * d + trials
             self.accepted = self.accepted * d + accepted
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        size = self.step_tokens(tokens)
-        old, count = self.seconds.get(size, (seconds, 0))
-        if count <= 1 or seconds < old:  # the first step of a size may have compiled its program
+    @staticmethod
+    def group(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A round of `batch` decoding requests at length `k` took `seconds`."""
+        key = (self.group(batch), k)
+        old, count = self.seconds.get(key, (seconds, 0))
+        if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
             estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
         else:
             estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
-        self.seconds[size] = (estimate, count + 1)
+        self.seconds[key] = (estimate, count + 1)
 
-    def cost(self, tokens: int) -> float | None:
-        """The fitted seconds of a step of `tokens` tokens, or None before two sizes were
-        measured twice (a size's weight: its steps, up to 16)."""
-        points = [(x, y, min(c, 16)) for x, (y, c) in self.seconds.items() if c >= 2]
+    def _measured(self, batch: int) -> dict[int, float]:
+        g = self.group(batch)
+        return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2}
+
+    def cost(self, batch: int, k: int) -> float | None:
+        """The seconds of a round at `batch` and length `k`, or None before two lengths were
+        measured at that batch."""
+        points = sorted(self._measured(batch).items())
         if len(points) < 2:
             return None
-        w = sum(c for _, _, c in points)
-        mx, my = sum(x * c for x, _, c in points) / w, sum(y * c for _, y, c in points) / w
-        slope = max(sum(c * (x - mx) * (y - my) for x, y, c in points) / sum(c * (x - mx) ** 2 for x, _, c in points),
-                    0.0)
-        return max(my + slope * (self.step_tokens(tokens) - mx), 1e-9)
+        if k <= points[0][0]:
+            return points[0][1]
+        (k0, y0), (k1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if k <= b[0]), points[-2:])
+        return max(y0 + max(y1 - y0, 0.0) * (k - k0) / (k1 - k0), 1e-9)
 
     def length(self, batch: int) -> int:
         """The goodput-maximising `k` at `batch` requests (no side effect)."""
-        if batch < 1 or self.max_k == 0 or self.cost(batch) is None:
-            return self.max_k
+        measured = self._measured(batch)
+        if batch < 1 or self.max_k == 0 or len(measured) < 2:
+            return 0 if self.max_k in measured else self.max_k
         a = self.acceptance
-        goodput = [batch * expected_tokens(a, k) / self.cost(batch * (1 + k)) for k in range(self.max_k + 1)]
+        goodput = [expected_tokens(a, k) / self.cost(batch, k) for k in range(self.max_k + 1)]
         return max(range(self.max_k + 1), key=lambda k: (goodput[k], -k))
 
     def next_length(self, batch: int) -> int:
-        """This round's `k`: `length`, but `max_k` once every `probe_every` rounds at 0."""
+        """This round's `k`: `length`, but every `probe_every` rounds a length still to measure."""
         best = self.length(batch)
-        self._off = self._off + 1 if best == 0 else 0
-        if self._off >= self.probe_every:
-            self._off = 0
-            return self.max_k
-        return best
+        self._rounds += 1
+        if self._rounds % self.probe_every:
+            return best
+        measured = self._measured(batch)
+        unmeasured = [k for k in range(self.max_k + 1) if k not in measured]
+        if unmeasured:
+            return min(unmeasured, key=lambda k: (abs(k - best), k))
+        return 1 if best == 0 else best
 
 
 class Speculator:
@@ -212,28 +263,29 @@ class Speculator:
         r.metrics.num_accepted_tokens += accepted
         self.lengths.observe(proposed, accepted)
 
-    def after_round(self, calls: list[list], seconds: float | None, touched) -> None:
-        """A round's rows (per call) and, for a round of decodes alone, its seconds: the length
-        policy's step cost; finished requests are forgotten."""
+    def after_round(self, calls: list[list], k: int, seconds: float | None, touched) -> None:
+        """A round's rows (per call), its length `k` and, for a round of decodes alone, its
+        seconds: the length policy's cost; finished requests are forgotten."""
         if seconds is not None:
-            self.lengths.observe_step(sum(r.num_tokens for rows in calls for r in rows), seconds)
+            self.lengths.observe_step(sum(r.decodes for rows in calls for r in rows), k, seconds)
         for r in touched:
             if r.finished:
                 self.proposer.forget(r.request_id)
 
 
 def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, min_n: int = 2, max_n: int = 4,
-                    step_tokens: Callable[[int], int] = lambda n: n, draft: Proposer | None = None
-                    ) -> Speculator | None:
+                    draft: Proposer | None = None) -> Speculator | None:
     """The speculator `EngineArgs` ask for, or None (`method` "none" or `k` 0). `draft`: the
-    draft model's proposer (`method` "draft")."""
+    draft model's proposer (`method` "draft"; a `SimulatedProposer` for either method in a
+    simulation)."""
     if method not in METHODS:
         raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
     if length_policy not in LENGTH_POLICIES:
         raise ValueError(f"speculative_length must be one of {LENGTH_POLICIES}, got {length_policy!r}")
     if method == "none" or k == 0:
         return None
-    lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k, step_tokens)
+    lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k)
     if method == "draft" and draft is None:
         raise ValueError("speculative_method='draft' needs speculative_model (the draft to load)")
-    return Speculator(draft if method == "draft" else NgramProposer(min_n, max_n), lengths, max_seq_len)
+    proposer = draft if method == "draft" or isinstance(draft, SimulatedProposer) else NgramProposer(min_n, max_n)
+    return Speculator(proposer, lengths, max_seq_len)

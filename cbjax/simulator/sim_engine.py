@@ -127,9 +127,17 @@ class SimulatedEngine(Engine):
         pass  # no logits, so no penalties to keep a history for
 
     def _charge(self, call: Call) -> None:
-        seconds = self.cost.seconds(call)
+        self.charge(self.cost.seconds(call))
+
+    def charge(self, seconds: float) -> None:
+        """Device time spent: the clock moves on (a simulated draft model's steps come here too)."""
         self.busy_s += seconds
         self.clock.advance(seconds)
+
+    def filler_for(self, sampling: SamplingParams) -> int:
+        """The token every step samples for a request of `sampling` (what a simulated proposal
+        must propose to be accepted)."""
+        return self._filler(sampling)
 
     def _filler(self, sampling: SamplingParams) -> int:
         stops = set(self.stop_ids_for(sampling).tolist())
@@ -151,11 +159,15 @@ class SimulatedEngine(Engine):
         its cost charged. A call of prompt rows alone is charged as a prefill, of decode rows
         alone as a decode, of both as a mixed step."""
         num_tokens = self.call_tokens(rows)
-        out = np.full((steps, row_bucket(num_tokens, self.config.num_slots), 2), (-1, 0), np.int32)
+        positions = self.verify_positions if any(r.verify for r in rows) else steps
+        out = np.full((positions, row_bucket(num_tokens, self.config.num_slots), 2), (-1, 0), np.int32)
         real = pairs = keys = longest = 0
         for step in range(steps):
             for j, r in enumerate(rows):
-                if r.is_decode:
+                if r.verify:
+                    start, n = r.start, r.length
+                    end = self._verify(r.slot, start, r.tokens[1:], out[:, j])
+                elif r.is_decode:
                     slot = r.slot
                     if not self.active[slot]:
                         continue  # finished (or deactivated) before this step: computes nothing
@@ -176,8 +188,8 @@ class SimulatedEngine(Engine):
                 keys += end
                 longest = max(longest, start)
         kinds = {r.is_decode for r in rows}
-        kind = "mixed" if len(kinds) == 2 else "decode" if True in kinds else "prefill"
-        active = sum(r.is_decode for r in rows) if kind != "prefill" else len(rows)
+        kind = "mixed" if len(kinds) == 2 or any(r.verify for r in rows) else "decode" if True in kinds else "prefill"
+        active = sum(r.decodes for r in rows) if kind != "prefill" else len(rows)
         if self.reads_live_pages:  # ragged kernels: the real tokens, their causal pairs, live pages
             call = Call(kind, tokens=real, attended=pairs, kv_read=keys, rows=active, steps=steps)
         else:  # the reference step: every padded token, the flat square, the history in blocks
@@ -187,6 +199,23 @@ class SimulatedEngine(Engine):
                         kv_read=read, rows=active, steps=steps)
         self._charge(call)
         return out
+
+    def _verify(self, slot: int, start: int, proposal: list[int], out: np.ndarray) -> int:
+        """A verify row, as the device's: the filler at every position, kept while the proposal
+        agrees, cut by the stop test; `out [positions, 2]` filled. Returns the cache's length."""
+        filler, kept = self.filler[slot], 0
+        for p in range(1 + len(proposal)):
+            self.generated[slot] += 1
+            kept = p + 1
+            done = self.generated[slot] >= self.max_tokens[slot] or start + p + 2 >= self.max_len
+            out[p] = (filler, done)
+            if done:
+                self.active[slot] = False
+                break
+            if p < len(proposal) and proposal[p] != filler:
+                break
+        self.length[slot] = start + kept
+        return start + kept
 
     def run(self, rows: list[Row], steps: int = 1) -> list:
         return [(self._call([r for _, r in members], steps), [i for i, _ in members]) for members in self.split(rows)]

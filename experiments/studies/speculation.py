@@ -9,11 +9,13 @@ Writes JSON, a markdown table and a plot of speedup against batch size.
 
     python -m experiments speculation --flagfile=configs/speculation_cpu.cfg
     python -m experiments speculation --model=tiny-llama --workloads=synthetic --batch_sizes=1,4
+    python -m experiments speculation --flagfile=configs/speculation_h100.cfg   # simulated: 8B target, 1B draft
 
 Workloads: `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
 the prompt, n-gram's best case), `sharegpt` (ShareGPT opening turns, chat-templated, until EOS
 or --max_tokens), `synthetic` (random prompts with a repeated motif; for models without a
-tokenizer).
+tokenizer, and for --simulate, where each proposed token is accepted with probability
+--simulated_acceptance and a draft's steps are charged at its own roofline).
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ flags.DEFINE_list("qps", [], "Poisson request rates for the latency part (on --n
 flags.DEFINE_integer("poisson_requests", 32, "Requests per Poisson run.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_dir", "results/speculation", "Where the JSON, the table and the plot go.")
-EngineArgs.define_flags(["num_slots", "max_seq_len", "dtype", "speculative_ngram_min", "speculative_ngram_max"],
-                        max_seq_len=1024, num_slots=16)
+flags.DEFINE_string("draft_model", None, "Also compare a draft model's proposals (the same ks, and adaptive): a "
+                    "model with the target's vocabulary (under --simulate, a shape such as llama3.2-1b).")
+flags.DEFINE_integer("synthetic_prompt_len", 40, "synthetic: the prompt's length (a repeated motif at its end).",
+                     lower_bound=8)
+EngineArgs.define_flags(["num_slots", "max_seq_len", "dtype", "speculative_ngram_min", "speculative_ngram_max",
+                         "simulated_acceptance"], max_seq_len=1024, num_slots=16)
+common.define_simulate_flag()
 flags.adopt_module_key_flags(engine_args)
 common.validate_list("batch_sizes", int, 1, "positive batch sizes")
 common.validate_list("ks", int, 1, "positive proposal lengths")
@@ -60,7 +67,19 @@ def configurations() -> list[tuple[str, dict]]:
     if FLAGS.adaptive:
         out.append(("adaptive", dict(speculative_method="ngram", num_speculative_tokens=max(ks),
                                      speculative_length="adaptive")))
+    if FLAGS.draft_model:
+        draft = dict(speculative_method="draft", speculative_model=FLAGS.draft_model)
+        out += [(f"draft k={k}", dict(draft, num_speculative_tokens=k, speculative_length="fixed")) for k in ks]
+        if FLAGS.adaptive:
+            out.append(("draft adaptive", dict(draft, num_speculative_tokens=max(ks), speculative_length="adaptive")))
     return out
+
+
+def engine_options(options: dict) -> dict:
+    """`options` with the flags every engine of the study shares."""
+    return dict(max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype, speculative_ngram_min=FLAGS.speculative_ngram_min,
+                speculative_ngram_max=FLAGS.speculative_ngram_max, simulated_acceptance=FLAGS.simulated_acceptance,
+                **common.llm_options(), **options)
 
 
 def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
@@ -71,9 +90,11 @@ def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
     if workload == "synthetic":
         vocab = model.config.vocab_size
         out = []
+        head = FLAGS.synthetic_prompt_len - 32
         for _ in range(n):
             motif = rng.integers(3, vocab, 8).tolist()
-            out.append((rng.integers(3, vocab, 8).tolist() + motif * 4, SamplingParams(max_tokens=FLAGS.max_tokens)))
+            out.append((rng.integers(3, vocab, head).tolist() + motif * 4,
+                        SamplingParams(max_tokens=FLAGS.max_tokens, ignore_eos=bool(FLAGS.simulate))))
         return out
     if model.tokenizer is None:
         raise ValueError(f"the {workload} workload needs a model with a tokenizer (or --workloads=synthetic)")
@@ -104,10 +125,10 @@ def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
 
 
 def measure(llm, reqs) -> dict:
-    """Generate `reqs` at once; throughput, mean TPOT and the speculation counters."""
-    t0 = time.perf_counter()
+    """Generate `reqs` at once; throughput (over the front's clock: simulated time in a
+    simulation), mean TPOT and the speculation counters."""
     outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall = max(o.metrics.finish_time for o in outs) - min(o.metrics.arrival_time for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
     tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
              for o in outs if len(o.metrics.token_times) > 1]
@@ -128,9 +149,7 @@ def closed_batches(model, workload: str) -> dict:
     for batch in sizes:
         reqs = pool[:batch * FLAGS.requests_per_slot]
         for label, options in configurations():
-            llm = LLM(model, num_slots=batch, max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
-                      speculative_ngram_min=FLAGS.speculative_ngram_min,
-                      speculative_ngram_max=FLAGS.speculative_ngram_max, **options)
+            llm = LLM(model, num_slots=batch, **engine_options(options))
             llm.warmup()
             row = measure(llm, reqs)
             row["speedup"] = row["tok_per_s"] / rows[f"{workload}/b{batch}/none"]["tok_per_s"] if label != "none" \
@@ -153,7 +172,7 @@ def poisson(model, workload: str) -> dict:
         times = arrival_times("poisson", len(reqs), np.random.default_rng(FLAGS.seed), qps, 1.0)
         work = [WorkloadRequest(float(t), p, s) for t, (p, s) in zip(times, reqs)]
         for label, options in configurations():
-            llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype, **options)
+            llm = LLM(model, num_slots=FLAGS.num_slots, **engine_options(options))
             m = common.run_replay(llm, work, desc=f"{label}@{qps:g}")
             load = llm.load()
             rows[f"{workload}/{qps:g}/{label}"] = {
@@ -203,7 +222,7 @@ def plot(closed: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (requests decoding together)")
         ax.set_ylabel("throughput / no speculation")
-        ax.set_title(f"{FLAGS.model}: {workload}")
+        ax.set_title(f"{FLAGS.model}: {workload}" + (f" (simulated {FLAGS.simulate})" if FLAGS.simulate else ""))
         ax.grid(alpha=0.3)
         ax.legend()
     common.savefig(fig, path)
@@ -213,6 +232,8 @@ def main(argv):
     del argv
     start = time.perf_counter()
     text = any(w != "synthetic" for w in FLAGS.workloads)
+    if FLAGS.simulate and text:
+        raise app.UsageError("--simulate has no tokens to propose from: use --workloads=synthetic")
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=text)
     closed, arrivals = {}, {}
     for workload in FLAGS.workloads:
