@@ -137,11 +137,13 @@ def simulated_proposer(engine, args: EngineArgs, accelerator: str | None):
         cost = simulator.load_cost_model(accelerator, draft.config, 2 if args.dtype != "float32" else 4, 1,
                                          args.weight_dtype, args.kv_dtype)
 
-        def charge(requests, ks):
+        def draft_steps(requests, ks):
             rows = [r for r, k in zip(requests, ks) if k > 0]
             keys = sum(r.num_tokens for r in rows)
             step = Call("decode", tokens=len(rows), attended=keys, kv_read=keys, rows=len(rows))
             engine.charge(max(ks) * cost.seconds(step))
+
+        charge = draft_steps
 
     return SimulatedProposer(args.simulated_acceptance, lambda r: engine.filler_for(r.sampling), args.seed, charge)
 
