@@ -341,6 +341,17 @@ def plot_e2e_cdfs(results: dict, qps_list: list[float], labels, title: str, path
     savefig(fig, path)
 
 
+def write_outputs(output_dir: str, stem: str, text: str, record: dict, plot=None, text_suffix: str = ".txt") -> None:
+    """A study's outputs in `output_dir`: its table as text (`stem` + `text_suffix`), the plot
+    `plot(path)` draws (`stem`.png), and `record` with the script's flags and the table (`stem`.json)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, stem + text_suffix), "w") as f:
+        f.write(text + "\n")
+    if plot is not None:
+        plot(os.path.join(output_dir, stem + ".png"))
+    write_json({"flags": script_flags(), **record, "table": text}, os.path.join(output_dir, stem + ".json"))
+
+
 def write_json(result: dict, path: str) -> None:
     """Write a result file (making its folder) and say where."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

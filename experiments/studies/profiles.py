@@ -14,7 +14,6 @@ configuration's objective against the default's and the winner per profile.
 
 from __future__ import annotations
 
-import os
 import time
 
 from absl import app, flags
@@ -102,12 +101,8 @@ def main(argv):
         lines += table(name, objective, rows, winner)
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "profiles.txt"), "w") as f:
-        f.write(text + "\n")
-    plot(results, os.path.join(FLAGS.output_dir, "profiles.png"))
-    common.write_json({"flags": common.script_flags(), "results": results, "table": text,
-                       "wall_s": time.perf_counter() - start}, os.path.join(FLAGS.output_dir, "profiles.json"))
+    common.write_outputs(FLAGS.output_dir, "profiles", text, {"results": results, "wall_s": time.perf_counter() - start},
+                         lambda path: plot(results, path))
     print(f"\nwrote {FLAGS.output_dir}/profiles.json, profiles.txt and profiles.png in "
           f"{time.perf_counter() - start:.0f}s")
 

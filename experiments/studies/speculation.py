@@ -20,7 +20,6 @@ tokenizer, and for --simulate, where each proposed token is accepted with probab
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -242,13 +241,9 @@ def main(argv):
             arrivals.update(poisson(model, workload))
     result = table(closed, arrivals)
     print("\n" + result)
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "speculation.md"), "w") as f:
-        f.write(result + "\n")
-    plot(closed, os.path.join(FLAGS.output_dir, "speculation.png"))
-    common.write_json({"flags": common.script_flags(), "closed_batches": closed, "poisson": arrivals,
-                       "table": result, "wall_s": time.perf_counter() - start},
-                      os.path.join(FLAGS.output_dir, "speculation.json"))
+    common.write_outputs(FLAGS.output_dir, "speculation", result,
+                         {"closed_batches": closed, "poisson": arrivals, "wall_s": time.perf_counter() - start},
+                         lambda path: plot(closed, path), text_suffix=".md")
 
 
 if __name__ == "__main__":
