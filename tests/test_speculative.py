@@ -249,21 +249,24 @@ FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_speculates_token_exact(family):
-    """n-gram, a draft that is the target itself (every proposal accepted), and scripted
-    proposals, greedy, over the paged cache with chunked prefill: plain decoding's tokens."""
+    """Both cache layouts (paged with chunked prefill, slots with fused steps): n-gram and
+    scripted proposals, and on the slot cache a draft that is the target itself (every
+    proposal accepted), greedy: plain decoding's tokens."""
     greedy = SamplingParams(max_tokens=20)
-    kw = dict(model=family, kv_cache="paged", page_size=8, merge_mode="chunked")
-    _, plain = run(greedy, **kw)
-    expected = [o.token_ids for o in plain]
-    reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
-    _, ngram = run(greedy, "ngram", **kw)
-    assert [o.token_ids for o in ngram] == expected
+    for layout in (dict(kv_cache="paged", page_size=8, merge_mode="chunked"), dict(merge_mode="fused")):
+        kw = dict(model=family, **layout)
+        _, plain = run(greedy, **kw)
+        expected = [o.token_ids for o in plain]
+        reference = {tuple(o.prompt_token_ids): o.token_ids for o in plain}
+        _, ngram = run(greedy, "ngram", **kw)
+        assert [o.token_ids for o in ngram] == expected, layout
+        llm, scripted = run(greedy, "ngram", scripted=lambda llm: ScriptedProposer(reference, 500), **kw)
+        assert [o.token_ids for o in scripted] == expected, layout
+        assert llm.core.speculator.proposed > llm.core.speculator.accepted > 0
     llm, itself = run(greedy, "draft", speculative_model=family, **kw)
     assert [o.token_ids for o in itself] == expected
     spec = llm.core.speculator
     assert spec.accepted == spec.proposed > 0
-    llm, scripted = run(greedy, "ngram", scripted=lambda llm: ScriptedProposer(reference, 500), **kw)
-    assert [o.token_ids for o in scripted] == expected
 
 
 @pytest.mark.parametrize("merge_mode", ["prefill_first", "fused", "chunked"])
