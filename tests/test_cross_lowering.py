@@ -194,3 +194,27 @@ def test_auto_attention_is_the_kernel_on_accelerators(platform, layout, expected
     assert choose_attention(model, config, platform, tensor_parallel=2) == "reference"
     odd = EngineConfig(num_slots=4, max_seq_len=72, kv_cache="slots")
     assert choose_attention(model, odd, platform) == "reference"
+
+
+def test_speculations_verify_programs_lower_for_cuda_and_tpu():
+    """An engine that speculates (num_speculative_tokens=3): its verify programs, at SmolLM2's
+    shape in bf16, lower for both platforms with the kernels and no data-dependent control flow
+    on cuda; the all-greedy variant's sample at every position sorts nothing."""
+    from cbjax.runtime.sampling import ALL, GREEDY
+
+    model = abstract_model(SHAPES["smollm2-135m"], jnp.bfloat16)
+    engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", page_size=16,
+                                        attention="pallas", cpu_kernels="off", num_speculative_tokens=3,
+                                        min_step_tokens=16, max_step_tokens=32))
+    verify = [p for p in engine.programs() if p[0] == "verify"]
+    assert verify and engine.verify_positions == 4
+    lowered = lower_programs(engine, ("cuda", "tpu"), samplers=(ALL, GREEDY))
+    for program in verify:
+        for sampler in (ALL, GREEDY):
+            by_platform = lowered[(*program, sampler)]
+            assert data_dependent_control_flow(by_platform["cuda"]) == [], program
+            for platform, low in by_platform.items():
+                assert {attribute(c, "call_target_name") for c in custom_calls(low)} == {KERNEL_CALLS[platform]}
+            text = by_platform["cuda"].as_text()
+            sorts, top_k = text.count("stablehlo.sort"), "top_k" in text or "topk" in text.lower()
+            assert (sorts == 0 and not top_k) if sampler == GREEDY else (sorts >= 1 and top_k), (program, sampler)
