@@ -17,7 +17,9 @@ A decode row carries no token and no position from the host: it reads its slot's
 sampled token and the slot's length from the device, so the host may dispatch the next
 decode before it has read this one's tokens, and a row whose slot finished meanwhile
 computes nothing. Rows that end a prompt or decode sample a token; the result is one
-int32 array `[steps, R, 2]` = (token or -1, done), the one copy the host makes.
+int32 array `[steps, R, 2]` = (token or -1, done), the one copy the host makes. A speculating
+request's row (a verify row: its last token and proposed ones) is sampled at every position
+by the program compiled with `verify`, whose result is `[1 + k, R, 2]` (speculative.py).
 """
 
 from __future__ import annotations
