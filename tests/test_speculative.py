@@ -371,3 +371,32 @@ def test_speculation_is_simulated_with_the_same_verification_and_charged_drafts(
     assert results["none"][0] > results["draft"][0] > results["ngram"][0]
     with pytest.raises(ValueError, match="speculative_model.*vocabulary"):
         LLM("llama3-8b", simulate="h100", speculative_method="draft", speculative_model="llama2-13b")
+
+
+def test_missing_and_short_proposals_count_against_the_acceptance():
+    """The rate the adaptive length plans with is what a round at k yields: a request the
+    proposer had no guess for counts as one rejected token, a short proposal as rejected where
+    it stopped."""
+    from cbjax.request import RequestState
+    from cbjax.scheduling.speculation import Speculator
+
+    class Fixed:
+        def propose(self, requests, ks):
+            return [[], [7, 8]]
+
+        def forget(self, request_id):
+            pass
+
+        def warmup(self):
+            return 0
+
+    lengths = AdaptiveLength(max_k=4, prior_acceptance=0.0)
+    lengths.proposed = 1e-9  # no prior
+    spec = Speculator(Fixed(), lengths, max_seq_len=64)
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=20), 0.0) for i in range(2)]
+    for r in requests:
+        r.state = RequestState.RUNNING
+    assert spec.proposals(requests, 4) == [[], [7, 8]]
+    spec.record(requests[1], 2, 2)  # both proposed tokens kept, but 4 were asked: one more tried
+    assert lengths.acceptance == pytest.approx(2 / 4, rel=0.01)  # tried: 1 (no guess) + 3; kept: 2
+    assert spec.proposed == 2 and spec.accepted == 2 and requests[1].metrics.num_accepted_tokens == 2

@@ -163,11 +163,13 @@ class AdaptiveLength:
     def acceptance(self) -> float:
         return min(self.accepted / self.proposed, 0.999)
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """A verify row's outcome. The rate is per token given the ones before it were accepted
-        (what `expected_tokens` assumes): a row tried its accepted tokens and, if it stopped
-        short of its proposal, one more."""
-        trials = accepted + (accepted < proposed)
+    def observe(self, asked: int, accepted: int) -> None:
+        """A request's outcome: `accepted` tokens kept of the `asked` its proposal could hold. The
+        rate is per token given the ones before it were accepted (what `expected_tokens`
+        assumes): the request tried its accepted tokens and, if it stopped short of `asked`,
+        one more. A proposal shorter than asked, or none (n-gram lookups often find nothing),
+        counts as rejected where it stopped: the rate is what a round at `k` yields."""
+        trials = accepted + (accepted < asked)
         if trials:
             d = self.decay ** trials
             self.proposed = self.proposed * d + trials
@@ -234,6 +236,7 @@ class Speculator:
         self.proposed = 0
         self.accepted = 0
         self.verify_rows = 0
+        self._asked: dict[str, int] = {}  # request id -> the tokens its proposal was asked for this round
 
     def length(self, batch: int) -> int:
         """The most tokens each request would propose at `batch` decoding requests."""
@@ -247,9 +250,15 @@ class Speculator:
         """At most `k` tokens for each request: none past its max_tokens or the cache's length
         (the verify row's positions all fit where a decode's would), nor for a request that may
         not speculate."""
-        ks = [min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens)
+        ks = [max(min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens), 0)
               if may_speculate(r) else 0 for r in requests]
-        return self.proposer.propose(requests, [max(n, 0) for n in ks])
+        proposals = self.proposer.propose(requests, ks)
+        for r, asked, proposal in zip(requests, ks, proposals):
+            if asked and proposal:
+                self._asked[r.request_id] = asked
+            elif asked:  # no guess: to the length policy, a proposal rejected at its first token
+                self.lengths.observe(asked, 0)
+        return proposals
 
     def warmup(self) -> int:
         return self.proposer.warmup()
@@ -261,11 +270,12 @@ class Speculator:
         self.verify_rows += 1
         r.metrics.num_draft_tokens += proposed
         r.metrics.num_accepted_tokens += accepted
-        self.lengths.observe(proposed, accepted)
+        self.lengths.observe(self._asked.pop(r.request_id, proposed), accepted)
 
     def after_round(self, calls: list[list], k: int, seconds: float | None, touched) -> None:
         """A round's rows (per call), its length `k` and, for a round of decodes alone, its
         seconds: the length policy's cost; finished requests are forgotten."""
+        self._asked.clear()
         if seconds is not None:
             self.lengths.observe_step(sum(r.decodes for rows in calls for r in rows), k, seconds)
         for r in touched:
