@@ -9,9 +9,9 @@ runs a draft model on an engine of its own. A proposer that reads the target's h
 
 The length policies pick each round's `k`: `FixedLength`, or `AdaptiveLength`, which
 maximises SmartSpec's goodput (arXiv 2406.14066): with a per-token acceptance rate `a`, a
-request proposing `k` tokens makes (1 - a^(k+1)) / (1 - a) tokens a step, and the step costs
-`c(B (1 + k))` for `B` requests, a line fitted to the measured steps; at high load the extra
-tokens cost more than they bring and `k` falls to 0.
+request asked for `k` tokens makes (1 - a^(k+1)) / (1 - a) tokens a round, and the round costs
+`c(B, k)` at `B` requests, measured; at high load the extra tokens cost more than they bring
+and `k` falls to 0. `SimulatedProposer` stands in for either proposer in the simulator.
 """
 
 from __future__ import annotations
