@@ -157,7 +157,7 @@ class EngineCore:
         sched, engine, stats = self.scheduler, self.engine, self.stats
         t0, started = time.perf_counter(), self.clock()  # the clock: simulated time in a simulation
         speculator = self.speculator
-        plan = sched.schedule(self.clock(), speculator.next_length(len(sched.running)) if speculator else 0)
+        plan = sched.schedule(started, speculator.next_length(len(sched.running)) if speculator else 0)
         self.last_plan = plan
         t1 = time.perf_counter()
         stats.schedule_s += t1 - t0

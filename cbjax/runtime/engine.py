@@ -179,8 +179,9 @@ class EngineBase:
         return next(b for b in buckets if b >= total)
 
     def programs(self, only: str | None = None) -> list[tuple]:
-        """Every program a workload can reach: ("step", tokens bucket, steps). `only="decode"`:
-        those of decode rows alone (a disaggregated decode instance's); "prefill": of prompt rows."""
+        """Every program a workload can reach: ("step", tokens bucket, steps), and with speculation
+        ("verify", tokens bucket, 1). `only="decode"`: those of decode rows alone (a disaggregated
+        decode instance's); "prefill": of prompt rows."""
         return reachable_programs(self.token_buckets(), self.num_slots, self.config.decode_steps, only,
                                   self.verify_positions, self.mixed)
 
