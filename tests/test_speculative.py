@@ -177,7 +177,8 @@ def test_adaptive_length_turns_speculation_off_when_the_step_is_compute_bound():
     assert [steep.next_length(64) for _ in range(4)] == [0, 0, 0, 1]
     knee = AdaptiveLength(max_k=4, probe_every=2)  # flat to 32 tokens (k = 3 at 8 requests), then compute-bound
     for k in (0, 2, 4):
-        knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32)), knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32))
+        for _ in range(2):
+            knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32))
     knee.observe(10, 8)  # 8 of 9 tried: 0.85 with the prior
     assert knee.cost(8, 1) == pytest.approx(0.01) and knee.cost(8, 3) == pytest.approx(0.01125)
     assert [knee.next_length(8) for _ in range(4)] == [4, 3, 4, 3]  # the unmeasured length nearest the best, tried

@@ -122,7 +122,7 @@ def simulated_proposer(engine, args: EngineArgs, accelerator: str | None):
     each; a draft model's steps (`speculative_model`, a shape) charged at its own roofline on the
     same accelerator: k decode steps of the speculating rows a round."""
     from cbjax import simulator
-    from cbjax.scheduling.speculation import SimulatedProposer
+    from cbjax.scheduling.speculation import SimulatedProposer, check_draft_vocabulary
     from cbjax.simulator.cost_model import Call
 
     charge = None
@@ -131,9 +131,7 @@ def simulated_proposer(engine, args: EngineArgs, accelerator: str | None):
             raise ValueError("speculative_method='draft' is simulated on an accelerator's roofline: a calibration "
                              "file models the target alone")
         draft = simulator.model_for_simulation(args.speculative_model, dtype=args.dtype)
-        if draft.config.vocab_size != engine.model.config.vocab_size:
-            raise ValueError(f"speculative_model: the draft's vocabulary ({draft.config.vocab_size} tokens) is not "
-                             f"the target's ({engine.model.config.vocab_size})")
+        check_draft_vocabulary(draft.config.vocab_size, engine.model.config.vocab_size)
         cost = simulator.load_cost_model(accelerator, draft.config, 2 if args.dtype != "float32" else 4, 1,
                                          args.weight_dtype, args.kv_dtype)
 

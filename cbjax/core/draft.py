@@ -18,35 +18,33 @@ from cbjax.request import Request, SamplingParams
 from cbjax.runtime.engine import Engine, EngineConfig
 from cbjax.runtime.step import split_logprobs, to_host
 from cbjax.scheduling.plan import Row
+from cbjax.scheduling.speculation import check_draft_vocabulary
 
 
 class DraftProposer:
     def __init__(self, model, target_config, config: EngineConfig):
         """`model`: the loaded draft; `target_config`: the target's `ModelConfig` (the vocabulary
         must match); `config`: the draft engine's knobs (the target's slots and length)."""
-        if model.config.vocab_size != target_config.vocab_size:
-            raise ValueError(f"speculative_model: the draft's vocabulary ({model.config.vocab_size} tokens) is not "
-                             f"the target's ({target_config.vocab_size}): a draft proposes the target's token ids")
+        check_draft_vocabulary(model.config.vocab_size, target_config.vocab_size)
         self.engine = Engine(model, config)
         self.greedy = SamplingParams(max_tokens=config.max_seq_len, ignore_eos=True)
-        # request id -> (its slot, tokens it had when proposed, the proposal, positions whose keys were right)
-        self._seen: dict[str, tuple[int, int, list[int], int]] = {}
+        # request id -> (its slot, tokens it had when last proposed for, that proposal); the draft's
+        # cache then held those tokens' keys, and the proposal's but its last
+        self._seen: dict[str, tuple[int, int, list[int]]] = {}
 
     def warmup(self) -> int:
         return self.engine.warmup()
 
     def _valid(self, r: Request, tokens: list[int]) -> int:
         """Leading positions of `r` whose keys the draft's cache holds correctly."""
-        slot, known, proposal, valid = self._seen.get(r.request_id, (None, 0, [], 0))
+        slot, known, proposal = self._seen.get(r.request_id, (None, 0, []))
         if slot != r.slot:
             return 0
-        if proposal:  # its proposal's keys are right up to the first token the target rejected
-            agreed = 0
-            while agreed < len(proposal) - 1 and known + agreed < len(tokens) and \
-                    tokens[known + agreed] == proposal[agreed]:
-                agreed += 1
-            valid = known + agreed
-        return min(valid, len(tokens) - 1)
+        agreed = 0  # the proposal's keys are right up to the first token the target rejected
+        ahead = tokens[known:]
+        while agreed < min(len(proposal) - 1, len(ahead)) and ahead[agreed] == proposal[agreed]:
+            agreed += 1
+        return min(known + agreed, len(tokens) - 1)
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         todo = [(r, k) for r, k in zip(requests, ks) if k > 0]
@@ -74,7 +72,7 @@ class DraftProposer:
         for r, k in zip(requests, ks):
             proposal = drafted.get(r.request_id, [])[:k]
             if k > 0:
-                self._seen[r.request_id] = (r.slot, r.num_tokens, proposal, r.num_tokens)
+                self._seen[r.request_id] = (r.slot, r.num_tokens, proposal)
             out.append(proposal)
         return out
 

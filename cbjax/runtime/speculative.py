@@ -48,9 +48,10 @@ def sample_positions(state, logits, batch: Resolved, flat, ints, floats, *, posi
     every position (`logits [R * positions, V]`, `logits_rows`; one position: a step without
     verify rows, `step.sample_rows`), and update the rows' slots' state; record the prompt
     tokens for the penalties (a request whose logits processors read the history had its
-    slot's row cleared before this call: `Engine.record_histories`). Returns `[positions, R, 2]` (token or -1, done: a row's accepted tokens, then -1), logprob
-    columns `[positions, R, ...]` or None, the state, and `[R]` the tokens each row's sequence
-    holds in the cache now (its new length; verify rows only)."""
+    slot's row cleared before this call: `Engine.record_histories`). Returns `[positions, R, 2]`
+    (token or -1, done: a row's accepted tokens, then -1), logprob columns `[positions, R, ...]`
+    or None, the state, and `[R]` the tokens each row's sequence holds in the cache now (its new
+    length; verify rows only)."""
     num_slots = state.active.shape[0]
     num_rows = ints.shape[0]
     prompt_row = (batch.q_len > 0) & ~batch.decode & ~batch.verify

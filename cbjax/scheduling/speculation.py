@@ -24,6 +24,13 @@ METHODS = ("none", "ngram", "draft")
 LENGTH_POLICIES = ("fixed", "adaptive")
 
 
+def check_draft_vocabulary(draft_vocab: int, target_vocab: int) -> None:
+    """Refuse (ValueError, naming the knob) a draft whose token ids are not the target's."""
+    if draft_vocab != target_vocab:
+        raise ValueError(f"speculative_model: the draft's vocabulary ({draft_vocab} tokens) is not the target's "
+                         f"({target_vocab}): a draft proposes the target's token ids")
+
+
 def may_speculate(r: Request) -> bool:
     """Whether a request's tokens may be proposed and verified: running, unconstrained (a
     structured-output mask follows each accepted token on the host) and without penalties
@@ -132,7 +139,7 @@ class FixedLength:
 
     next_length = length
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, asked: int, accepted: int) -> None:
         pass
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
