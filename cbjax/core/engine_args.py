@@ -102,9 +102,10 @@ class EngineArgs:
     cpu_kernels: str = _knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
                              "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
                              CPU_KERNEL_CHOICES)
-    quantized_matmul: str = _knob("auto", "Decode-sized products with int8/fp8 weights: auto (the Pallas kernel on "
-                                  "one GPU, the C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), "
-                                  "pallas (the kernel; interpreted on a CPU) or xla.",
+    quantized_matmul: str = _knob("auto", "Decode-sized products (up to 64 rows): auto (on one GPU the Pallas kernel "
+                                  "for int8/fp8 weights and for bf16 ones where kernel_tuning found it faster, the "
+                                  "C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), pallas (the "
+                                  "kernel for every product it takes; on a CPU 8-bit ones, interpreted) or xla.",
                                   QUANTIZED_MATMUL_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)

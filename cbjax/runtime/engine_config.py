@@ -76,9 +76,10 @@ class EngineConfig:
     # cbjax/runtime/cpu/kernels.py on a single-device CPU engine when they build, else XLA),
     # "on" (those, or an error) or "off" (XLA).
     cpu_kernels: str = "auto"
-    # Decode-sized products with int8/fp8 weights: "auto" (the Pallas kernel of
-    # pallas_kernels/quantized_matmul on one GPU, XLA's dot elsewhere), "pallas" (the kernel,
-    # interpreted on a CPU) or "xla" (runtime/engine_ops.py).
+    # Decode-sized products: "auto" (on one GPU the Pallas kernel of pallas_kernels/decode_matmul
+    # for int8/fp8 weights and where the device's tuning chose it for float ones, XLA's dot
+    # elsewhere), "pallas" (the kernel for every product it takes; on a CPU for 8-bit weights,
+    # interpreted) or "xla" (runtime/engine_ops.py).
     quantized_matmul: str = "auto"
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" (e4m3) with a float32
     # scale per position and head (cbjax/models/kv_cache.py), about half of bf16's bytes.

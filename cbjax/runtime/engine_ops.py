@@ -1,5 +1,5 @@
 """Which operations an engine traces its programs with (cbjax/models/ops.py): the C++ CPU
-kernels, the Pallas quantized matmul, or XLA's own."""
+kernels, the Pallas decode matmul, or XLA's own."""
 
 from __future__ import annotations
 
@@ -11,30 +11,39 @@ import numpy as np
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
 from cbjax.runtime.cpu import kernels as cpu_kernels
-from pallas_kernels.quantized_matmul import quantized_matmul, unsupported
+from pallas_kernels.decode_matmul import decode_matmul, tuned, unsupported
 
 
-class QuantizedMatmulOps(Ops):
-    """XLA's operations, but decode-sized products with int8/fp8 weights through the Pallas
-    kernel (pallas_kernels/quantized_matmul): XLA's fused widen-in-dot, autotuned, took 2.7x the
-    bf16 dot's time for Llama-3-8B's int8 matrices at one row on an H200 (156 against 58 us for
-    w_up); the kernel 41-49 us (docs/quantization.md). `interpret`: the kernel's body in Pallas
-    interpret mode (a CPU checking it)."""
+class DecodeMatmulOps(Ops):
+    """XLA's operations, but decode-sized products through the Pallas kernel
+    (pallas_kernels/decode_matmul) where it is the faster way: int8/fp8 weights by default (XLA's
+    fused widen-in-dot, autotuned, took 2.7x the bf16 dot's time for Llama-3-8B's int8 matrices
+    at one row on an H200; docs/quantization.md), float weights only where the device's tuning
+    chose the kernel (runtime/kernel_tuning.py); a tuned "xla" sends an 8-bit product back to
+    XLA. `everywhere`: the kernel for every product it takes, tuned or not (quantized_matmul=
+    'pallas'). `interpret`: the kernel's body in Pallas interpret mode (a CPU checking it)."""
 
-    def __init__(self, interpret: bool):
-        self.interpret = interpret
+    def __init__(self, interpret: bool, everywhere: bool = False):
+        self.interpret, self.everywhere = interpret, everywhere
 
     def dense(self, x, w):
-        if isinstance(w, quant.QuantizedWeight) and not unsupported(
-                int(np.prod(x.shape[:-1])), *w.values.shape, w.scale.shape[-1], w.values.dtype):
-            return quantized_matmul(x, w.values, w.scale, interpret=self.interpret)
+        quantized = isinstance(w, quant.QuantizedWeight)
+        values = w.values if quantized else w
+        if quantized or isinstance(w, jax.Array):
+            groups = w.scale.shape[-1] if quantized else 0
+            shape = (int(np.prod(x.shape[:-1])), *values.shape, groups, values.dtype)
+            if not unsupported(*shape):
+                choice = tuned(*shape)
+                if choice != "xla" and (quantized or self.everywhere or choice is not None):
+                    return decode_matmul(x, values, w.scale if quantized else None, interpret=self.interpret)
         return super().dense(x, w)
 
     def __repr__(self) -> str:
-        return f"QuantizedMatmulOps(interpret={self.interpret})"
+        return f"DecodeMatmulOps(interpret={self.interpret}, everywhere={self.everywhere})"
 
 
-PALLAS_MATMUL, PALLAS_MATMUL_INTERPRETED = QuantizedMatmulOps(False), QuantizedMatmulOps(True)
+PALLAS_MATMUL, PALLAS_MATMUL_EVERYWHERE = DecodeMatmulOps(False), DecodeMatmulOps(False, everywhere=True)
+PALLAS_MATMUL_INTERPRETED = DecodeMatmulOps(True)
 
 
 _KERNEL_BUILDS: list[threading.Thread] = []
@@ -68,19 +77,20 @@ def use_cpu_kernels(choice: str, params, devices: list) -> bool:
 
 
 def quantized_matmul_ops(choice: str, params, devices: list) -> Ops | None:
-    """The Pallas quantized matmul's ops for int8/fp8 weights on one device, or None (XLA's dot):
-    "auto" takes it on one GPU, "pallas" anywhere (interpreted on a CPU), "xla" never."""
-    if choice == "xla" or quant.quantization_of(params) not in ("int8", "fp8"):
+    """The Pallas decode matmul's ops on one device, or None (XLA's dot): on one GPU "auto" takes
+    it for 8-bit weights and where tuning chose it, "pallas" for every product it takes; on
+    another platform "pallas" runs it interpreted for 8-bit weights; "xla" never."""
+    eight_bit = quant.quantization_of(params) in ("int8", "fp8")
+    if choice == "xla":
         return None
     if len(devices) != 1:
-        if choice == "pallas":
+        if choice == "pallas" and eight_bit:
             raise ValueError("quantized_matmul='pallas' runs on one device; with tensor parallelism use "
                              "quantized_matmul='xla'")
         return None
-    platform = devices[0].platform
-    if platform in ("gpu", "cuda"):
-        return PALLAS_MATMUL
-    return PALLAS_MATMUL_INTERPRETED if choice == "pallas" else None
+    if devices[0].platform in ("gpu", "cuda"):
+        return PALLAS_MATMUL_EVERYWHERE if choice == "pallas" else PALLAS_MATMUL
+    return PALLAS_MATMUL_INTERPRETED if choice == "pallas" and eight_bit else None
 
 
 def engine_ops(config, params, mesh) -> Ops:

@@ -2,7 +2,7 @@
 
 - quant_matmul: one layer's matmul shapes of a Llama-3-8B (and its LM head) at 1, 16 and 64
   rows, bf16 against each way of multiplying by 8-bit weights: XLA's (`cbjax.models.quant.dense`,
-  widened inside a dot), the Pallas kernel (pallas_kernels/quantized_matmul; at one row its
+  widened inside a dot), the Pallas kernel (pallas_kernels/decode_matmul; at one row its
   launch settings swept around its own choice), fp8 also as a native fp8 x fp8 dot with the
   activations scaled per row; each checked against the dequantized f32 product; time and
   weight bytes per second against the copy bandwidth.
@@ -42,30 +42,6 @@ CHAIN = 8  # distinct weights a timed program multiplies by in turn (their bytes
 LAYER_COUNTS = {"w_up": 2, "w_down": 1, "wq": 2, "wk": 2}
 
 
-def _sweep(rows: int) -> list:
-    """The Pallas kernel's launch settings swept at `rows` (--sweep_rows): its own choice first,
-    then settings of the form it takes at that many rows."""
-    from pallas_kernels.quantized_matmul import Launch
-    from pallas_kernels.quantized_matmul.kernel import REDUCE_ROWS
-
-    if rows > REDUCE_ROWS:
-        return [Launch(), Launch(block_n=32), Launch(block_n=128), Launch(unroll=2), Launch(num_stages=2),
-                Launch(num_stages=3), Launch(num_warps=8), Launch(splits=1)]
-    return [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
-            Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2), Launch(form="reduce", num_warps=8),
-            Launch(form="stream"), Launch(form="stream", block_n=16), Launch(form="dot")]
-
-
-def _launch_name(launch) -> str:
-    import dataclasses
-
-    from pallas_kernels.quantized_matmul import Launch
-
-    changed = {f.name: getattr(launch, f.name) for f in dataclasses.fields(launch)
-               if getattr(launch, f.name) != getattr(Launch(), f.name)}
-    return " ".join(f"{k}={v}" for k, v in changed.items()) or "default"
-
-
 def _quantized(ws: list) -> dict:
     """mode -> (the chained weights `ws` in that mode, the first of them exact in f32), for the
     8-bit modes this device runs; once per matrix, whatever the rows and forms timed."""
@@ -90,18 +66,19 @@ def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
     import jax.numpy as jnp
 
     from cbjax.models import quant
-    from pallas_kernels.quantized_matmul import quantized_matmul
+    from pallas_kernels.decode_matmul import candidates, decode_matmul
 
     def chain(product):
         return lambda x, weights: sum(product(x, w) for w in weights)
 
-    forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None)}
+    forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None),
+             "bf16 pallas": (chain(lambda x, w: decode_matmul(x, w)), ws, ws[0].nbytes, None, None)}
     for mode, (qs, exact) in quantized.items():
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
         sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul
-        for launch in _sweep(rows) if sweep else [None]:
-            product = (lambda x, w, launch=launch: quantized_matmul(x, w.values, w.scale, launch=launch))
-            name = f"{mode} pallas" + (f" {_launch_name(launch)}" if launch else "")
+        for launch in candidates(rows) if sweep else [None]:
+            product = (lambda x, w, launch=launch: decode_matmul(x, w.values, w.scale, launch=launch))
+            name = f"{mode} pallas" + (f" {launch.name}" if launch else "")
             forms[name] = (chain(product), qs, qs[0].nbytes, exact, launch)
     return forms
 
@@ -156,13 +133,13 @@ def quant_matmul(copy_GBps: float, deadline: float) -> dict:
     layer_ms = {k: sum(v.values()) for k, v in weighted.items() if len(v) == len(LAYER_COUNTS)}
     best = min(layer_ms, key=layer_ms.get) if layer_ms else None
     return {"rows": rows_out, "best": dataclasses.asdict(best) if best else None,
-            "best_name": _launch_name(best) if best else None,
-            "layer_ms": {_launch_name(k): v for k, v in layer_ms.items()}}
+            "best_name": best.name if best else None,
+            "layer_ms": {k.name: v for k, v in layer_ms.items()}}
 
 
 def quant_8b(copy_GBps: float, deadline: float, launch: dict | None = None) -> dict:
     """The 8B engine per ENGINES row; the Pallas matmul with `launch` (quant_matmul's pick) if given."""
-    from pallas_kernels.quantized_matmul import Launch, set_default_launch
+    from pallas_kernels.decode_matmul import Launch, set_default_launch
 
     previous = set_default_launch(Launch(**launch)) if launch else None
     try:

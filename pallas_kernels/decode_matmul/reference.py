@@ -1,14 +1,17 @@
-"""The pure-JAX reference for the quantized matmul kernel: the same product, written plainly."""
+"""The pure-JAX reference for the decode matmul kernel: the same product, written plainly."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 
-def reference(x, values, scale):
+def reference(x, values, scale=None):
     """`x [rows, in] @ (values * scale).T` in f32: `values [out, in]` 8-bit, `scale [out, groups]`
     float32, group g of row i being `values[i, g * size:(g + 1) * size] * scale[i, g]`. Each
-    group's partial sums are taken over the widened values and then scaled, as the kernel does."""
+    group's partial sums are taken over the widened values and then scaled, as the kernel does.
+    A float weight has no scale (None): `x @ values.T` in f32."""
+    if scale is None:
+        return jnp.einsum("rk,ok->ro", x.astype(jnp.float32), values.astype(jnp.float32))
     out_dim, groups = scale.shape
     rows, in_dim = x.shape
     xg = x.astype(jnp.float32).reshape(rows, groups, in_dim // groups)

@@ -1,6 +1,7 @@
-"""`x @ w.T` for 8-bit weights with a float32 scale per group of a row, as a Pallas kernel for
-the Triton lowering (GPU; interpret mode on CPU): the decode-sized product, a few rows of
-activations against a whole weight matrix, which is a stream over the weight's bytes.
+"""`x @ w.T` for 8-bit weights with a float32 scale per group of a row (or float weights with
+none), as a Pallas kernel for the Triton lowering (GPU; interpret mode on CPU): the
+decode-sized product, a few rows of activations against a whole weight matrix, which is a
+stream over the weight's bytes.
 
 Grid `(out / block_n, splits)`: program (i, s) owns output columns `[i * block_n, ...)` and
 the s-th of `splits` equal spans of the inputs, and walks its span `block_k` inputs (a group,
@@ -41,13 +42,15 @@ def padded_rows(rows: int, form: str) -> int:
     return max(pl.next_power_of_2(rows), MIN_ROWS) if form == "dot" else rows
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, unroll: int, per_row: bool, form: str):
+def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, unroll: int, per_row: bool, form: str):
+    *s_ref, o_ref = refs  # no scales: a float weight
+    s_ref = s_ref[0] if s_ref else None
     first = pl.program_id(1) * steps * unroll  # this program's first block of inputs
     rows = x_ref.shape[0]
     block_n = w_ref.shape[0]
 
     def scaled(part, block):
-        return part if per_row else part * s_ref[:, pl.ds(block, 1)]  # the group's scale per output
+        return part if per_row or s_ref is None else part * s_ref[:, pl.ds(block, 1)]  # the group's scale
 
     def product(block):
         k = block * block_k
@@ -73,7 +76,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, unroll: int
         acc = _columns([jnp.sum(a, axis=1) for a in jax.lax.fori_loop(0, steps, body, init)])
     else:
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc * s_ref[:, pl.ds(0, 1)] if per_row else acc
+    o_ref[...] = acc * s_ref[:, pl.ds(0, 1)] if per_row and s_ref is not None else acc
 
 
 def _columns(vectors: list) -> jax.Array:
@@ -85,11 +88,12 @@ def _columns(vectors: list) -> jax.Array:
 def matmul(x, values, scale, *, form: str, block_n: int, splits: int, block_k: int, unroll: int, num_warps: int,
            num_stages: int, interpret: bool):
     """`x [rows, in] @ (values * scale).T` as f32 `[rows, out]`: `values [out, in]` 8-bit,
-    `scale [out, groups]` f32 (groups of `in / groups` inputs; one group: a scale per row).
+    `scale [out, groups]` f32 (groups of `in / groups` inputs; one group: a scale per row), or
+    `values` float and `scale` None.
     `block_n` must divide `out`; `block_k` (a power of two >= 16) must be the group size, or
     with one group per row divide `in`; `splits * unroll` must divide `in / block_k`."""
     rows, in_dim = x.shape
-    out_dim, groups = scale.shape
+    out_dim, groups = values.shape[0], (1 if scale is None else scale.shape[1])
     per_row = groups == 1
     if not per_row and block_k != in_dim // groups:
         raise ValueError(f"block_k must be the group size ({in_dim // groups}) for grouped scales, got {block_k}")
@@ -104,11 +108,11 @@ def matmul(x, values, scale, *, form: str, block_n: int, splits: int, block_k: i
         in_specs=[
             pl.BlockSpec((padded, in_dim), lambda i, s: (0, 0)),
             pl.BlockSpec((block_n, in_dim), lambda i, s: (i, 0)),
-            pl.BlockSpec((block_n, groups), lambda i, s: (i, 0)),
+            *([pl.BlockSpec((block_n, groups), lambda i, s: (i, 0))] if scale is not None else []),
         ],
         out_specs=pl.BlockSpec((None, block_n, padded), lambda i, s: (s, i, 0)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="cbjax_quantized_matmul",
-    )(xp, values, scale)
+        name="cbjax_decode_matmul",
+    )(xp, values, *([scale] if scale is not None else []))
     return partial_sums.sum(axis=0)[:, :rows].T

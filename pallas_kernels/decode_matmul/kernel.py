@@ -1,5 +1,6 @@
-"""The quantized matmul's entry point: its launch settings, the shapes it takes, and the
-choice between the Triton kernel, its interpreted body (CPU) and the reference (other backends)."""
+"""The decode matmul's entry point: its launch settings (and the space the device tunes them
+over), the shapes it takes, and the choice between the Triton kernel, its interpreted body (CPU)
+and the reference (other backends). Weights are 8-bit with scales, or plain bf16/f16/f32."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul import triton_kernel
-from pallas_kernels.quantized_matmul.reference import reference
+from pallas_kernels.decode_matmul import triton_kernel
+from pallas_kernels.decode_matmul.reference import reference
 
 MAX_ROWS = 64  # decode-sized products; more rows are compute-bound and XLA's dot is the tool
 REDUCE_ROWS = 4  # up to this many rows the "reduce" form, past it the tensor cores' "dot"
@@ -21,6 +22,8 @@ REDUCE_ROWS = 4  # up to this many rows the "reduce" form, past it the tensor co
 # "dot", whose settings (64 outputs a program) are not swept yet.
 TARGET_PROGRAMS = 512  # about four per SM of an H100/H200 (132): enough loads in flight
 EIGHT_BIT = (jnp.int8, jnp.float8_e4m3fn)
+FLOAT = (jnp.bfloat16, jnp.float16, jnp.float32)
+KERNEL = "decode_matmul"  # its name in pallas_kernels/tuning.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +37,53 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 4
 
+    @property
+    def name(self) -> str:
+        """The fields set away from their defaults, `form=dot,block_n=128` (`parse` reads it back)."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) != f.default) or "default"
+
+    @classmethod
+    def parse(cls, name: str) -> Launch:
+        if name == "default":
+            return cls()
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = dict(part.split("=", 1) for part in name.split(","))
+        return cls(**{k: v if k == "form" else int(v) for k, v in values.items() if k in fields})
+
+
+def candidates(rows: int) -> list[Launch]:
+    """The launches a device times for a product of `rows` activation rows (tuning.py): the
+    shape's own choice first, then the forms it may take with wider or narrower blocks, more
+    warps, fewer stages."""
+    if rows > REDUCE_ROWS:
+        return [Launch(), Launch(block_n=32), Launch(block_n=128), Launch(unroll=2), Launch(num_stages=3),
+                Launch(num_warps=8), Launch(splits=1)]
+    return [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
+            Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2), Launch(form="reduce", num_warps=8),
+            Launch(form="stream"), Launch(form="stream", block_n=16), Launch(form="dot")]
+
+
+def shape_of(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> tuple:
+    """A product's key in the tuning table: rows, the weight's shape, its scale groups (0: none),
+    its dtype."""
+    return rows, out_dim, in_dim, groups, jnp.dtype(dtype).name
+
+
+def tuned(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> Launch | str | None:
+    """What this process's tuning chose for the product: a `Launch`, "xla" (XLA's dot was faster
+    there), or None (not tuned)."""
+    from pallas_kernels import tuning
+
+    choice = tuning.chosen(KERNEL, shape_of(rows, out_dim, in_dim, groups, dtype))
+    return choice if choice in (None, "xla") else Launch.parse(choice)
+
 
 _default_launch = Launch()
 
 
 def set_default_launch(launch: Launch) -> Launch:
-    """The settings `quantized_matmul` uses when a call gives none (a benchmark's tuning). Read
+    """The settings `decode_matmul` uses when a call gives none (a benchmark's tuning). Read
     when a program is traced: call `jax.clear_caches()` after changing it. Returns the previous."""
     global _default_launch
     previous, _default_launch = _default_launch, launch
@@ -60,7 +104,7 @@ def _block_k(in_dim: int, groups: int) -> int:
 
 def _power_of_two(name: str, value: int | None) -> None:
     if value is not None and (value < 1 or value & (value - 1)):
-        raise ValueError(f"quantized_matmul: {name}={value} must be a power of two")
+        raise ValueError(f"decode_matmul: {name}={value} must be a power of two")
 
 
 def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -> tuple:
@@ -75,7 +119,7 @@ def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -
         _power_of_two(name, getattr(launch, name))
     form = launch.form or ("reduce" if rows <= REDUCE_ROWS else "dot")
     if form not in triton_kernel.FORMS:
-        raise ValueError(f"quantized_matmul: form={form!r}: expected one of {triton_kernel.FORMS}")
+        raise ValueError(f"decode_matmul: form={form!r}: expected one of {triton_kernel.FORMS}")
     block_k = _block_k(in_dim, groups)
     block_n = _largest_power_of_two_dividing(out_dim, launch.block_n or (64 if form == "dot" else 32))
     blocks = in_dim // block_k
@@ -90,10 +134,14 @@ def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -
 
 
 def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str | None:
-    """Why the kernel does not take this product (the caller then uses XLA's dot), or None."""
+    """Why the kernel does not take this product (the caller then uses XLA's dot), or None.
+    `groups`: scales a row of an 8-bit weight; 0 for a float weight (no scales)."""
     group = in_dim // max(groups, 1)
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in EIGHT_BIT]:
-        return f"the weight is {jnp.dtype(dtype)}, the kernel reads int8 or float8_e4m3fn"
+    eight_bit = jnp.dtype(dtype) in [jnp.dtype(d) for d in EIGHT_BIT]
+    if not eight_bit and jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT]:
+        return f"the weight is {jnp.dtype(dtype)}, the kernel reads int8, float8_e4m3fn, bf16, f16 or f32"
+    if eight_bit != (groups > 0):
+        return "8-bit weights come with scales, float weights without"
     if rows > MAX_ROWS:
         return f"{rows} rows: the kernel is for decode-sized products (<= {MAX_ROWS} rows)"
     if groups > 1 and (group < 16 or group & (group - 1) or in_dim % groups):
@@ -105,20 +153,23 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "launch"))
-def quantized_matmul(x, values, scale, *, interpret: bool = False, launch: Launch | None = None):
+def decode_matmul(x, values, scale=None, *, interpret: bool = False, launch: Launch | None = None):
     """`x [..., in] @ (values * scale).T` in x's dtype (f32 accumulation): `values [out, in]`
-    int8 or float8_e4m3fn, `scale [out, groups]` float32 (see `reference`). On a GPU the Triton
-    kernel; `interpret=True` runs its body in Pallas interpret mode (any platform); otherwise a
-    CPU or TPU computes the reference. `launch`: the kernel's settings (default: those of
+    int8 or float8_e4m3fn with `scale [out, groups]` float32 (see `reference`), or bf16 / f16 /
+    f32 with `scale` None. On a GPU the Triton kernel; `interpret=True` runs its body in Pallas
+    interpret mode (any platform); otherwise a CPU or TPU computes the reference. `launch`: the
+    kernel's settings (default: this process's tuned choice for the shape, else those of
     `set_default_launch`, whose unset fields `resolve` chooses)."""
     lead, in_dim = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, in_dim)
-    out_dim, groups = scale.shape
+    out_dim, groups = values.shape[0], (0 if scale is None else scale.shape[1])
     why_not = unsupported(flat.shape[0], out_dim, in_dim, groups, values.dtype)
     if why_not:
-        raise ValueError(f"quantized_matmul: {why_not}")
-    launch = launch or _default_launch
-    form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, groups)
+        raise ValueError(f"decode_matmul: {why_not}")
+    if launch is None:
+        chosen = tuned(flat.shape[0], out_dim, in_dim, groups, values.dtype)
+        launch = chosen if isinstance(chosen, Launch) else _default_launch
+    form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, max(groups, 1))
     run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
                             unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if interpret:
