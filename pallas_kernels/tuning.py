@@ -13,6 +13,8 @@ reads when a program is traced; `None` (nothing chosen) means the kernel's own d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -26,10 +28,28 @@ FILE_NAME = "kernel_tuning.json"
 
 # (kernel, shape) -> the chosen candidate's name, for the device this process tunes for.
 _chosen: dict[tuple[str, tuple], str] = {}
+# While `recording`: (kernel, shape) -> the arguments' shapes of the first call seen.
+_recorded: list[dict] = []
 
 
 def shape_key(shape: tuple) -> str:
     return ",".join(str(part) for part in shape)
+
+
+def launch_name(launch) -> str:
+    """A launch dataclass's fields set away from their defaults, `form=dot,block_n=128`
+    ("default" when none is), the name `parse_launch` reads back."""
+    return ",".join(f"{f.name}={getattr(launch, f.name)}" for f in dataclasses.fields(launch)
+                    if getattr(launch, f.name) != f.default) or "default"
+
+
+def parse_launch(cls, name: str):
+    """The `cls` launch `launch_name` named (string fields stay strings, the others are ints)."""
+    if name == "default":
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(part.split("=", 1) for part in name.split(","))
+    return cls(**{k: v if fields[k].type in (str, "str", "str | None") else int(v) for k, v in values.items()})
 
 
 class TuningCache:
@@ -117,6 +137,30 @@ def use(kernel: str, shape: tuple, choice: str) -> str:
 def chosen(kernel: str, shape: tuple) -> str | None:
     """The candidate this process chose for `kernel` on `shape`, or None (the kernel's defaults)."""
     return _chosen.get((kernel, tuple(shape)))
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: every kernel entry point's call (`note`) is kept, `{(kernel, shape): example}`, so
+    a caller can trace its programs once and learn which shapes its kernels will see."""
+    _recorded.append({})
+    try:
+        yield _recorded[-1]
+    finally:
+        _recorded.pop()
+
+
+def note(kernel: str, shape: tuple, example) -> None:
+    """A kernel entry point's call on `shape`; `example` (its arguments as shapes, its settings)
+    is what a tuner needs to time candidates on it."""
+    if _recorded:
+        _recorded[-1].setdefault((kernel, tuple(shape)), example)
+
+
+def choices_digest() -> str:
+    """This process's choices as one string: part of the key of anything compiled from a trace
+    that read them (cbjax/runtime/executables.py)."""
+    return repr(sorted(_chosen.items()))
 
 
 def forget() -> None:

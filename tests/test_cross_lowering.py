@@ -218,3 +218,38 @@ def test_speculations_verify_programs_lower_for_cuda_and_tpu():
             text = by_platform["cuda"].as_text()
             sorts, top_k = text.count("stablehlo.sort"), "top_k" in text or "topk" in text.lower()
             assert (sorts == 0 and not top_k) if sampler == GREEDY else (sorts >= 1 and top_k), (program, sampler)
+
+
+def test_tuned_launches_lower_for_cuda():
+    """The programs of a GPU engine after its tuning (Llama-3-8B's shape, bf16, paged): with
+    split-KV chosen for the attention kernel and the decode matmul chosen over XLA's dot for the
+    bf16 weights at the decode buckets, every program lowers for cuda with no data-dependent
+    control flow; the decode-sized programs call the matmul kernel (`cbjax_decode_matmul`), the
+    larger ones XLA's dot; the attention calls carry the split's combine."""
+    from cbjax.runtime import engine_ops, kernel_tuning
+    from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
+
+    model = abstract_model(SHAPES["llama-3-8b"], jnp.bfloat16)
+    engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", page_size=16,
+                                        attention="pallas", cpu_kernels="off", min_step_tokens=16,
+                                        max_step_tokens=128))
+    engine.ops = engine_ops.PALLAS_MATMUL  # what a GPU engine runs (engine_ops picks by the device)
+    tuning.forget()
+    try:
+        calls = kernel_tuning.kernel_calls(engine)
+        for kernel, shape in calls:
+            tuning.use(kernel, shape, "kv_splits=4" if kernel == ragged_paged_attention.KERNEL else "form=dot")
+        matmul_rows = {shape[0] for kernel, shape in calls if kernel == decode_matmul.KERNEL}
+        assert matmul_rows and max(matmul_rows) <= decode_matmul.MAX_ROWS
+        jax.clear_caches()
+        lowered = lower_programs(engine, ("cuda",))
+        for program, by_platform in lowered.items():
+            low = by_platform["cuda"]
+            assert data_dependent_control_flow(low) == [], program
+            names = [ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["name"]).value
+                     for c in custom_calls(low)]
+            assert "cbjax_ragged_paged_attention" in names, program
+            assert ("cbjax_decode_matmul" in names) == (program[1] <= decode_matmul.MAX_ROWS), program
+    finally:
+        tuning.forget()
+        jax.clear_caches()

@@ -202,3 +202,83 @@ def test_kernel_refuses_8bit_pages_below_16_keys():
                                              page=8)
     with pytest.raises(ValueError, match="page_size a power of two >= 16 for int8 KV"):
         ragged_paged_attention(q, _quantized(k, jnp.int8), _quantized(v, jnp.int8), kv_lens, table, cu, scale=1.0)
+
+
+# Split-KV: GQA groups 1 to 8 (and an odd one), head sizes that are not powers of two, windows,
+# 8-bit and bf16 KV; a long decode row beside the mixes so that every split has keys to walk.
+SPLIT_CASES = [((8, 8), 32, 0, jnp.float32), ((8, 4), 32, 0, jnp.float32), ((8, 2), 80, 9, jnp.float32),
+               ((8, 1), 96, 0, jnp.float32), ((6, 2), 64, 16, jnp.float32), ((8, 1), 128, 0, jnp.bfloat16),
+               ((8, 2), 32, 0, jnp.int8), ((8, 2), 80, 9, jnp.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("heads,head_dim,window,dtype", SPLIT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize("kv_splits", [2, 3, 8])
+def test_split_kv_matches_reference(heads, head_dim, window, dtype, kv_splits):
+    rng = np.random.default_rng(head_dim * 10 + kv_splits)
+    eight_bit = np.dtype(dtype).itemsize == 1
+    page = 16 if eight_bit or dtype == jnp.bfloat16 else PAGE
+    seqs = MIXES["mixed"] + [(1, 120), (3, 97)]
+    q, k, v, kv_lens, table, cu = make_batch(rng, seqs, *heads, head_dim,
+                                             jnp.float32 if eight_bit else dtype, pages_per_seq=16, page=page)
+    if eight_bit:
+        k, v = _quantized(k, dtype), _quantized(v, dtype)
+    valid, scale = int(cu[-1]), head_dim ** -0.5
+    ref = np.asarray(reference(q, k, v, kv_lens, table, cu, scale, window=window), np.float32)
+    out = ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=scale, window=window, kv_splits=kv_splits,
+                                 pages_per_block=1, interpret=True)
+    assert out.dtype == q.dtype
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:valid], ref[:valid], rtol=tolerance, atol=tolerance)
+
+
+def test_split_kv_splits_the_keys(monkeypatch):
+    """Each split walks its own span: for one decode row over 8 blocks in 4 splits, every split's
+    sum of exponentials is a part of the whole (none sees all keys, none is empty), and the
+    combine of those parts is the reference."""
+    from pallas_kernels.ragged_paged_attention import triton_kernel
+
+    seen = {}
+    original = triton_kernel.combine_splits
+    monkeypatch.setattr(triton_kernel, "combine_splits", lambda o, m, l: seen.update(m=m, l=l) or original(o, m, l))
+    q, k, v, kv_lens, table, cu = make_batch(np.random.default_rng(5), [(1, 64)], 4, 4, 32, jnp.float32,
+                                             extra_rows=0)
+    out = triton_kernel.attention(q, k, v, kv_lens, table, cu, scale=0.2, block_q=16, pages_per_block=2,
+                                  interpret=True, kv_splits=4)  # not under jit: the partials are seen as values
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(q, k, v, kv_lens, table, cu, 0.2)), rtol=2e-5,
+                               atol=2e-5)
+    m, l = np.asarray(seen["m"])[:, 0], np.asarray(seen["l"])[:, 0]  # [splits, kv_heads, group] of the row
+    whole = (l * np.exp(m - m.max(axis=0))).sum(axis=0)
+    parts = l * np.exp(m - m.max(axis=0))
+    assert np.all(parts > 0) and np.all(parts < whole * 0.99)
+
+
+def test_tuned_launch_is_what_a_call_without_settings_runs(monkeypatch):
+    """A launch this process's tuning chose for a shape is the one a call with no settings runs;
+    a call naming any setting, or another shape, keeps the defaults."""
+    from pallas_kernels import tuning
+    from pallas_kernels.ragged_paged_attention import KERNEL, Launch, candidates, shape_of, triton_kernel
+
+    seen = []
+    original = triton_kernel.attention
+    monkeypatch.setattr(triton_kernel, "attention", lambda *a, **kw: seen.append(kw) or original(*a, **kw))
+    q, k, v, kv_lens, table, cu = make_batch(np.random.default_rng(6), MIXES["decodes"], 8, 2, 32, jnp.float32)
+    launches = candidates(32, PAGE, table.shape[1])
+    assert len(launches) >= 8 and {launch.kv_splits for launch in launches} == {1, 2, 4, 8}
+    assert all(Launch.parse(launch.name) == launch for launch in launches)
+    tuning.forget()
+    try:
+        tuning.use(KERNEL, shape_of(q, k, table, 0), Launch(kv_splits=4, pages_per_block=2).name)
+        ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=0.2, interpret=True)
+        assert (seen[-1]["kv_splits"], seen[-1]["pages_per_block"]) == (4, 2)
+        ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=0.2, interpret=True, num_warps=4)
+        assert seen[-1]["kv_splits"] == 1
+        ragged_paged_attention(q[:4], k, v, kv_lens, table, cu, scale=0.2, interpret=True)
+        assert seen[-1]["kv_splits"] == 1
+    finally:
+        tuning.forget()
+
+
+def test_split_kv_refuses_nonsense():
+    q, k, v, kv_lens, table, cu = make_batch(np.random.default_rng(4), MIXES["decodes"], 4, 2, 32, jnp.float32)
+    with pytest.raises(ValueError, match="kv_splits"):
+        ragged_paged_attention(q, k, v, kv_lens, table, cu, scale=1.0, kv_splits=0, interpret=True)

@@ -14,7 +14,7 @@ from cbjax import checks
 from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.models.quant import QUANTIZATIONS
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
-from cbjax.runtime.engine_config import QUANTIZED_MATMUL_CHOICES
+from cbjax.runtime.engine_config import KERNEL_TUNING_CHOICES, QUANTIZED_MATMUL_CHOICES
 from cbjax.scheduling import MERGE_MODES, ORDERINGS, POLICIES, SchedulerConfig
 from cbjax.scheduling.config import PREEMPTION_MODES
 from cbjax.simulator.hardware import LINKS
@@ -107,6 +107,9 @@ class EngineArgs:
                                   "C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), pallas (the "
                                   "kernel for every product it takes; on a CPU 8-bit ones, interpreted) or xla.",
                                   QUANTIZED_MATMUL_CHOICES)
+    kernel_tuning: str = _knob("auto", "The Pallas kernels' launch settings on a GPU: auto (timed at warm-up on the "
+                               "engine's shapes, cached on disk by device kind, JAX version and shape) or off (their "
+                               "defaults).", KERNEL_TUNING_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
@@ -191,7 +194,7 @@ class EngineArgs:
             decode_steps=self.decode_steps, kv_cache=self.kv_cache,
             page_size=self.page_size, attention=self.attention, merge_mode=self.merge_mode,
             max_num_batched_tokens=self.max_num_batched_tokens, cpu_kernels=self.cpu_kernels,
-            quantized_matmul=self.quantized_matmul,
+            quantized_matmul=self.quantized_matmul, kernel_tuning=self.kernel_tuning,
             kv_cache_dtype=self.kv_cache_dtype,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
             min_step_tokens=self.min_step_tokens, num_speculative_tokens=self.speculation_tokens)

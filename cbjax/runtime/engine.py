@@ -23,7 +23,7 @@ import numpy as np
 from cbjax.models import quant
 from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
 from cbjax.request import SamplingParams
-from cbjax.runtime import programs, sharding, step
+from cbjax.runtime import kernel_tuning, programs, sharding, step
 from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
@@ -101,6 +101,7 @@ class EngineBase:
     become calls (split under the step budget, each call's bucket, the rows' sampling)."""
 
     kind = "engine"
+    kernel_launches: dict = {}  # (kernel, shape) -> the launch its warm-up tuned (Engine.warmup sets it)
     ops = None  # the operations its programs are traced with (`Ops`); None: it traces nothing
     mesh = None  # a tensor-parallel mesh, or None
     takes_sampler_variants = False
@@ -135,7 +136,8 @@ class EngineBase:
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.platform, self.kind, self.attention, self.num_slots, self.max_len,
-                          tuple(self._token_buckets), repr(self.ops), self.num_devices)
+                          tuple(self._token_buckets), repr(self.ops), self.num_devices,
+                          tuple((kernel, shape, choice) for (kernel, shape), choice in self.kernel_launches.items()))
 
     @property
     def num_devices(self) -> int:
@@ -320,7 +322,11 @@ class Engine(EngineBase):
         jax.block_until_ready(out)
 
     def warmup(self, only: str | None = None) -> int:
-        """Compile every program up front (`warmup.warm_up`); returns the number of model programs."""
+        """Compile every program up front (`warmup.warm_up`), on a GPU after tuning its Pallas
+        kernels' launches on its shapes (`kernel_tuning.tune_kernels`: read from the cache after
+        the first start); returns the number of model programs."""
+        if kernel_tuning.wanted(self):
+            self.kernel_launches = kernel_tuning.tune_kernels(self)
         return warm_up(self, only)
 
     def reset(self) -> None:

@@ -12,6 +12,7 @@ from cbjax.scheduling.config import MERGE_MODES
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
 QUANTIZED_MATMUL_CHOICES = ("auto", "pallas", "xla")
+KERNEL_TUNING_CHOICES = ("auto", "off")
 ATTENTION_CHOICES = ("auto", "reference", "pallas")
 # A step's default token budget, whatever max_seq_len is: prompts longer than it prefill over
 # several calls (exactly), and the programs stay 10 on a CPU, 8 on an accelerator (tpu-
@@ -81,6 +82,10 @@ class EngineConfig:
     # elsewhere), "pallas" (the kernel for every product it takes; on a CPU for 8-bit weights,
     # interpreted) or "xla" (runtime/engine_ops.py).
     quantized_matmul: str = "auto"
+    # The Pallas kernels' launch settings: "auto" (on a GPU, timed at warm-up on the engine's own
+    # shapes and cached on disk by device kind, JAX version and shape: runtime/kernel_tuning.py)
+    # or "off" (the kernels' defaults).
+    kernel_tuning: str = "auto"
     # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" (e4m3) with a float32
     # scale per position and head (cbjax/models/kv_cache.py), about half of bf16's bytes.
     kv_cache_dtype: str = "auto"
@@ -110,6 +115,8 @@ class EngineConfig:
         if self.quantized_matmul not in QUANTIZED_MATMUL_CHOICES:
             raise ValueError(f"quantized_matmul must be one of {QUANTIZED_MATMUL_CHOICES}, "
                              f"got {self.quantized_matmul!r}")
+        if self.kernel_tuning not in KERNEL_TUNING_CHOICES:
+            raise ValueError(f"kernel_tuning must be one of {KERNEL_TUNING_CHOICES}, got {self.kernel_tuning!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache not in ("slots", "paged"):

@@ -29,6 +29,7 @@ import jax.monitoring
 import jaxlib
 from jax.experimental import serialize_executable
 
+from pallas_kernels import tuning
 from pallas_kernels.ragged_paged_attention.kernel import cpu_interpreter
 
 SUBDIR = "cbjax-executables"
@@ -95,6 +96,7 @@ def key(name: str, args: tuple, static: dict) -> str:
              device.platform, device.client.platform_version, getattr(device, "device_kind", ""),
              os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
              cpu_interpreter(),  # a global the Pallas kernels read when traced on a CPU
+             tuning.choices_digest(),  # the tuned launches the kernels read when traced
              repr(tree), sorted((k, repr(v)) for k, v in static.items()), [_leaf_signature(x) for x in leaves])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 

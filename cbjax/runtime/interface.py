@@ -29,6 +29,8 @@ class EngineInfo:
     token_buckets: tuple[int, ...]  # the flat-buffer sizes its step is compiled for
     ops: str  # the operations its programs are traced with (`Ops`: XLA's, the CPU kernels, Pallas)
     num_devices: int  # devices its params and cache span
+    # The Pallas kernels' launches its warm-up tuned: ((kernel, shape, chosen launch), ...)
+    kernel_launches: tuple = ()
 
 
 @runtime_checkable

@@ -106,6 +106,14 @@ class StepPrograms:
             program = self.ready[key] = executables.compiled(ragged_step, step.JIT_OPTIONS, args, static)
         return program
 
+    def forget(self) -> None:
+        """Drop the programs compiled so far (a kernel launch chosen since makes them stale);
+        waits for those compiling in the background first."""
+        self.wait()
+        with self._lock:
+            self.ready.clear()
+            self._compiling.clear()
+
     def compile_later(self, args: tuple, static: dict) -> bool:
         """Compile the program of these arguments on a background thread, once (shapes only are
         kept: the step donates its buffers meanwhile). False if it is ready or on its way."""

@@ -42,7 +42,7 @@ from experiments.lib import common  # noqa: F401  (quiets transformers and matpl
 from absl import app, flags
 
 from experiments.lib.device_common import (LLAMA3_8B, TINY, batches, budget, build_engine, decode_ms, decode_shape, decode_steps,
-                           device_model, roofline_ms)
+                           device_model, roofline_ms, tuned_launches)
 from experiments.lib.device_copy import copy_bandwidth, suspect
 from experiments.lib.device_kernel import kernel_bandwidth, kernel_check, kernel_lines
 from experiments.lib.device_quant import quant_8b, quant_matmul, table_lines
@@ -81,7 +81,7 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
         kv_cache, attention = name.split("/")
         llm, _, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
         row = {"engine": name, "attention_run": llm.engine_info.attention, "startup_s": startup,
-               "steps": decode_steps(llm, model, copy_GBps)}
+               "kernel_launches": tuned_launches(llm), "steps": decode_steps(llm, model, copy_GBps)}
         if FLAGS.profile and profile is None:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
         rows.append(row)
@@ -249,6 +249,8 @@ def table(results: dict) -> list[str]:
     decode = results.get("decode_8b", {})
     for row in decode.get("rows", []):
         line("decode_8b", f"{row['engine']} ({row['attention_run']}) start-up", f"{row['startup_s']:.1f} s")
+        for kernel, chosen in tuned_summary(row.get("kernel_launches", [])).items():
+            line("tuning", f"{row['engine']} {kernel}", chosen)
         for batch, s in row["steps"].items():
             vs, vs_compiled = (p.get(str(batch), p.get(batch)) for p in (peer, compiled))
             ratio = f", {vs['ms'] / s['ms']:.1f}x eager" if vs else ""
@@ -283,6 +285,17 @@ def table(results: dict) -> list[str]:
                  f"{p['device_events_per_round']:.0f} kernels, {p['device_to_host_copies_per_round']:.1f} DtoH /round")
     table_lines(results, line)
     return lines
+
+
+def tuned_summary(launches: list[dict]) -> dict[str, str]:
+    """kernel -> "N shapes: choice x count, ..." (the JSON has each shape's sweep)."""
+    import collections
+
+    by_kernel = collections.defaultdict(collections.Counter)
+    for launch in launches:
+        by_kernel[launch["kernel"]][launch["choice"]] += 1
+    return {kernel: f"{sum(c.values())} shapes: " + ", ".join(f"{name} x{n}" for name, n in c.most_common(3))
+            for kernel, c in by_kernel.items()}
 
 
 def jax_platform() -> str:

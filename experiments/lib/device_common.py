@@ -15,6 +15,8 @@ flags.DEFINE_bool("tiny", False, "Tiny shapes everywhere (a smoke test on any ma
 flags.DEFINE_list("batches", ["1", "16", "64"], "Sequences decoding together in decode_8b (and the peer).")
 flags.DEFINE_integer("prompt_len", 128, "decode_8b's prompt tokens per sequence.", lower_bound=1)
 flags.DEFINE_integer("timed_steps", 48, "Decode steps timed per measurement.", lower_bound=2)
+flags.DEFINE_enum("kernel_tuning", "auto", ["auto", "off"], "The engines' kernel_tuning: auto (the Pallas kernels' "
+                  "launches timed at warm-up on their shapes, cached on disk) or off (the kernels' defaults).")
 common.validate_list("batches", int, 1, "positive integers")
 
 
@@ -104,6 +106,7 @@ def build_engine(model, kv_cache: str, attention: str, num_slots: int, max_seq_l
     """An `LLM` warmed up, its core (`common.llm_over_core`) and the seconds that took."""
     if FLAGS.tiny:  # fewer programs to compile
         options.setdefault("max_step_tokens", 32)
+    options.setdefault("kernel_tuning", FLAGS.kernel_tuning)
     t0 = time.perf_counter()
     llm, core = common.llm_over_core(model, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache=kv_cache,
                                      attention=attention, **options)
@@ -140,3 +143,17 @@ def decode_steps(llm, model, copy_GBps: float) -> dict:
         floor = roofline_ms(model, batch, prompt_len + warm + timed // 2, copy_GBps)
         steps[batch] = {"ms": ms, "roofline_ms": floor, "of_roofline": floor / ms}
     return steps
+
+
+def tuned_launches(llm) -> list[dict]:
+    """What the engine's warm-up tuned: per kernel call, the launch chosen and the sweep behind it
+    (seconds by candidate, or the error it raised), read from the tuning cache."""
+    import jax
+
+    from cbjax.runtime.kernel_tuning import default_cache
+
+    cache, kind = default_cache(), jax.devices()[0].device_kind
+    return [{"kernel": kernel, "shape": list(shape), "choice": choice,
+             "sweep": (cache.get(kernel, kind, shape) or {}).get("sweep")}
+            for kernel, shape, choice in llm.engine_info.kernel_launches]
+

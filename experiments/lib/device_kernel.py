@@ -2,8 +2,9 @@
 - kernel: the ragged attention kernel against its pure-JAX reference on the real platform
   (head sizes 64/80/96/128, f32 and bf16, decodes beside prefill chunks, sliding windows);
 - kernel_bw: the kernel's KV bandwidth (live K/V bytes over its time) on a mixed batch (32
-  decodes at 1,000-4,000 tokens beside two 256-token prefill chunks) and on decodes at 2,048
-  and 4,096 tokens, for two page sizes and several keys per step, against the copy.
+  decodes at 1,000-4,000 tokens beside two 256-token prefill chunks), on 64 decodes at 2,048
+  and 4,096 tokens and on one 4,096-token decode, for two page sizes, several keys per step and
+  split-KV at 2-16 splits, against the copy.
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def kernel_check() -> list[dict]:
 
 
 def kernel_variants(group: int) -> list[tuple]:
-    """(keys per step, block_q, num_stages) to time, None for the kernel's own choice: the
-    default first, then wider steps, the smallest query tile (block_q x group = 16 rows: a
-    decode wastes no rows) and deeper pipelining."""
+    """(keys per step, block_q, num_stages, kv_splits) to time, None for the kernel's own choice:
+    the default first, then wider steps, the smallest query tile (block_q x group = 16 rows: a
+    decode wastes no rows), deeper pipelining, and split-KV (2 to 16 programs a tile's keys)."""
     if FLAGS.tiny:
-        return [(None, None, None), (16, max(16 // group, 1), None)]
+        return [(None, None, None, None), (16, max(16 // group, 1), None, None), (None, None, None, 2)]
     least = max(16 // group, 1)
-    return [(None, None, None), (128, None, 2), (256, None, 2), (None, least, 2), (None, least, 3), (128, least, 3)]
+    return [(None, None, None, None), (128, None, 2, None), (256, None, 2, None), (None, least, 2, None),
+            (None, least, 3, None), (128, least, 3, None), (None, None, None, 2), (None, None, None, 4),
+            (None, None, None, 8), (None, None, None, 16), (128, None, 2, 4), (128, None, 2, 8), (None, least, 2, 8)]
 
 
 def kernel_bandwidth(copy_GBps: float) -> list[dict]:
@@ -97,18 +100,20 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
         else [(1, 40), (1, 64), (16, 48)],
         "decode-2048": [(1, 2048)] * 64 if big else [(1, 64)] * 4,
         "decode-4096": [(1, 4096)] * 64 if big else [(1, 128)] * 4,
+        "single-4096": [(1, 4096)] if big else [(1, 128)],  # one sequence: what split-KV is for
     }
     rows = []
     for name, seqs in batches_.items():
         for page in ((16, 64) if big else (8,)):
             args = kernel_batch(rng, seqs, *heads, jnp.bfloat16 if big else jnp.float32, page)
             live = sum(kv for _, kv in seqs) * heads[1] * heads[2] * args[1].dtype.itemsize * 2
-            for keys, block_q, stages in kernel_variants(heads[0] // heads[1]):
+            for keys, block_q, stages, splits in kernel_variants(heads[0] // heads[1]):
                 per_block = max(keys // page, 1) if keys else None
                 fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.1, pages_per_block=per_block,
-                                               block_q=block_q, num_stages=stages, interpret=interpret))
+                                               block_q=block_q, num_stages=stages, kv_splits=splits or 1,
+                                               interpret=interpret))
                 variant = {"batch": name, "page": page, "keys_per_step": keys or "auto", "block_q": block_q or "auto",
-                           "num_stages": stages or "auto"}
+                           "num_stages": stages or "auto", "kv_splits": splits or 1}
                 try:
                     ms = timed_ms(fn, *args)
                 except Exception as e:  # a tile too large for this device's shared memory, say
@@ -127,5 +132,5 @@ def kernel_lines(results: dict, line) -> None:
     for r in results.get("kernel_bw", []):
         figure = (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({suspect(r['of_copy'], 'copy')})" if "ms" in r
                   else "error")
-        line("kernel_bw", f"{r['batch']} p{r['page']} k{r['keys_per_step']} q{r['block_q']} s{r['num_stages']}",
-             figure)
+        line("kernel_bw", f"{r['batch']} p{r['page']} k{r['keys_per_step']} q{r['block_q']} s{r['num_stages']} "
+             f"x{r.get('kv_splits', 1)}", figure)

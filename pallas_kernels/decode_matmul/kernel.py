@@ -9,7 +9,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels import tuning
 from pallas_kernels.decode_matmul import triton_kernel
 from pallas_kernels.decode_matmul.reference import reference
 
@@ -40,16 +42,11 @@ class Launch:
     @property
     def name(self) -> str:
         """The fields set away from their defaults, `form=dot,block_n=128` (`parse` reads it back)."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                        if getattr(self, f.name) != f.default) or "default"
+        return tuning.launch_name(self)
 
     @classmethod
     def parse(cls, name: str) -> Launch:
-        if name == "default":
-            return cls()
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = dict(part.split("=", 1) for part in name.split(","))
-        return cls(**{k: v if k == "form" else int(v) for k, v in values.items() if k in fields})
+        return tuning.parse_launch(cls, name)
 
 
 def candidates(rows: int) -> list[Launch]:
@@ -73,8 +70,6 @@ def shape_of(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> tuple:
 def tuned(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> Launch | str | None:
     """What this process's tuning chose for the product: a `Launch`, "xla" (XLA's dot was faster
     there), or None (not tuned)."""
-    from pallas_kernels import tuning
-
     choice = tuning.chosen(KERNEL, shape_of(rows, out_dim, in_dim, groups, dtype))
     return choice if choice in (None, "xla") else Launch.parse(choice)
 
@@ -83,8 +78,8 @@ _default_launch = Launch()
 
 
 def set_default_launch(launch: Launch) -> Launch:
-    """The settings `decode_matmul` uses when a call gives none (a benchmark's tuning). Read
-    when a program is traced: call `jax.clear_caches()` after changing it. Returns the previous."""
+    """The settings `decode_matmul` uses when a call gives none and nothing is tuned for its shape
+    (a benchmark's sweep). Read when a program is traced. Returns the previous."""
     global _default_launch
     previous, _default_launch = _default_launch, launch
     return previous
@@ -152,23 +147,33 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "launch"))
 def decode_matmul(x, values, scale=None, *, interpret: bool = False, launch: Launch | None = None):
     """`x [..., in] @ (values * scale).T` in x's dtype (f32 accumulation): `values [out, in]`
     int8 or float8_e4m3fn with `scale [out, groups]` float32 (see `reference`), or bf16 / f16 /
     f32 with `scale` None. On a GPU the Triton kernel; `interpret=True` runs its body in Pallas
     interpret mode (any platform); otherwise a CPU or TPU computes the reference. `launch`: the
     kernel's settings (default: this process's tuned choice for the shape, else those of
-    `set_default_launch`, whose unset fields `resolve` chooses)."""
+    `set_default_launch`, whose unset fields `resolve` chooses). The choice is made here, outside
+    the jitted body, so a new choice is a new static argument, never a stale trace."""
+    in_dim = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1]))
+    out_dim, groups = values.shape[0], (0 if scale is None else scale.shape[1])
+    why_not = unsupported(rows, out_dim, in_dim, groups, values.dtype)
+    if why_not:
+        raise ValueError(f"decode_matmul: {why_not}")
+    shape = shape_of(rows, out_dim, in_dim, groups, values.dtype)
+    tuning.note(KERNEL, shape, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, values, scale)))
+    if launch is None:
+        chosen = tuned(*shape)
+        launch = chosen if isinstance(chosen, Launch) else _default_launch
+    return _decode_matmul(x, values, scale, interpret=interpret, launch=launch)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "launch"))
+def _decode_matmul(x, values, scale, *, interpret: bool, launch: Launch):
     lead, in_dim = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, in_dim)
     out_dim, groups = values.shape[0], (0 if scale is None else scale.shape[1])
-    why_not = unsupported(flat.shape[0], out_dim, in_dim, groups, values.dtype)
-    if why_not:
-        raise ValueError(f"decode_matmul: {why_not}")
-    if launch is None:
-        chosen = tuned(flat.shape[0], out_dim, in_dim, groups, values.dtype)
-        launch = chosen if isinstance(chosen, Launch) else _default_launch
     form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, max(groups, 1))
     run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
                             unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)

@@ -10,13 +10,17 @@ makes a CPU interpret the TPU kernel instead (the engine's parity tests run both
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tuning
 from pallas_kernels.ragged_paged_attention import tpu_kernel, triton_kernel
+
+KERNEL = "ragged_paged_attention"  # its name in pallas_kernels/tuning.py
 
 # Any head_dim a supported family ships (64, 80, 96, 112, 128, 160, 192, 256, ...): Triton
 # computes with the next power of two (triton_kernel.padded_head_dim), Mosaic with its own.
@@ -71,7 +75,7 @@ def slot_page_size(max_len: int, head_dim: int, dtype) -> int | None:
 
 def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None = None,
                     kv_heads: int | None = None, block_q: int | None = None,
-                    pages_per_block: int | None = None) -> None:
+                    pages_per_block: int | None = None, kv_splits: int | None = None) -> None:
     """Refuse (ValueError, naming the knob) a shape the kernels cannot compile for: Triton's
     block shapes are powers of two (a dot needs 16 per side), Mosaic DMAs pages in whole
     sublane tiles (8 rows of 32 bits, 16 of a 16-bit type)."""
@@ -90,6 +94,8 @@ def check_supported(*, head_dim: int, page_size: int, dtype, q_heads: int | None
                          f"got {block_q}")
     if pages_per_block is not None and not _power_of_two(pages_per_block):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+    if kv_splits is not None and (not isinstance(kv_splits, int) or kv_splits < 1):
+        raise ValueError(f"kv_splits must be an integer >= 1, got {kv_splits!r}")
 
 
 def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int, int]:
@@ -99,18 +105,58 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
     return 16, min(pages, 1 << max(pages_per_seq - 1, 0).bit_length())
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """The Triton kernel's settings a device tunes; None: the shape's own (`block_sizes`, by
+    head_dim, one program per tile)."""
+
+    block_q: int | None = None
+    pages_per_block: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    kv_splits: int | None = None
+
+    @property
+    def name(self) -> str:
+        return tuning.launch_name(self)
+
+    @classmethod
+    def parse(cls, name: str) -> Launch:
+        return tuning.parse_launch(cls, name)
+
+
+def candidates(head_dim: int, page_size: int, pages_per_seq: int) -> list[Launch]:
+    """The launches a device times for a shape (pallas_kernels/tuning.py): split-KV at 1, 2, 4
+    and 8 programs a tile, each with the shape's own blocks, twice the pages a step, and the
+    other warp count."""
+    pages = block_sizes(head_dim, page_size, pages_per_seq)[1]
+    wider = min(pages * 2, 1 << max(pages_per_seq - 1, 0).bit_length())
+    warps = 8 if triton_kernel.padded_head_dim(head_dim) <= 64 else 4  # the one the shape does not take
+    launches = []
+    for splits in (1, 2, 4, 8):
+        launches += [Launch(kv_splits=splits), Launch(kv_splits=splits, pages_per_block=wider),
+                     Launch(kv_splits=splits, num_warps=warps)]
+    return list(dict.fromkeys(launches))
+
+
+def shape_of(q, k_pages, page_indices, window: int) -> tuple:
+    """A call's key in the tuning table: query rows, heads, head_dim, page size, pages a
+    sequence, the KV's dtype, whether a window bounds it."""
+    values = k_pages.values if hasattr(k_pages, "scale") else k_pages
+    return (q.shape[0], q.shape[1], values.shape[0], q.shape[2], values.shape[2], page_indices.shape[1],
+            np.dtype(values.dtype).name, int(window > 0))
+
+
 def _reference_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, window, **unused):
     from pallas_kernels.ragged_paged_attention.reference import reference
 
     return reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale, window)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
-                                             "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
                            block_q: int | None = None, pages_per_block: int | None = None,
                            interpret: bool | str = False, window: int = 0, num_warps: int | None = None,
-                           num_stages: int | None = None):
+                           num_stages: int | None = None, kv_splits: int | None = None):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
@@ -118,21 +164,43 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
     dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
     Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
-    interpreter (both on any platform); False lets the platform choose. `num_warps` and
-    `num_stages`: the Triton kernel's launch settings (default: by head_dim), for tuning."""
+    interpreter (both on any platform); False lets the platform choose. `num_warps`,
+    `num_stages` and `kv_splits` (split-KV: programs sharing a query tile's keys; Triton only):
+    the Triton kernel's launch settings. With no launch setting given, the call takes this
+    process's tuned `Launch` for its shape (`shape_of`), else the defaults (by head_dim, 1 split):
+    chosen here, outside the jitted body, so a new choice is a new static argument."""
+    launch = Launch(block_q, pages_per_block, num_warps, num_stages, kv_splits)
+    shape = shape_of(q, k_pages, page_indices, window)
+    tuning.note(KERNEL, shape, (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                             (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)),
+                                dict(scale=scale, window=window)))
+    if launch == Launch():
+        choice = tuning.chosen(KERNEL, shape)
+        launch = Launch.parse(choice) if choice is not None else launch
+    return _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale,
+                                   block_q=launch.block_q, pages_per_block=launch.pages_per_block,
+                                   interpret=interpret, window=window, num_warps=launch.num_warps,
+                                   num_stages=launch.num_stages, kv_splits=launch.kv_splits)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
+                                             "num_warps", "num_stages", "kv_splits"))
+def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q,
+                            pages_per_block, interpret, window, num_warps, num_stages, kv_splits):
     head_dim, page_size = q.shape[2], k_pages.shape[2]
     auto_q, auto_pages = block_sizes(head_dim, page_size, page_indices.shape[1])
     block_q = auto_q if block_q is None else block_q
     pages_per_block = auto_pages if pages_per_block is None else pages_per_block
     check_supported(head_dim=head_dim, page_size=page_size, dtype=k_pages.dtype, q_heads=q.shape[1],
-                    kv_heads=k_pages.shape[0], block_q=block_q, pages_per_block=pages_per_block)
+                    kv_heads=k_pages.shape[0], block_q=block_q, pages_per_block=pages_per_block, kv_splits=kv_splits)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
     if cu_q_lens.shape[0] != kv_lens.shape[0] + 1 or page_indices.shape[0] != kv_lens.shape[0]:
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
     args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
             cu_q_lens.astype(jnp.int32))
-    kernels = {"triton": functools.partial(triton_kernel.attention, num_warps=num_warps, num_stages=num_stages),
+    kernels = {"triton": functools.partial(triton_kernel.attention, num_warps=num_warps, num_stages=num_stages,
+                                           kv_splits=kv_splits or 1),
                "tpu": tpu_kernel.attention}
     if hasattr(k_pages, "scale"):  # 8-bit KV: the Mosaic kernel does not read scales yet, a TPU runs the reference
         kernels["tpu"] = _reference_kernel

@@ -11,6 +11,14 @@ whose tile starts past their sequence's rows do nothing (the grid is sized for t
 case, one sequence holding every row). The normalized tile is stored with a row mask,
 straight into the flat output.
 
+Split-KV (flash-decoding), `kv_splits` > 1: one program per (sequence, KV head) leaves a
+single long sequence on a few of the GPU's multiprocessors (8 of an H200's 132 for Llama-3's
+KV heads). The third grid axis then counts (tile, split): split j walks the j-th of
+`kv_splits` equal spans of the tile's key blocks and stores its unnormalized output with its
+running max and sum (f32), and a log-sum-exp combine outside the kernel merges the spans. A
+tile with fewer blocks than splits leaves the rest empty (max -inf, sum 0: no weight), so a
+prefill chunk in the same call costs only its partials' bytes.
+
 Triton's tensors have power-of-two sizes. A head_dim that is not one (80, 96, 112, ...)
 is padded to the next: the queries with zeros in the wrapper, and the pages are read
 through a flat view of the pool with the padded columns masked to zeros, so the cache
@@ -49,12 +57,15 @@ def _load_pages(ref, pages, *, page_size: int, head_dim: int, padded_dim: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, *refs, scale, block_q,
-            pages_per_block, page_size, num_pages, head_dim, window):
+            pages_per_block, page_size, num_pages, head_dim, window, kv_splits):
     # 8-bit K/V come with a scale per key (`[num_pages, page_size]` each): q.k scaled per key
     # after the dot, and each probability times its value's scale before p.v, so the 8-bit
     # pages are widened but never multiplied through.
-    *scale_refs, o_ref = refs
-    tile = pl.program_id(2)
+    if kv_splits > 1:
+        *scale_refs, o_ref, m_ref, l_ref = refs
+    else:
+        *scale_refs, o_ref = refs
+    tile, split = pl.program_id(2) // kv_splits, pl.program_id(2) % kv_splits
     _, block_g, padded_dim = q_ref.shape
     block_tokens = pages_per_block * page_size
     seq_start, seq_end, kv_len = q_start_ref[0], q_end_ref[0], kv_len_ref[0]
@@ -98,18 +109,31 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, 
         # A sliding window skips the blocks before the first key the tile's first query sees.
         start = jnp.maximum(first_position - window + 1, 0) // block_tokens if window else 0
         steps = pl.cdiv(last + 1, block_tokens)
+        if kv_splits > 1:  # this program's span of the tile's blocks
+            span = pl.cdiv(steps - start, kv_splits)
+            start = start + split * span
+            steps = jnp.minimum(start + span, steps)
         init = (jnp.zeros((block_q * block_g, padded_dim), jnp.float32),
                 jnp.full((block_q * block_g,), _MASKED, jnp.float32), jnp.zeros((block_q * block_g,), jnp.float32))
         o, m, l = jax.lax.fori_loop(start, steps, body, init)
-        out = (o / jnp.where(l > 0, l, 1.0)[:, None]).reshape(block_q, block_g, padded_dim)
-        mask = jnp.broadcast_to((rows < seq_end)[:, None, None], out.shape)
+        row_mask = (rows < seq_end)[:, None]
+        if kv_splits > 1:  # unnormalized, with the max and sum the combine weighs it by
+            plgpu.store(m_ref.at[pl.ds(row0, block_q)], m.reshape(block_q, block_g),
+                        mask=jnp.broadcast_to(row_mask, (block_q, block_g)))
+            plgpu.store(l_ref.at[pl.ds(row0, block_q)], l.reshape(block_q, block_g),
+                        mask=jnp.broadcast_to(row_mask, (block_q, block_g)))
+            out = o.reshape(block_q, block_g, padded_dim)
+        else:
+            out = (o / jnp.where(l > 0, l, 1.0)[:, None]).reshape(block_q, block_g, padded_dim)
+        mask = jnp.broadcast_to(row_mask[:, :, None], out.shape)
         plgpu.store(o_ref.at[pl.ds(row0, block_q)], out.astype(o_ref.dtype), mask=mask)
 
 
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q, pages_per_block,
-              interpret, window=0, num_warps=None, num_stages=None):
+              interpret, window=0, num_warps=None, num_stages=None, kv_splits=1):
     """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract). `k_pages` and
-    `v_pages` may be 8-bit with their scales (`kv_cache.QuantizedKV`-like: values and scale)."""
+    `v_pages` may be 8-bit with their scales (`kv_cache.QuantizedKV`-like: values and scale).
+    `kv_splits`: programs sharing each query tile's keys (split-KV, above)."""
     scales = ()
     if hasattr(k_pages, "scale"):
         scales = tuple(p.scale.reshape(p.scale.shape[:3]) for p in (k_pages, v_pages))
@@ -134,11 +158,20 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
         k_pages, v_pages = (p.reshape(kv_heads, -1) for p in (k_pages, v_pages))
         pool_spec = pl.BlockSpec((None, k_pages.shape[1]), lambda s, h, i: (h, 0))
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block,
-                               page_size=page_size, num_pages=num_pages, head_dim=head_dim, window=window)
+                               page_size=page_size, num_pages=num_pages, head_dim=head_dim, window=window,
+                               kv_splits=kv_splits)
+    if kv_splits > 1:  # per split: the unnormalized output, its running max and sum
+        out_shape = [jax.ShapeDtypeStruct((kv_splits, rows, kv_heads, block_g, padded_dim), jnp.float32),
+                     *[jax.ShapeDtypeStruct((kv_splits, rows, kv_heads, block_g), jnp.float32)] * 2]
+        out_specs = [pl.BlockSpec((None, rows, None, block_g, padded_dim), lambda s, h, i: (i % kv_splits, 0, h, 0, 0)),
+                     *[pl.BlockSpec((None, rows, None, block_g), lambda s, h, i: (i % kv_splits, 0, h, 0))] * 2]
+    else:
+        out_shape = jax.ShapeDtypeStruct((rows, kv_heads, block_g, padded_dim), q.dtype)
+        out_specs = pl.BlockSpec((rows, None, block_g, padded_dim), lambda s, h, i: (0, h, 0, 0))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, kv_heads, block_g, padded_dim), q.dtype),
-        grid=(num_seqs, kv_heads, tiles),
+        out_shape=out_shape,
+        grid=(num_seqs, kv_heads, tiles * kv_splits),
         in_specs=[
             pl.BlockSpec((rows, None, block_g, padded_dim), lambda s, h, i: (0, h, 0, 0)),
             pool_spec,
@@ -149,7 +182,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
             pl.BlockSpec((None, padded_pages), lambda s, h, i: (s, 0)),
             *[pl.BlockSpec((None, num_pages, page_size), lambda s, h, i: (h, 0, 0))] * len(scales),
         ],
-        out_specs=pl.BlockSpec((rows, None, block_g, padded_dim), lambda s, h, i: (0, h, 0, 0)),
+        out_specs=out_specs,
         # Triton named explicitly: JAX 0.10's default GPU lowering is Mosaic GPU, which this
         # kernel (gathers of whole pages, masked stores) is not written for.
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or (4 if padded_dim <= 64 else 8),
@@ -157,4 +190,16 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
         interpret=interpret,
         name="cbjax_ragged_paged_attention",
     )(qg, k_pages, v_pages, kv_lens, cu_q_lens[:-1], cu_q_lens[1:], table, *scales)
+    if kv_splits > 1:
+        out = combine_splits(*out).astype(q.dtype)
     return out[:num_tokens, :, :group, :head_dim].reshape(num_tokens, q_heads, head_dim)
+
+
+def combine_splits(o, m, l):
+    """The normalized output of split-KV partials (`o [splits, ..., d]` unnormalized, `m`, `l`
+    `[splits, ...]` their running max and sum): each split weighed by exp(its max - the max)."""
+    top = m.max(axis=0)
+    weight = jnp.exp(m - top[None])
+    total = (weight * l).sum(axis=0)
+    out = (weight[..., None] * o).sum(axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
