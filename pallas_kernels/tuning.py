@@ -36,6 +36,19 @@ def shape_key(shape: tuple) -> str:
     return ",".join(str(part) for part in shape)
 
 
+class NamedLaunch:
+    """A kernel's launch settings (a frozen dataclass) named by its fields set away from their
+    defaults: the name a `TuningCache` keeps and `parse` reads back."""
+
+    @property
+    def name(self) -> str:
+        return launch_name(self)
+
+    @classmethod
+    def parse(cls, name: str):
+        return parse_launch(cls, name)
+
+
 def launch_name(launch) -> str:
     """A launch dataclass's fields set away from their defaults, `form=dot,block_n=128`
     ("default" when none is), the name `parse_launch` reads back."""

@@ -222,10 +222,10 @@ def test_speculations_verify_programs_lower_for_cuda_and_tpu():
 
 def test_tuned_launches_lower_for_cuda():
     """The programs of a GPU engine after its tuning (Llama-3-8B's shape, bf16, paged): with
-    split-KV chosen for the attention kernel and the decode matmul chosen over XLA's dot for the
-    bf16 weights at the decode buckets, every program lowers for cuda with no data-dependent
-    control flow; the decode-sized programs call the matmul kernel (`cbjax_decode_matmul`), the
-    larger ones XLA's dot; the attention calls carry the split's combine."""
+    split-KV chosen for the attention kernel and the decode matmul's Mosaic GPU form chosen over
+    XLA's dot for the bf16 weights at the decode buckets, every program lowers for cuda with no
+    data-dependent control flow; the decode-sized programs call the Mosaic GPU kernel for every
+    matrix, the larger ones for the LM head only; the attention stays a Triton call."""
     from cbjax.runtime import engine_ops, kernel_tuning
     from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
 
@@ -238,7 +238,7 @@ def test_tuned_launches_lower_for_cuda():
     try:
         calls = kernel_tuning.kernel_calls(engine)
         for kernel, shape in calls:
-            tuning.use(kernel, shape, "kv_splits=4" if kernel == ragged_paged_attention.KERNEL else "form=dot")
+            tuning.use(kernel, shape, "kv_splits=4" if kernel == ragged_paged_attention.KERNEL else "form=mosaic")
         matmul_rows = {shape[0] for kernel, shape in calls if kernel == decode_matmul.KERNEL}
         assert matmul_rows and max(matmul_rows) <= decode_matmul.MAX_ROWS
         jax.clear_caches()
@@ -246,10 +246,13 @@ def test_tuned_launches_lower_for_cuda():
         for program, by_platform in lowered.items():
             low = by_platform["cuda"]
             assert data_dependent_control_flow(low) == [], program
-            names = [ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["name"]).value
-                     for c in custom_calls(low)]
-            assert "cbjax_ragged_paged_attention" in names, program
-            assert ("cbjax_decode_matmul" in names) == (program[1] <= decode_matmul.MAX_ROWS), program
+            targets = [attribute(c, "call_target_name") for c in custom_calls(low)]
+            assert "__gpu$xla.gpu.triton" in targets, program
+            # A kernel call per distinct matrix shape (calls of one shape share one function): the
+            # five of Llama-3-8B in a decode-sized program; past 64 rows only the LM head over
+            # the rows that sample (one per slot at most) stays decode-sized.
+            matmuls = 5 if program[1] <= decode_matmul.MAX_ROWS else 1
+            assert targets.count("mosaic_gpu_v2") == matmuls, program
     finally:
         tuning.forget()
         jax.clear_caches()

@@ -55,6 +55,36 @@ def test_kernel_matches_reference(form, rows, dtype, group):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+MOSAIC_FORMATS = [(jnp.bfloat16, None), (jnp.float16, None), (jnp.int8, 0), (jnp.float8_e4m3fn, 0)]
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("dtype,group", MOSAIC_FORMATS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_mosaic_form_matches_reference(dtype, group, rows):
+    """The Mosaic GPU form under Pallas' GPU interpreter (TMA, shared memory, wgmma simulated):
+    bf16/f16 weights and per-output-scaled int8/fp8, 1 and 64 rows, its own blocks and other
+    blocks, splits and stages; equal to the reference up to the output's rounding to x's dtype."""
+    values, scale = random_weight(128, 512, dtype, group, seed=rows)
+    x_dtype = jnp.float16 if dtype == jnp.float16 else jnp.bfloat16
+    x = jax.random.normal(jax.random.key(rows), (rows, 512)).astype(x_dtype)
+    want = np.asarray(reference(x, values, scale))
+    for launch in (Launch(form="mosaic"), Launch(form="mosaic", block_n=128, splits=2, block_k=64, num_stages=2)):
+        got = decode_matmul(x, values, scale, interpret=True, launch=launch)
+        assert got.dtype == x_dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=np.abs(want).max() * 2 ** -8)
+
+
+def test_mosaic_form_refuses_what_it_does_not_take():
+    values, scale = random_weight(128, 512, jnp.int8, 64, seed=0)
+    x = jnp.ones((2, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="grouped scales stay with the Triton forms"):
+        decode_matmul(x, values, scale, interpret=True, launch=Launch(form="mosaic"))
+    with pytest.raises(ValueError, match="activations are float32"):
+        decode_matmul(x.astype(jnp.float32), values, scale[:, :1], interpret=True, launch=Launch(form="mosaic"))
+    assert all(launch.form != "mosaic" for launch in candidates(16, groups=8))
+    assert any(launch.form == "mosaic" for launch in candidates(16, groups=1))
+
+
 def test_reference_is_the_dequantized_product():
     w = weight(48, 256, "int8", per_row=False)
     x = jax.random.normal(jax.random.key(1), (5, 256))
@@ -84,7 +114,7 @@ def test_default_launch_fills_every_program():
 def test_candidates_are_named_and_fit_every_8b_matrix(rows):
     """Every launch the device would time has a name that reads back as itself, and fits each of
     Llama-3-8B's matrices (a sweep never stops on a shape it cannot launch)."""
-    launches = candidates(rows)
+    launches = candidates(rows, groups=1)
     assert len({launch.name for launch in launches}) == len(launches) and launches[0] == Launch()
     for launch in launches:
         assert Launch.parse(launch.name) == launch
@@ -157,19 +187,22 @@ def _custom_call_targets(lowered) -> list[str]:
 
 @pytest.mark.parametrize("form,rows,dtype", [("reduce", 1, jnp.int8), ("reduce", 2, jnp.float8_e4m3fn),
                                              ("stream", 1, jnp.int8), ("dot", 16, jnp.int8), ("dot", 64, jnp.int8),
-                                             ("reduce", 1, jnp.bfloat16), ("dot", 16, jnp.bfloat16)])
-def test_lowers_to_triton_for_cuda(form, rows, dtype):
-    """The Triton lowering rules run here at Llama-3-8B's w_down shape; only the final compile needs a GPU
-    (under `lowering_target("cuda")`: from JAX 0.11 the Triton lowering reads the target GPU's compute
-    capability, which an abstract H100 gives it)."""
+                                             ("reduce", 1, jnp.bfloat16), ("dot", 16, jnp.bfloat16),
+                                             ("mosaic", 1, jnp.bfloat16), ("mosaic", 16, jnp.int8),
+                                             ("mosaic", 64, jnp.float8_e4m3fn)])
+def test_lowers_for_cuda(form, rows, dtype):
+    """The Triton and Mosaic GPU lowering rules run here at Llama-3-8B's w_down shape; only the final
+    compile needs a GPU (under `lowering_target("cuda")`: from JAX 0.11 the Triton lowering reads the
+    target GPU's compute capability, which an abstract H100 gives it)."""
     from cbjax.runtime.lowering import lowering_target
 
-    scale = None if dtype == jnp.bfloat16 else jax.ShapeDtypeStruct((4096, 112), jnp.float32)
+    groups = 1 if form == "mosaic" else 112
+    scale = None if dtype == jnp.bfloat16 else jax.ShapeDtypeStruct((4096, groups), jnp.float32)
     args = (jax.ShapeDtypeStruct((rows, 14336), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 14336), dtype))
     fn = jax.jit(lambda x, v, s: decode_matmul(x, v, s, launch=Launch(form=form)))
     with lowering_target("cuda"):  # traced inside it too: a trace made outside fails to lower on JAX 0.11
         lowered = fn.trace(*args, scale).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in _custom_call_targets(lowered)
+    assert ("mosaic_gpu_v2" if form == "mosaic" else "__gpu$xla.gpu.triton") in _custom_call_targets(lowered)
 
 
 MODEL = "tiny-llama"

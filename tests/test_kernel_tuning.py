@@ -102,15 +102,15 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
     """Every Pallas call of the engine's programs (the decode matmul on its int8 weights at the
     decode-sized buckets, the attention kernel at every bucket) is tuned; the fake timer prefers
     split-KV at 4 and the matmul's stream form (running those candidates, interpreted); the
-    programs traced after use them, and the tokens are the untuned engine's."""
+    programs traced after (tuning drops those compiled before) use them, and the tokens are
+    those the engine gave before its tuning."""
     from pallas_kernels.ragged_paged_attention import triton_kernel
 
     options = dict(num_slots=4, max_seq_len=64, kv_cache="paged", page_size=16, quantization="int8",
                    quantized_matmul="pallas", attention="pallas", kernel_tuning="off")
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [o.token_ids for o in LLM(MODEL, **options).generate(PROMPTS, sampling, use_tqdm=False)]
-
     llm = LLM(MODEL, **options)
+    want = [o.token_ids for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]  # before tuning: the defaults
     cache = tuning.TuningCache(tmp_path / tuning.FILE_NAME)
     preferred = {}
 
@@ -124,7 +124,7 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
     assert kernels == {decode_matmul.KERNEL, ragged_paged_attention.KERNEL}
     assert all(shape[0] <= decode_matmul.MAX_ROWS for kernel, shape in calls if kernel == decode_matmul.KERNEL)
     for kernel, shape in calls:
-        names = ([launch.name for launch in decode_matmul.candidates(shape[0])] + ["xla"]
+        names = ([launch.name for launch in decode_matmul.candidates(shape[0], shape[3])] + ["xla"]
                  if kernel == decode_matmul.KERNEL else
                  [launch.name for launch in ragged_paged_attention.candidates(shape[3], shape[4], shape[5])])
         preferred.update({name: prefer(name) for name in names})

@@ -11,7 +11,7 @@ import numpy as np
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
 from cbjax.runtime.cpu import kernels as cpu_kernels
-from pallas_kernels.decode_matmul import decode_matmul, tuned, unsupported
+from pallas_kernels.decode_matmul import decode_matmul, note, tuned, unsupported
 
 
 class DecodeMatmulOps(Ops):
@@ -34,8 +34,10 @@ class DecodeMatmulOps(Ops):
             shape = (int(np.prod(x.shape[:-1])), *values.shape, groups, values.dtype)
             if not unsupported(*shape):
                 choice = tuned(*shape)
+                scale = w.scale if quantized else None
                 if choice != "xla" and (quantized or self.everywhere or choice is not None):
-                    return decode_matmul(x, values, w.scale if quantized else None, interpret=self.interpret)
+                    return decode_matmul(x, values, scale, interpret=self.interpret)
+                note(x, values, scale)  # XLA's dot while untuned: a tuner still learns the shape
         return super().dense(x, w)
 
     def __repr__(self) -> str:

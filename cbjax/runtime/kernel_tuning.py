@@ -73,7 +73,7 @@ def matmul_runs(example, interpret: bool) -> dict[str, Callable[[], object]]:
     weight = quant.QuantizedWeight(values, scale) if scale is not None else values
     rows = int(np.prod(x.shape[:-1]))
     runs = {"xla": lambda: jax.jit(XLA.dense)(x, weight)}
-    for launch in matmul_kernel.candidates(rows):
+    for launch in matmul_kernel.candidates(rows, groups=0 if scale is None else scale.shape[1]):
         runs[launch.name] = (lambda launch=launch: matmul_kernel.decode_matmul(x, values, scale, launch=launch,
                                                                                 interpret=interpret))
     return runs

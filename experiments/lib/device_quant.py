@@ -1,9 +1,10 @@
 """bench_device.py's quantization sections: what int8 and fp8 weights buy a decode step.
 
 - quant_matmul: one layer's matmul shapes of a Llama-3-8B (and its LM head) at 1, 16 and 64
-  rows, bf16 against each way of multiplying by 8-bit weights: XLA's (`cbjax.models.quant.dense`,
-  widened inside a dot), the Pallas kernel (pallas_kernels/decode_matmul; at one row its
-  launch settings swept around its own choice), fp8 also as a native fp8 x fp8 dot with the
+  rows, bf16 (XLA's dot, the Pallas kernel's Triton default and its Mosaic GPU form) against each
+  way of multiplying by 8-bit weights: XLA's (`cbjax.models.quant.dense`, widened inside a
+  dot), the Pallas kernel (pallas_kernels/decode_matmul; at --sweep_rows its launch settings
+  swept over its tuning space), fp8 also as a native fp8 x fp8 dot with the
   activations scaled per row; each checked against the dequantized f32 product; time and
   weight bytes per second against the copy bandwidth.
 - quant_8b: the Llama-3-8B-shaped engine (slots/auto, the default) decoding at each batch
@@ -66,13 +67,15 @@ def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
     import jax.numpy as jnp
 
     from cbjax.models import quant
-    from pallas_kernels.decode_matmul import candidates, decode_matmul
+    from pallas_kernels.decode_matmul import Launch, candidates, decode_matmul
 
     def chain(product):
         return lambda x, weights: sum(product(x, w) for w in weights)
 
     forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None),
-             "bf16 pallas": (chain(lambda x, w: decode_matmul(x, w)), ws, ws[0].nbytes, None, None)}
+             "bf16 pallas": (chain(lambda x, w: decode_matmul(x, w)), ws, ws[0].nbytes, None, None),
+             "bf16 mosaic": (chain(lambda x, w: decode_matmul(x, w, launch=Launch(form="mosaic"))), ws, ws[0].nbytes,
+                             None, None)}
     for mode, (qs, exact) in quantized.items():
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
         sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import tuning
-from pallas_kernels.decode_matmul import triton_kernel
+from pallas_kernels.decode_matmul import mosaic_kernel, triton_kernel
 from pallas_kernels.decode_matmul.reference import reference
 
 MAX_ROWS = 64  # decode-sized products; more rows are compute-bound and XLA's dot is the tool
@@ -23,42 +23,42 @@ REDUCE_ROWS = 4  # up to this many rows the "reduce" form, past it the tensor co
 # An engine's decode step on a GPU has at least 16 rows (its smallest token bucket), so it runs
 # "dot", whose settings (64 outputs a program) are not swept yet.
 TARGET_PROGRAMS = 512  # about four per SM of an H100/H200 (132): enough loads in flight
+MOSAIC_PROGRAMS = 256  # two per SM: each keeps `num_stages` TMA copies in flight itself
+FORMS = (*triton_kernel.FORMS, "mosaic")
 EIGHT_BIT = (jnp.int8, jnp.float8_e4m3fn)
 FLOAT = (jnp.bfloat16, jnp.float16, jnp.float32)
 KERNEL = "decode_matmul"  # its name in pallas_kernels/tuning.py
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class Launch(tuning.NamedLaunch):
     """The Triton kernel's launch settings; None: chosen by `resolve` from the shapes."""
 
-    form: str | None = None  # "dot", "reduce" or "stream" (triton_kernel.py)
+    form: str | None = None  # "dot", "reduce" or "stream" (triton_kernel.py), or "mosaic" (mosaic_kernel.py)
     block_n: int | None = None  # outputs a program
     splits: int | None = None  # programs sharing one output block's inputs
-    unroll: int | None = None  # input blocks a loop step
-    num_warps: int = 4
-    num_stages: int = 4
-
-    @property
-    def name(self) -> str:
-        """The fields set away from their defaults, `form=dot,block_n=128` (`parse` reads it back)."""
-        return tuning.launch_name(self)
-
-    @classmethod
-    def parse(cls, name: str) -> Launch:
-        return tuning.parse_launch(cls, name)
+    unroll: int | None = None  # input blocks a loop step (Triton)
+    num_warps: int = 4  # Triton
+    num_stages: int = 4  # pipeline stages (Mosaic: shared-memory buffers in flight)
+    block_k: int | None = None  # inputs a step (Mosaic; Triton's is the group, or up to 256)
 
 
-def candidates(rows: int) -> list[Launch]:
-    """The launches a device times for a product of `rows` activation rows (tuning.py): the
-    shape's own choice first, then the forms it may take with wider or narrower blocks, more
-    warps, fewer stages."""
+def candidates(rows: int, groups: int = 0) -> list[Launch]:
+    """The launches a device times for a product of `rows` activation rows against a weight with
+    `groups` scales a row (0: none) (tuning.py): the shape's own choice first, then the Triton
+    forms it may take with wider or narrower blocks, more warps, fewer stages, then the Mosaic
+    GPU form (not for grouped scales) with its blocks and stages."""
     if rows > REDUCE_ROWS:
-        return [Launch(), Launch(block_n=32), Launch(block_n=128), Launch(unroll=2), Launch(num_stages=3),
-                Launch(num_warps=8), Launch(splits=1)]
-    return [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
-            Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2), Launch(form="reduce", num_warps=8),
-            Launch(form="stream"), Launch(form="stream", block_n=16), Launch(form="dot")]
+        triton = [Launch(), Launch(block_n=32), Launch(block_n=128), Launch(unroll=2), Launch(num_stages=3),
+                  Launch(num_warps=8), Launch(splits=1)]
+    else:
+        triton = [Launch(), Launch(form="reduce", block_n=16), Launch(form="reduce", block_n=64),
+                  Launch(form="reduce", unroll=2), Launch(form="reduce", num_stages=2),
+                  Launch(form="reduce", num_warps=8), Launch(form="stream"), Launch(form="stream", block_n=16),
+                  Launch(form="dot")]
+    mosaic = [Launch(form="mosaic"), Launch(form="mosaic", block_n=128), Launch(form="mosaic", block_k=256),
+              Launch(form="mosaic", num_stages=2)]
+    return triton + (mosaic if groups <= 1 and rows <= mosaic_kernel.TILE_ROWS else [])
 
 
 def shape_of(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> tuple:
@@ -110,11 +110,13 @@ def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -
     (or up to 256 inputs, per-row scales) a block, one block a step, 32 (reduce, stream) or 64
     (dot) outputs a program, and the inputs split until there are about TARGET_PROGRAMS
     programs, each with at least 2 steps."""
-    for name in ("block_n", "splits", "unroll"):
+    for name in ("block_n", "splits", "unroll", "block_k"):
         _power_of_two(name, getattr(launch, name))
     form = launch.form or ("reduce" if rows <= REDUCE_ROWS else "dot")
-    if form not in triton_kernel.FORMS:
-        raise ValueError(f"decode_matmul: form={form!r}: expected one of {triton_kernel.FORMS}")
+    if form not in FORMS:
+        raise ValueError(f"decode_matmul: form={form!r}: expected one of {FORMS}")
+    if form == "mosaic":
+        return form, *_resolve_mosaic(launch, out_dim, in_dim)
     block_k = _block_k(in_dim, groups)
     block_n = _largest_power_of_two_dividing(out_dim, launch.block_n or (64 if form == "dot" else 32))
     blocks = in_dim // block_k
@@ -126,6 +128,19 @@ def resolve(launch: Launch, rows: int, out_dim: int, in_dim: int, groups: int) -
            and blocks // (splits * 2 * unroll) >= 2):
         splits *= 2
     return form, block_n, block_k, splits, unroll
+
+
+def _resolve_mosaic(launch: Launch, out_dim: int, in_dim: int) -> tuple:
+    """(block_n, block_k, splits, unroll) of the Mosaic GPU form: 64 outputs and 128 inputs a
+    step unless named, the inputs split until about MOSAIC_PROGRAMS programs with 2+ steps each."""
+    block_n, block_k = launch.block_n or 64, launch.block_k or 128
+    if launch.splits is not None:
+        return block_n, block_k, launch.splits, 1
+    splits, blocks = 1, in_dim // block_k
+    while ((out_dim // block_n) * splits < MOSAIC_PROGRAMS and blocks % (splits * 2) == 0
+           and blocks // (splits * 2) >= 2):
+        splits *= 2
+    return block_n, block_k, splits, 1
 
 
 def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str | None:
@@ -147,11 +162,22 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype) -> str
     return None
 
 
+def note(x, values, scale) -> tuple:
+    """The product's key in the tuning table (`shape_of`), its call recorded for a tuner
+    (`tuning.recording`): by the kernel's entry point, and by a caller that sends the product to
+    XLA's dot while nothing is tuned for it."""
+    shape = shape_of(int(np.prod(x.shape[:-1])), values.shape[0], x.shape[-1], 0 if scale is None else scale.shape[1],
+                     values.dtype)
+    tuning.note(KERNEL, shape, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, values, scale)))
+    return shape
+
+
 def decode_matmul(x, values, scale=None, *, interpret: bool = False, launch: Launch | None = None):
     """`x [..., in] @ (values * scale).T` in x's dtype (f32 accumulation): `values [out, in]`
     int8 or float8_e4m3fn with `scale [out, groups]` float32 (see `reference`), or bf16 / f16 /
-    f32 with `scale` None. On a GPU the Triton kernel; `interpret=True` runs its body in Pallas
-    interpret mode (any platform); otherwise a CPU or TPU computes the reference. `launch`: the
+    f32 with `scale` None. On a GPU the Triton kernel, or with `form="mosaic"` the Mosaic GPU one;
+    `interpret=True` runs its body in Pallas interpret mode (Mosaic's: the GPU interpreter; any
+    platform); otherwise a CPU or TPU computes the reference. `launch`: the
     kernel's settings (default: this process's tuned choice for the shape, else those of
     `set_default_launch`, whose unset fields `resolve` chooses). The choice is made here, outside
     the jitted body, so a new choice is a new static argument, never a stale trace."""
@@ -161,8 +187,7 @@ def decode_matmul(x, values, scale=None, *, interpret: bool = False, launch: Lau
     why_not = unsupported(rows, out_dim, in_dim, groups, values.dtype)
     if why_not:
         raise ValueError(f"decode_matmul: {why_not}")
-    shape = shape_of(rows, out_dim, in_dim, groups, values.dtype)
-    tuning.note(KERNEL, shape, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, values, scale)))
+    shape = note(x, values, scale)
     if launch is None:
         chosen = tuned(*shape)
         launch = chosen if isinstance(chosen, Launch) else _default_launch
@@ -175,11 +200,24 @@ def _decode_matmul(x, values, scale, *, interpret: bool, launch: Launch):
     flat = x.reshape(-1, in_dim)
     out_dim, groups = values.shape[0], (0 if scale is None else scale.shape[1])
     form, block_n, block_k, splits, unroll = resolve(launch, flat.shape[0], out_dim, in_dim, max(groups, 1))
-    run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
-                            unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if form == "mosaic":
+        why_not = mosaic_kernel.unsupported(flat.shape[0], out_dim, in_dim, groups, values.dtype, x.dtype,
+                                            block_n=block_n, block_k=block_k, splits=splits)
+        if why_not:
+            raise ValueError(f"decode_matmul: {why_not}")
+        run = functools.partial(_mosaic, block_n=block_n, block_k=block_k, splits=splits, stages=launch.num_stages)
+    else:
+        run = functools.partial(triton_kernel.matmul, form=form, block_n=block_n, splits=splits, block_k=block_k,
+                                unroll=unroll, num_warps=launch.num_warps, num_stages=launch.num_stages)
     if interpret:
         y = run(flat, values, scale, interpret=True)
     else:
         y = jax.lax.platform_dependent(flat, values, scale, cuda=functools.partial(run, interpret=False),
                                        default=reference)
     return y.astype(x.dtype).reshape(lead + (out_dim,))
+
+
+def _mosaic(x, values, scale, *, interpret: bool, **settings):
+    """The Mosaic GPU form, its per-output scale (if any) applied once per output after the sum."""
+    y = mosaic_kernel.matmul(x, values, interpret=interpret, **settings)
+    return y if scale is None else y * scale[:, 0][None, :]

@@ -106,7 +106,7 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class Launch(tuning.NamedLaunch):
     """The Triton kernel's settings a device tunes; None: the shape's own (`block_sizes`, by
     head_dim, one program per tile)."""
 
@@ -115,14 +115,6 @@ class Launch:
     num_warps: int | None = None
     num_stages: int | None = None
     kv_splits: int | None = None
-
-    @property
-    def name(self) -> str:
-        return tuning.launch_name(self)
-
-    @classmethod
-    def parse(cls, name: str) -> Launch:
-        return tuning.parse_launch(cls, name)
 
 
 def candidates(head_dim: int, page_size: int, pages_per_seq: int) -> list[Launch]:
