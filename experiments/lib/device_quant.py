@@ -79,7 +79,7 @@ def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
     for mode, (qs, exact) in quantized.items():
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
         sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul
-        for launch in candidates(rows) if sweep else [None]:
+        for launch in candidates(rows, groups=qs[0].scale.shape[1]) if sweep else [None]:
             product = (lambda x, w, launch=launch: decode_matmul(x, w.values, w.scale, launch=launch))
             name = f"{mode} pallas" + (f" {launch.name}" if launch else "")
             forms[name] = (chain(product), qs, qs[0].nbytes, exact, launch)
