@@ -103,15 +103,17 @@ class TuningCache:
         scratch.replace(self.path)
 
 
-def time_call(run: Callable[[], object], *, repeats: int = 5) -> float:
-    """The median seconds of `repeats` runs of `run` (each waited for), after one untimed run
-    (which compiles)."""
+def time_call(run: Callable[[], object], *, rounds: int = 5, calls: int = 10) -> float:
+    """Seconds a call of `run` takes: after one untimed call (which compiles), the median over
+    `rounds` of `calls` calls issued back to back and waited for once, so the device's queue
+    hides the host's dispatch as it does in a step (a kernel of tens of microseconds timed one
+    call at a time would time the host)."""
     jax.block_until_ready(run())
     times = []
-    for _ in range(repeats):
+    for _ in range(rounds):
         start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
+        jax.block_until_ready([run() for _ in range(calls)])
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 

@@ -88,10 +88,10 @@ def test_refused_candidates_are_left_out_and_a_bad_file_is_rewritten(tmp_path):
         tuning.tune("k", (2,), {}, cache=cache, device_kind="d")
 
 
-def test_time_call_times_the_runs_after_the_first():
+def test_time_call_times_the_calls_after_the_first():
     runs = []
-    seconds = tuning.time_call(lambda: runs.append(1) or jax.numpy.ones(3), repeats=3)
-    assert len(runs) == 4 and seconds >= 0
+    seconds = tuning.time_call(lambda: runs.append(1) or jax.numpy.ones(3), rounds=3, calls=4)
+    assert len(runs) == 1 + 3 * 4 and seconds >= 0
 
 
 MODEL = "tiny-llama"

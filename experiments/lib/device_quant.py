@@ -72,14 +72,18 @@ def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
     def chain(product):
         return lambda x, weights: sum(product(x, w) for w in weights)
 
+    mosaic = ws[0].dtype in (jnp.bfloat16, jnp.float16)  # its activations' dtypes (the tiny run's are f32)
     forms = {"bf16 dot": (chain(lambda x, w: jnp.einsum("bd,od->bo", x, w)), ws, ws[0].nbytes, None, None),
-             "bf16 pallas": (chain(lambda x, w: decode_matmul(x, w)), ws, ws[0].nbytes, None, None),
-             "bf16 mosaic": (chain(lambda x, w: decode_matmul(x, w, launch=Launch(form="mosaic"))), ws, ws[0].nbytes,
-                             None, None)}
+             "bf16 pallas": (chain(lambda x, w: decode_matmul(x, w)), ws, ws[0].nbytes, None, None)}
+    if mosaic:
+        forms["bf16 mosaic"] = (chain(lambda x, w: decode_matmul(x, w, launch=Launch(form="mosaic"))), ws,
+                                ws[0].nbytes, None, None)
     for mode, (qs, exact) in quantized.items():
         forms[f"{mode} xla"] = (chain(quant.dense), qs, qs[0].nbytes, exact, None)
         sweep = rows == (FLAGS.sweep_rows if not FLAGS.tiny else 4) and mode == "int8" and FLAGS.sweep_matmul
-        for launch in candidates(rows, groups=qs[0].scale.shape[1]) if sweep else [None]:
+        launches = [launch for launch in candidates(rows, groups=qs[0].scale.shape[1])
+                    if mosaic or launch.form != "mosaic"]
+        for launch in launches if sweep else [None]:
             product = (lambda x, w, launch=launch: decode_matmul(x, w.values, w.scale, launch=launch))
             name = f"{mode} pallas" + (f" {launch.name}" if launch else "")
             forms[name] = (chain(product), qs, qs[0].nbytes, exact, launch)
