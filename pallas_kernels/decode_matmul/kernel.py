@@ -181,13 +181,10 @@ def decode_matmul(x, values, scale=None, *, interpret: bool = False, launch: Lau
     kernel's settings (default: this process's tuned choice for the shape, else those of
     `set_default_launch`, whose unset fields `resolve` chooses). The choice is made here, outside
     the jitted body, so a new choice is a new static argument, never a stale trace."""
-    in_dim = x.shape[-1]
-    rows = int(np.prod(x.shape[:-1]))
-    out_dim, groups = values.shape[0], (0 if scale is None else scale.shape[1])
-    why_not = unsupported(rows, out_dim, in_dim, groups, values.dtype)
+    shape = note(x, values, scale)
+    why_not = unsupported(*shape)
     if why_not:
         raise ValueError(f"decode_matmul: {why_not}")
-    shape = note(x, values, scale)
     if launch is None:
         chosen = tuned(*shape)
         launch = chosen if isinstance(chosen, Launch) else _default_launch
