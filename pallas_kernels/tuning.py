@@ -9,6 +9,8 @@ the compilation cache, so the next start reads the choice instead of timing agai
 
 The choices of this process live in one table (`use`, `chosen`) that a kernel's entry point
 reads when a program is traced; `None` (nothing chosen) means the kernel's own defaults.
+Tuning only chooses among launches that compute the same product: no kernel lives here, and
+each kernel's pure-JAX reference beside it is what the tests hold every candidate to.
 """
 
 from __future__ import annotations
