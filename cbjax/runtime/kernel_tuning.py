@@ -12,6 +12,7 @@ choices and times nothing. `bench_device.py` prints them (`EngineInfo` carries t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -66,15 +67,15 @@ def _random_tree(tree, seed: int):
     return jax.tree.unflatten(treedef, [_random_like(leaf, k) for leaf, k in zip(leaves, keys)])
 
 
-def matmul_runs(example, interpret: bool) -> dict[str, Callable[[], object]]:
+def matmul_runs(shape: tuple, example, interpret: bool) -> dict[str, Callable[[], object]]:
     """XLA's product (what the engine runs without the kernel) and each launch of the kernel's
-    space, on random arguments of `example`'s shapes."""
+    space for `shape` (`decode_matmul.shape_of`: rows, out, in, groups, dtype), on random
+    arguments of `example`'s shapes."""
     x, values, scale = _random_tree(example, seed=0)
     weight = quant.QuantizedWeight(values, scale) if scale is not None else values
-    rows = int(np.prod(x.shape[:-1]))
     xla = jax.jit(XLA.dense)  # once: a new jit a call would compile every call
     runs = {"xla": lambda: xla(x, weight)}
-    for launch in matmul_kernel.candidates(rows, groups=0 if scale is None else scale.shape[1]):
+    for launch in matmul_kernel.candidates(shape[0], groups=shape[3]):
         runs[launch.name] = (lambda launch=launch: matmul_kernel.decode_matmul(x, values, scale, launch=launch,
                                                                                 interpret=interpret))
     return runs
@@ -98,15 +99,14 @@ def attention_arguments(example) -> tuple:
     return q, k_pages, v_pages, jnp.asarray(lens), jnp.asarray(table, jnp.int32), jnp.asarray(cu_q_lens)
 
 
-def attention_runs(example, interpret: bool) -> dict[str, Callable[[], object]]:
-    args, static = example[0], example[1]
-    arrays = attention_arguments(example)
-    head_dim, page_size = args[0].shape[2], (args[1].values if hasattr(args[1], "scale") else args[1]).shape[2]
+def attention_runs(shape: tuple, example, interpret: bool) -> dict[str, Callable[[], object]]:
+    """Each launch of the attention kernel's space for `shape` (`ragged_paged_attention.shape_of`:
+    rows, heads, KV heads, head_dim, page size, pages a sequence, ...) on `attention_arguments`."""
+    arrays, static = attention_arguments(example), example[1]
     runs = {}
-    for launch in attention_kernel.candidates(head_dim, page_size, args[4].shape[1]):
-        settings = {name: getattr(launch, name) for name in ("block_q", "pages_per_block", "num_warps",
-                                                             "num_stages", "kv_splits")}
-        settings["kv_splits"] = settings["kv_splits"] or 1  # named: the call must not read the tuned choice
+    for launch in attention_kernel.candidates(shape[3], shape[4], shape[5]):
+        # Every setting named (kv_splits at least): the call must not read the tuned choice.
+        settings = {**dataclasses.asdict(launch), "kv_splits": launch.kv_splits or 1}
         runs[launch.name] = (lambda settings=settings: attention_kernel.ragged_paged_attention(
             *arrays, **static, interpret=interpret, **settings))
     return runs
@@ -129,7 +129,7 @@ def tune_kernels(engine, *, cache: tuning.TuningCache | None = None, device_kind
     for (kernel, shape), example in sorted(kernel_calls(engine).items(), key=lambda item: str(item[0])):
         if cache.get(kernel, device_kind, shape) is None and time.perf_counter() > deadline:
             continue
-        choices[(kernel, shape)] = tuning.tune(kernel, shape, RUNS[kernel](example, interpret), cache=cache,
+        choices[(kernel, shape)] = tuning.tune(kernel, shape, RUNS[kernel](shape, example, interpret), cache=cache,
                                                device_kind=device_kind, timer=timer)
     # The recording's traces (and anything compiled before) hold the defaults: the programs
     # trace and compile again with the choices (whose digest is part of a stored program's key).
