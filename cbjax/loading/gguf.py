@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) through the `gguf` package, dequantized on load.
+"""GGUF files (llama.cpp's format), parsed by `gguf_file`, dequantized on load by the `gguf`
+package.
 
 Supports the `llama` architecture (Llama, Mistral, SmolLM2 and friends). llama.cpp's
 converter permutes the rows of Q and K from Hugging Face's rotate-half RoPE
@@ -25,6 +26,7 @@ import numpy as np
 from cbjax.compile_cache import cache_root
 from cbjax.loading.model import Model, convert_tensors
 from cbjax.config import ModelConfig
+from cbjax.loading.gguf_file import GGUFFile
 from cbjax.models.gguf_blocks import GGUFWeight, check_kind
 
 SUPPORTED_GGUF_ARCHS = ("llama",)
@@ -57,14 +59,12 @@ def _owned(a: np.ndarray) -> np.ndarray:
     return a if a.base is None else np.array(a)
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    value = reader.get(key)
+    return default if value is None else value
 
 
-def gguf_config(reader, path: str) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported ({SUPPORTED_GGUF_ARCHS})")
@@ -147,10 +147,7 @@ def _read(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, 
     (`GGUFWeight`, rows in our layout: un-permuting Q and K moves whole rows of blocks)."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on a damaged file
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    reader = GGUFFile(path)
     config = gguf_config(reader, path)
 
     def load(t):
