@@ -185,7 +185,7 @@ def test_the_slot_cache_needs_whole_kernel_pages():
 def test_auto_attention_is_the_kernel_on_accelerators(platform, layout, expected):
     """The default, attention='auto': the kernels wherever a GPU or TPU runs them, the reference
     path (and the C++ kernels) on a CPU; and the reference path where the kernel cannot run."""
-    from cbjax.runtime.engine import choose_attention
+    from cbjax.runtime.engine_choices import choose_attention
 
     model = abstract_model(LLAMA3_8B, jnp.bfloat16)
     config = EngineConfig(num_slots=4, max_seq_len=256, kv_cache=layout, page_size=16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -92,3 +94,27 @@ def test_a_damaged_file_is_a_clear_error_naming_it(tmp_path):
     version.write_bytes(data[:4] + (7).to_bytes(4, "little") + data[8:])
     with pytest.raises(ValueError, match="GGUF version 7"):
         GGUFFile(str(version))
+
+
+def test_smollm2s_tokenizer_is_the_one_auto_tokenizer_builds(tmp_path, monkeypatch):
+    """`load_gguf_tokenizer` asks transformers' tokenizer class directly (no second parse of the
+    file): the same tokenizer as `AutoTokenizer.from_pretrained(..., gguf_file=...)`."""
+    from transformers import AutoTokenizer
+
+    from cbjax.loading.gguf import load_gguf_tokenizer
+
+    try:
+        path = presets.smollm2_gguf_path()
+    except FileNotFoundError as e:  # pragma: no cover - CI installs it
+        pytest.skip(str(e))
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))  # converted now, not read from a cache
+    ours = load_gguf_tokenizer(path)
+    auto = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert type(ours) is type(auto) and len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+    for text in ["Hello world!", "  two spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 日本語 🙂",
+                 "don't 123456 x" * 20, ""]:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"], text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (auto.bos_token, auto.eos_token, auto.pad_token)

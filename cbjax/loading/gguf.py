@@ -121,6 +121,22 @@ def _tokenizer_cache_dir(path: str) -> str:
     return _cache_dir("tokenizers", path)
 
 
+def _tokenizer_class(path: str):
+    """The class to build a GGUF file's tokenizer with. `AutoTokenizer` parses the whole file a
+    second time through the `gguf` package only to learn the model's type (4-6 s for SmolLM2,
+    most of a cold start's load) and, for a byte-level BPE vocabulary ("gpt2", SmolLM2's) with
+    no tokenizer_config.json beside the file, lands in transformers 5's `TokenizersBackend`:
+    that class is asked directly then (tests/test_gguf_file.py checks both give one tokenizer).
+    Anything else goes through `AutoTokenizer`."""
+    import transformers
+
+    backend = getattr(transformers, "TokenizersBackend", None)
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    if backend is not None and not os.path.exists(beside) and GGUFFile(path).get("tokenizer.ggml.model") == "gpt2":
+        return backend
+    return transformers.AutoTokenizer
+
+
 def load_gguf_tokenizer(path: str):
     """transformers' tokenizer from the GGUF metadata, converted once and cached on disk
     (the conversion takes seconds; reading the cached tokenizer.json takes milliseconds)."""
@@ -132,8 +148,8 @@ def load_gguf_tokenizer(path: str):
             return AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
             pass  # a damaged cache entry: convert again below
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                              gguf_file=os.path.basename(path))
+    tokenizer = _tokenizer_class(path).from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                       gguf_file=os.path.basename(path))
     try:
         tokenizer.save_pretrained(cached)
     except OSError:

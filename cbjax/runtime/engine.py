@@ -16,17 +16,18 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
 
-from cbjax.models import quant
-from cbjax.models.kv_cache import PagedCache, SlotCache, is_quantized_kv, kv_storage_dtype
+from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
 from cbjax.runtime import kernel_tuning, programs, sharding, step
 from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.engine_choices import choose_attention, kv_dtype
 from cbjax.runtime.engine_ops import engine_ops
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
                                          prefill_buckets)
@@ -37,62 +38,10 @@ from cbjax.runtime.interface import EngineInfo
 from cbjax.runtime.step_programs import SamplerVariants, StepPrograms, reachable_programs
 from cbjax.runtime.warmup import warm_up
 from cbjax.scheduling.plan import Row
-from pallas_kernels.ragged_paged_attention import check_supported, min_page_size, slot_page_size
 
 # (device result, for each row of the call the index of the round's row whose result it is,
 # or -1 for a piece of a prompt chunk that continues in a later call)
 Call = tuple[object, list[int]]
-
-
-ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
-
-
-def activation_dtype(model):
-    """The dtype the model computes in (a simulated model, without params: 16 bits)."""
-    return jax.numpy.dtype(quant.activation_dtype(model.params) if model.params else jax.numpy.bfloat16)
-
-
-def kv_dtype(model, config: EngineConfig):
-    """The dtype the engine's KV cache stores."""
-    return kv_storage_dtype(config.kv_cache_dtype, activation_dtype(model))
-
-
-def kernel_refusal(model, config: EngineConfig) -> str | None:
-    """Why the Pallas kernels cannot compile for this model and engine (naming the knob), or
-    None: checked when the engine is built rather than when a program lowers on the device."""
-    mc = model.config
-    dtype = kv_dtype(model, config)
-    activations = activation_dtype(model)
-    if not is_quantized_kv(dtype) and dtype != activations:  # the kernels' dots take q and k alike
-        return (f"kv_cache_dtype={config.kv_cache_dtype!r} stores {dtype.name} under {activations.name} "
-                "activations: the kernels read the model's own dtype or 8 bits (int8, fp8)")
-    if config.kv_cache == "slots" and slot_page_size(config.max_seq_len, mc.head_dim, dtype) is None:
-        return (f"the slot cache is read in pages of at least {min_page_size(dtype)} tokens: max_seq_len "
-                f"({config.max_seq_len}) must be a multiple of {min_page_size(dtype)}")
-    try:
-        check_supported(head_dim=mc.head_dim, page_size=config.page_size if config.kv_cache == "paged" else 64,
-                        dtype=dtype, q_heads=mc.num_heads, kv_heads=mc.num_kv_heads)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel: int = 1) -> str:
-    """The attention an engine runs: `config.attention` when it names one ("pallas" refused,
-    naming the knob, where the kernels cannot run), and for "auto" the kernels on a GPU or
-    TPU wherever they take the model, the reference path elsewhere (on a CPU the C++
-    kernels, cbjax/runtime/cpu/kernels.py, are the fast path; the Pallas body only runs
-    interpreted there)."""
-    if config.attention == "reference":
-        return "reference"
-    why_not = kernel_refusal(model, config)
-    if why_not is None and tensor_parallel > 1:
-        why_not = "the kernels do not run tensor-parallel yet"
-    if config.attention == "pallas":
-        if why_not is not None:
-            raise ValueError(f"attention='pallas': {why_not}: use attention='reference'")
-        return "pallas"
-    return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
 
 
 class EngineBase:
@@ -309,16 +258,20 @@ class Engine(EngineBase):
         """Compile one program ahead of time (a narrower sampler variant than ALL: in the background)."""
         self._program(*self.padding_arguments(num_tokens, steps, sampler), wait=sampler == ALL)
 
-    def compile_programs(self, progs: list[tuple]) -> None:
-        """Compile every program (("step" or "verify", tokens bucket, steps)), then run each once on
-        padding (the rows name no slot): XLA:CPU sets up a program's YNNPACK matmuls at its first
-        execution, not at compile, 0.6-1 s for a SmolLM2 step of 32+ tokens, which the first
-        request through that program would pay."""
+    def compile_programs(self, progs: list[tuple], meanwhile: Callable[[], None] | None = None) -> None:
+        """Compile every program (("step" or "verify", tokens bucket, steps)) on threads and run
+        each once on padding as it is ready (rows naming no slot: XLA:CPU sets up matmuls at a
+        program's first run, docs/engine.md); `meanwhile` runs here after the first run (on a
+        step's output cache and state, as in serving) while the rest compile."""
         verify = {"step": 0, "verify": self.verify_positions}
-        self.compiled.compile_all([self.padding_arguments(n, steps, verify=verify[kind]) for kind, n, steps in progs])
+        futures = self.compiled.start_compiles([self.padding_arguments(n, steps, verify=verify[kind])
+                                                for kind, n, steps in progs])
         out = None
-        for kind, num_tokens, steps in progs:
+        for i, (future, (kind, num_tokens, steps)) in enumerate(zip(futures, progs)):
+            future.result()
             out = self._dispatch(self._pack([], num_tokens), steps, ALL, verify[kind])
+            if i == 0 and meanwhile is not None:
+                meanwhile()
         jax.block_until_ready(out)
 
     def warmup(self, only: str | None = None) -> int:

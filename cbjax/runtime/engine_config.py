@@ -60,7 +60,7 @@ class EngineConfig:
     # Attention over either cache layout: "reference" (pure JAX, everywhere), "pallas" (the ragged
     # kernels of pallas_kernels/ragged_paged_attention: Triton on a GPU, Mosaic on a TPU, interpret
     # mode on a CPU), or "auto": the kernels on a GPU or TPU, the reference path (and the C++
-    # CPU kernels) on a CPU (`engine.choose_attention`).
+    # CPU kernels) on a CPU (`engine_choices.choose_attention`).
     attention: str = "auto"
     # "prefill_first": a step of prompt rows, then one of decode rows. "fused" / "chunked": one
     # step of both per round over at most `max_num_batched_tokens` tokens (runtime/step.py).

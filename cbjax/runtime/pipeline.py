@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ import numpy as np
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
 from cbjax.runtime import programs, step
-from cbjax.runtime.engine import Engine, kv_dtype
+from cbjax.runtime.engine import Engine
+from cbjax.runtime.engine_choices import kv_dtype
 from cbjax.runtime.packed import QLEN, START, resolve
 from cbjax.runtime.step import run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
@@ -221,9 +223,11 @@ class PipelineEngine(Engine):
         progs = [("stages", n, 1) for n in self.token_buckets()] if only != "decode" else []
         return progs + ([("stages", per_group, 1)] if ("stages", per_group, 1) not in progs else [])
 
-    def compile_programs(self, progs: list[tuple]) -> None:
-        """A padding pass per program, in turn: its programs are per stage and device, and each
-        pass updates the stages' caches."""
+    def compile_programs(self, progs: list[tuple], meanwhile: Callable[[], None] | None = None) -> None:
+        """A padding pass per program, in turn (after `meanwhile`): its programs are per stage and
+        device, and each pass updates the stages' caches."""
+        if meanwhile is not None:
+            meanwhile()
         for _, num_tokens, _ in progs:
             padding = self._pack([], num_tokens)
             jax.block_until_ready(self._through_stages(padding, ("warmup", num_tokens), "prefill", 0))

@@ -139,15 +139,18 @@ class StepPrograms:
             f.result()
         return len(futures)
 
-    def compile_all(self, calls: list[tuple[tuple, dict]]) -> None:
-        """Compile the program of each `(args, static)` now. The programs are independent, so
-        they compile on a thread per core (XLA releases the GIL): no gain on XLA:CPU, whose
-        compiler already splits one program over the cores (10 SmolLM2 programs, 2 cores: 37.5 s
-        threaded, 39 s in turn), but the tracing of one overlaps another's compile or
-        persistent-cache read."""
+    def start_compiles(self, calls: list[tuple[tuple, dict]]) -> list[concurrent.futures.Future]:
+        """Start compiling the program of each `(args, static)` on a thread per core (XLA releases
+        the GIL), in order; a future per call. No gain on XLA:CPU's compile alone, whose compiler
+        already splits one program over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded,
+        39 s in turn), but the tracing of one overlaps another's compile or persistent-cache read,
+        and the caller's own work (warm-up's small programs, the first runs) fills the idle
+        cores. Shapes only are held: the caller's steps donate the buffers meanwhile."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(max(min(len(calls), cores), 1)) as pool:
-            list(pool.map(lambda call: self.get(*call, wait=True), calls))
+        pool = concurrent.futures.ThreadPoolExecutor(max(min(len(calls), cores), 1), thread_name_prefix="cbjax-warm")
+        futures = [pool.submit(self.get, abstract(args), static, True) for args, static in calls]
+        pool.shutdown(wait=False)
+        return futures
 
 
 def reachable_programs(buckets: list[int], num_slots: int, decode_steps: int, only: str | None = None,

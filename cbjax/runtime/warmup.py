@@ -15,19 +15,25 @@ def warm_up(engine, only: str | None = None) -> int:
     """Compile every program of `engine` up front; leaves it empty. Returns the number of model
     programs. `only`: as `Engine.programs`."""
     progs = engine.programs(only)
-    engine.compile_programs(progs)
+    engine.compile_programs(progs, meanwhile=lambda: _warm_small_programs(engine, only))
+    if not progs:
+        _warm_small_programs(engine, only)
     for sampler in engine.samplers.ahead[1:]:  # narrower variants: in the background
         for _, num_tokens, steps in (p for p in progs if p[0] == "step"):
             engine.compile_program(num_tokens, steps, sampler)
-    # Forks of n > 1 samples (any configuration) and prefix hits start past position 0: their
-    # KV copies and the penalties' history of the tokens before them.
+    engine.reset()
+    return len(progs)
+
+
+def _warm_small_programs(engine, only: str | None) -> None:
+    """The engine's programs beside the steps, compiled by running them once (while the steps
+    compile on other threads). Forks of n > 1 samples (any configuration) and prefix hits start
+    past position 0: their KV copies and the penalties' history of the tokens before them."""
     for bucket in engine.buckets if only != "decode" else ():
         engine.record_histories([Row(0, [], 0, history=[0] * bucket)])
     for size in (1 << i for i in range((engine.num_slots - 1).bit_length() + 1)) if only != "decode" else ():
         engine.copy_kv([(0, 0)] * size)
     engine.deactivate(0)  # abort and preemption
-    engine.reset()
-    return len(progs)
 
 
 def warm_structured_output(engine, background: bool = False) -> int:
