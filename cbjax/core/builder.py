@@ -13,7 +13,7 @@ import jax
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, huge_pages, load_model
-from cbjax.models import quant
+from cbjax.models import fusion, quant
 from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
@@ -60,7 +60,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                              f"models {getattr(simulate, 'tensor_parallel', 1)} device(s)")
         if clock is time.perf_counter:
             clock = simulator.SimClock()
-    if simulate is None and not isinstance(model, Model):
+    owned = not isinstance(model, Model)  # loaded here: its params are this call's to replace
+    if simulate is None and owned:
         start_cpu_kernel_build(args.cpu_kernels)  # a cold start's compiler run overlaps the load
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype,
                                                               keep_gguf_blocks=args.quantization == "gguf")
@@ -70,9 +71,12 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
                              "loaded without them")
         if mesh is not None or args.pipeline_stages > 1:
             raise ValueError("quantization='gguf' runs on one device (its blocks are not split yet)")
+    first_device = (list(mesh.devices.flat) if mesh is not None else list(devices or jax.devices()))[0]
     if args.quantization not in ("none", "gguf") and simulate is None:
-        model = quantized(model, args.quantization, (list(mesh.devices.flat) if mesh is not None
-                                                     else list(devices or jax.devices()))[0])
+        model, owned = quantized(model, args.quantization, first_device), True
+    if simulate is None and fusion.wants_fusion(args.fuse_projections, first_device.platform, args.quantization,
+                                                args.tensor_parallel if mesh is None else sharding.tp_size(mesh)):
+        model = dataclasses.replace(model, params=fusion.fuse_projections(model.params, release=owned))
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself
         if simulate is None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from cbjax import checks
+from cbjax.models.fusion import FUSE_CHOICES
 from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.models.quant import QUANTIZATIONS
 from cbjax.runtime.engine import ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig
@@ -110,6 +111,8 @@ class EngineArgs:
     kernel_tuning: str = _knob("auto", "The Pallas kernels' launch settings on a GPU: auto (timed at warm-up on the "
                                "engine's shapes, cached on disk by device kind, JAX version and shape) or off (their "
                                "defaults).", KERNEL_TUNING_CHOICES)
+    fuse_projections: str = _knob("auto", "One matmul for q/k/v and one for the MLP's gate/up (fused weights): auto "
+                                  "(on a GPU or TPU without tensor parallelism), on or off.", FUSE_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
     # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
@@ -153,6 +156,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.fuse_projections not in FUSE_CHOICES:
+            raise ValueError(f"fuse_projections must be one of {FUSE_CHOICES}, got {self.fuse_projections!r}")
         # Both configs check their knobs before any model loads, so a bad one fails fast.
         self.scheduler_config()
         self.engine_config()

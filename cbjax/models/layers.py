@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import ModelConfig
+from cbjax.models.fusion import split_gate_up
 from cbjax.models.ops import XLA, Ops
 
 
@@ -77,9 +78,11 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, ops: Ops = XLA
 
 
 def mlp(x: jax.Array, p: dict, config: ModelConfig, ops: Ops = XLA) -> jax.Array:
-    up = dense(x, p["w_up"], p.get("b_up"), ops)
-    if config.is_gpt2:
-        h = jax.nn.gelu(up, approximate=True)
+    if "w_gate_up" in p:  # one product for the two (cbjax/models/fusion.py)
+        gate, up = split_gate_up(dense(x, p["w_gate_up"], p.get("b_gate_up"), ops))
+        h = jax.nn.silu(gate) * up
+    elif config.is_gpt2:
+        h = jax.nn.gelu(dense(x, p["w_up"], p.get("b_up"), ops), approximate=True)
     else:
-        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), ops)) * up
+        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), ops)) * dense(x, p["w_up"], p.get("b_up"), ops)
     return dense(h, p["w_down"], p.get("b_down"), ops)

@@ -30,7 +30,7 @@ from cbjax.models.gguf_blocks import GGUFWeight
 
 QUANTIZATIONS = ("none", "int8", "fp8", "gguf")
 # The matrices quantized: every matmul of a layer and the LM head (cbjax/models/params.py).
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "wqkv", "w_gate_up")  # and fused (fusion.py)
 _FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 GROUP_SIZES = (128, 64, 32)  # inputs per scale: the first that divides a matrix's `in`
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from cbjax.config import ModelConfig
+from cbjax.models.fusion import split_qkv
 from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache, QuantizedKV, as_stored, rotate
@@ -36,9 +37,12 @@ def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
-    q = dense(h, p["wq"], p.get("bq"), ops).reshape(b, t, config.num_heads, hd)
-    k = dense(h, p["wk"], p.get("bk"), ops).reshape(b, t, config.num_kv_heads, hd)
-    v = dense(h, p["wv"], p.get("bv"), ops).reshape(b, t, config.num_kv_heads, hd)
+    if "wqkv" in p:  # one product for the three (cbjax/models/fusion.py)
+        q, k, v = split_qkv(dense(h, p["wqkv"], p.get("bqkv"), ops), config)
+    else:
+        q, k, v = (dense(h, p[w], p.get(bias), ops) for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q = q.reshape(b, t, config.num_heads, hd)
+    k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.norm_eps)
         k = rms_norm(k, p["k_norm"], config.norm_eps)
