@@ -147,10 +147,11 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     assert all(r["attention_run"] == "reference" and set(r["steps"]) == {"1", "4"} for r in decode["rows"])
     assert all(s["ms"] > 0 and 0 < s["roofline_ms"] for r in decode["rows"] for s in r["steps"].values())
     assert set(result["peer"]["steps"]) == {"1", "4"}
-    assert [r["decode_steps"] for r in result["step_135m"]] == [1, 4]
+    # The default (unfused on a CPU) at 1 and 4 steps a call, then fused projections beside it.
+    assert [(r["decode_steps"], r["fused"]) for r in result["step_135m"]] == [(1, False), (4, False), (1, True)]
     # ... and again in a process of its own under other XLA flags (command buffers off on a GPU)
     (under_flags,) = result["step_135m_flags"].values()
-    assert [r["decode_steps"] for r in under_flags] == [1, 4] and all(r["ms"] > 0 for r in under_flags)
+    assert [r["decode_steps"] for r in under_flags] == [1, 4, 1] and all(r["ms"] > 0 for r in under_flags)
 
 
 def test_device_trace_summary_counts_busy_idle_and_syncs(tmp_path):

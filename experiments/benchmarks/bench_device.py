@@ -111,17 +111,23 @@ def step_135m(copy_GBps: float) -> list[dict]:
     import dataclasses
 
     from cbjax.loading.presets import RANDOM_PRESETS
+    from cbjax.models import fusion
 
     shape = dataclasses.asdict(RANDOM_PRESETS["smollm2-135m-random"])
     model = device_model(shape if not FLAGS.tiny else TINY, seed=1)
     slots, prompt_len, warm, timed = (64, 512, 4, FLAGS.timed_steps) if not FLAGS.tiny else (4, 16, 2, 4)
     rows = []
-    for steps_a_call in (1, 4):
+    # The default engine (projections fused on an accelerator, not on a CPU), then one step a call
+    # the other way beside it: the fusion's ratio measured in the same run.
+    for steps_a_call, fuse in ((1, "auto"), (4, "auto"), (1, "other")):
+        if fuse == "other":
+            fuse = "off" if rows[0]["fused"] else "on"
         llm, _, startup = build_engine(model, "slots", "auto", slots, budget(prompt_len, warm, timed, steps_a_call),
-                                       decode_steps=steps_a_call)
+                                       decode_steps=steps_a_call, fuse_projections=fuse)
         ms = decode_ms(llm, slots, prompt_len, warm, timed)
         rows.append({"decode_steps": steps_a_call, "slots": slots, "ms": ms, "startup_s": startup,
-                     "attention_run": llm.engine_info.attention,
+                     "attention_run": llm.engine_info.attention, "fuse_projections": fuse,
+                     "fused": fusion.is_fused(llm.engine.params),
                      "roofline_ms": roofline_ms(model, slots, prompt_len + warm, copy_GBps)})
         if FLAGS.profile and steps_a_call == 1:  # where an overhead-bound step's time goes
             rows[-1]["profile"] = profiled_decode(llm, slots, prompt_len, warm, timed)
@@ -272,9 +278,14 @@ def table(results: dict) -> list[str]:
         line("profile", f"default engine batch {profile['batch']}",
              f"idle {100 * profile['idle_share']:.0f}%, {profile['device_events_per_round']:.0f} kernels, "
              f"{profile['device_to_host_copies_per_round']:.1f} DtoH /round")
-    for r in results.get("step_135m", []):
-        line("step_135m", f"{r['slots']} slots decode_steps={r['decode_steps']}",
+    steps = results.get("step_135m", [])
+    for r in steps:
+        fused = {True: "fused", False: "unfused"}.get(r.get("fused"), "")
+        line("step_135m", f"{r['slots']} slots decode_steps={r['decode_steps']} {fused}",
              f"{r['ms']:.2f} ms/step (floor {r['roofline_ms']:.2f}), start-up {r['startup_s']:.1f} s")
+    pair = {r.get("fused"): r["ms"] for r in steps if r["decode_steps"] == 1}
+    if True in pair and False in pair:
+        line("step_135m", "fused projections", f"{pair[False] / pair[True]:.2f}x the unfused step")
     for extra, rows in results.get("step_135m_flags", {}).items():
         for r in rows if isinstance(rows, list) else [{"error": True}]:
             case = f"{r.get('slots', '?')} slots decode_steps={r.get('decode_steps', '?')}, flags"
