@@ -32,7 +32,8 @@ def _outputs(llm: LLM) -> list:
     ("tiny-qwen2", {}),  # q/k/v biases
     ("tiny-qwen3", {}),  # q/k norms after the split
     ("tiny-gpt2", {}),  # fused q/k/v; an ungated MLP stays as it is
-    ("tiny-mistral", dict(quantization="int8")),  # int8 values and per-row scales fused alike
+    # int8 values and scales fused alike, through the Pallas decode matmul (interpreted here) as on a GPU
+    ("tiny-mistral", dict(quantization="int8", quantized_matmul="pallas", max_step_tokens=16)),
 ])
 def test_fused_engines_decode_the_unfused_tokens(model, options):
     plain = LLM(model, num_slots=3, max_seq_len=64, fuse_projections="off", **options)

@@ -107,4 +107,3 @@ def wants_fusion(choice: str, platform: str, quantization: str, tensor_parallel:
     if choice == "auto":
         return why_not is None and platform in ("gpu", "cuda", "rocm", "tpu")
     return choice == "on"
-
