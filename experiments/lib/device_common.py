@@ -17,6 +17,8 @@ flags.DEFINE_integer("prompt_len", 128, "decode_8b's prompt tokens per sequence.
 flags.DEFINE_integer("timed_steps", 48, "Decode steps timed per measurement.", lower_bound=2)
 flags.DEFINE_enum("kernel_tuning", "auto", ["auto", "off"], "The engines' kernel_tuning: auto (the Pallas kernels' "
                   "launches timed at warm-up on their shapes, cached on disk) or off (the kernels' defaults).")
+flags.DEFINE_enum("fuse_projections", "auto", ["auto", "on", "off"], "The engines' fuse_projections: auto (q/k/v "
+                  "and gate/up as one matmul each on a GPU), on or off (step_135m times both whatever this says).")
 common.validate_list("batches", int, 1, "positive integers")
 
 
@@ -107,6 +109,7 @@ def build_engine(model, kv_cache: str, attention: str, num_slots: int, max_seq_l
     if FLAGS.tiny:  # fewer programs to compile
         options.setdefault("max_step_tokens", 32)
     options.setdefault("kernel_tuning", FLAGS.kernel_tuning)
+    options.setdefault("fuse_projections", FLAGS.fuse_projections)
     t0 = time.perf_counter()
     llm, core = common.llm_over_core(model, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache=kv_cache,
                                      attention=attention, **options)
