@@ -70,6 +70,8 @@ flags.register_validator("engines", lambda v: all(e in ENGINES for e in v), f"--
 
 # ---------------------------------------------------------------- sections
 def decode_8b(copy_GBps: float, deadline: float) -> dict:
+    from cbjax.models import fusion
+
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     prompt_len, warm, timed = decode_shape()
     max_seq_len = budget(prompt_len, warm, timed, 1)
@@ -81,6 +83,7 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
         kv_cache, attention = name.split("/")
         llm, _, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
         row = {"engine": name, "attention_run": llm.engine_info.attention, "startup_s": startup,
+               "fused": fusion.is_fused(llm.engine.params),
                "kernel_launches": tuned_launches(llm), "steps": decode_steps(llm, model, copy_GBps)}
         if FLAGS.profile and profile is None:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
@@ -254,7 +257,8 @@ def table(results: dict) -> list[str]:
     compiled = results.get("peer", {}).get("compiled", {}).get("steps", {})
     decode = results.get("decode_8b", {})
     for row in decode.get("rows", []):
-        line("decode_8b", f"{row['engine']} ({row['attention_run']}) start-up", f"{row['startup_s']:.1f} s")
+        fused = ", fused q/k/v and gate/up" if row.get("fused") else ""
+        line("decode_8b", f"{row['engine']} ({row['attention_run']}{fused}) start-up", f"{row['startup_s']:.1f} s")
         for kernel, chosen in tuned_summary(row.get("kernel_launches", [])).items():
             line("tuning", f"{row['engine']} {kernel}", chosen)
         for batch, s in row["steps"].items():
