@@ -42,6 +42,7 @@ def test_fused_engines_decode_the_unfused_tokens(model, options):
     assert all("wqkv" in p and not {"wq", "wk", "wv"} & set(p) for p in layers)
     assert all(("w_gate_up" in p) == (model != "tiny-gpt2") for p in layers)
     assert not fusion.is_fused(plain.engine.params)
+    assert fused.engine_info.fused_projections and not plain.engine_info.fused_projections
     for a, b in zip(_outputs(plain), _outputs(fused)):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs or []) == len(b.logprobs or [])

@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from cbjax.models.fusion import is_fused
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import SamplingParams
 from cbjax.runtime import kernel_tuning, programs, sharding, step
@@ -86,7 +87,8 @@ class EngineBase:
     def info(self) -> EngineInfo:
         return EngineInfo(self.platform, self.kind, self.attention, self.num_slots, self.max_len,
                           tuple(self._token_buckets), repr(self.ops), self.num_devices,
-                          tuple((kernel, shape, choice) for (kernel, shape), choice in self.kernel_launches.items()))
+                          tuple((kernel, shape, choice) for (kernel, shape), choice in self.kernel_launches.items()),
+                          bool(self.model.params) and is_fused(self.model.params))
 
     @property
     def num_devices(self) -> int:

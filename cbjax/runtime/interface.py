@@ -31,6 +31,7 @@ class EngineInfo:
     num_devices: int  # devices its params and cache span
     # The Pallas kernels' launches its warm-up tuned: ((kernel, shape, chosen launch), ...)
     kernel_launches: tuple = ()
+    fused_projections: bool = False  # q/k/v and gate/up as one matmul each (cbjax/models/fusion.py)
 
 
 @runtime_checkable

@@ -70,8 +70,6 @@ flags.register_validator("engines", lambda v: all(e in ENGINES for e in v), f"--
 
 # ---------------------------------------------------------------- sections
 def decode_8b(copy_GBps: float, deadline: float) -> dict:
-    from cbjax.models import fusion
-
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     prompt_len, warm, timed = decode_shape()
     max_seq_len = budget(prompt_len, warm, timed, 1)
@@ -83,7 +81,7 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
         kv_cache, attention = name.split("/")
         llm, _, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
         row = {"engine": name, "attention_run": llm.engine_info.attention, "startup_s": startup,
-               "fused": fusion.is_fused(llm.engine.params),
+               "fused": llm.engine_info.fused_projections,
                "kernel_launches": tuned_launches(llm), "steps": decode_steps(llm, model, copy_GBps)}
         if FLAGS.profile and profile is None:
             profile = profiled_decode(llm, max(batches()), prompt_len, warm, timed)
@@ -114,7 +112,6 @@ def step_135m(copy_GBps: float) -> list[dict]:
     import dataclasses
 
     from cbjax.loading.presets import RANDOM_PRESETS
-    from cbjax.models import fusion
 
     shape = dataclasses.asdict(RANDOM_PRESETS["smollm2-135m-random"])
     model = device_model(shape if not FLAGS.tiny else TINY, seed=1)
@@ -130,7 +127,7 @@ def step_135m(copy_GBps: float) -> list[dict]:
         ms = decode_ms(llm, slots, prompt_len, warm, timed)
         rows.append({"decode_steps": steps_a_call, "slots": slots, "ms": ms, "startup_s": startup,
                      "attention_run": llm.engine_info.attention, "fuse_projections": fuse,
-                     "fused": fusion.is_fused(llm.engine.params),
+                     "fused": llm.engine_info.fused_projections,
                      "roofline_ms": roofline_ms(model, slots, prompt_len + warm, copy_GBps)})
         if FLAGS.profile and steps_a_call == 1:  # where an overhead-bound step's time goes
             rows[-1]["profile"] = profiled_decode(llm, slots, prompt_len, warm, timed)
