@@ -13,6 +13,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.loading import Model
 from cbjax.models import fusion, quant
 from cbjax.runtime.engine import Engine
+from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.lowering import lower_programs
 from cbjax.runtime.sampling import ALL
@@ -87,12 +88,12 @@ def test_the_cuda_step_has_three_fewer_matmuls_a_layer():
 
 
 def test_the_knob_fuses_where_it_can_and_refuses_naming_itself():
-    assert fusion.wants_fusion("auto", "gpu", "none") and fusion.wants_fusion("auto", "tpu", "int8")
-    assert not fusion.wants_fusion("auto", "cpu", "none")  # the C++ layer kernel reads each matrix
-    assert not fusion.wants_fusion("auto", "gpu", "none", tensor_parallel=2)
-    assert fusion.wants_fusion("on", "cpu", "none") and not fusion.wants_fusion("off", "gpu", "none")
+    assert wants_fusion("auto", "gpu", "none") and wants_fusion("auto", "tpu", "int8")
+    assert not wants_fusion("auto", "cpu", "none")  # the C++ layer kernel reads each matrix
+    assert not wants_fusion("auto", "gpu", "none", tensor_parallel=2)
+    assert wants_fusion("on", "cpu", "none") and not wants_fusion("off", "gpu", "none")
     with pytest.raises(ValueError, match="fuse_projections='on': tensor parallelism"):
-        fusion.wants_fusion("on", "gpu", "none", tensor_parallel=2)
+        wants_fusion("on", "gpu", "none", tensor_parallel=2)
     with pytest.raises(ValueError, match="fuse_projections must be one of"):
         LLM("tiny-llama", num_slots=2, max_seq_len=32, fuse_projections="sometimes")
     assert "wq" in LLM("tiny-llama", num_slots=2, max_seq_len=32).engine.params["layers"][0]  # auto on a CPU

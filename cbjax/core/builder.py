@@ -18,6 +18,7 @@ from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
 from cbjax.runtime import kv_transfer, sharding
 from cbjax.runtime.device_state import SlotState
 from cbjax.runtime.engine import Engine
+from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_ops import start_cpu_kernel_build
 from cbjax.scheduling import BlockManager, Scheduler
 from cbjax.scheduling.host_tier import HostTier
@@ -74,7 +75,7 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     first_device = (list(mesh.devices.flat) if mesh is not None else list(devices or jax.devices()))[0]
     if args.quantization not in ("none", "gguf") and simulate is None:
         model, owned = quantized(model, args.quantization, first_device), True
-    if simulate is None and fusion.wants_fusion(args.fuse_projections, first_device.platform, args.quantization,
+    if simulate is None and wants_fusion(args.fuse_projections, first_device.platform, args.quantization,
                                                 args.tensor_parallel if mesh is None else sharding.tp_size(mesh)):
         model = dataclasses.replace(model, params=fusion.fuse_projections(model.params, release=owned))
     num_slots, num_pages = args.num_slots, args.num_pages

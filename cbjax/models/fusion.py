@@ -84,26 +84,3 @@ def split_qkv(qkv: jax.Array, config) -> tuple[jax.Array, jax.Array, jax.Array]:
 def split_gate_up(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
     half = gate_up.shape[-1] // 2
     return gate_up[..., :half], gate_up[..., half:]
-
-
-def fusion_refusal(quantization: str, tensor_parallel: int) -> str | None:
-    """Why this engine's weights cannot be fused, or None."""
-    if tensor_parallel > 1:
-        return "tensor parallelism splits q, k, v, gate and up by heads, each matrix on its own"
-    if quantization == "gguf":
-        return "GGUF blocks run through the CPU kernels, which read each matrix on its own"
-    return None
-
-
-def wants_fusion(choice: str, platform: str, quantization: str, tensor_parallel: int = 1) -> bool:
-    """`fuse_projections`: "auto" fuses on a GPU or TPU wherever the weights allow (on a CPU the
-    C++ layer kernel reads each matrix by address); "on" fuses anywhere, refused (naming the
-    knob) where it cannot; "off" never."""
-    if choice not in FUSE_CHOICES:
-        raise ValueError(f"fuse_projections must be one of {FUSE_CHOICES}, got {choice!r}")
-    why_not = fusion_refusal(quantization, tensor_parallel)
-    if choice == "on" and why_not is not None:
-        raise ValueError(f"fuse_projections='on': {why_not}; use fuse_projections='off'")
-    if choice == "auto":
-        return why_not is None and platform in ("gpu", "cuda", "rocm", "tpu")
-    return choice == "on"

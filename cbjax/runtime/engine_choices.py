@@ -1,5 +1,6 @@
 """What an engine's knobs resolve to for its model and platform: the dtypes it computes and
-stores in, and which attention it runs (the Pallas kernels, or the reference path)."""
+stores in, which attention it runs (the Pallas kernels, or the reference path), and whether
+its projections are fused (cbjax/models/fusion.py)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,24 @@ def choose_attention(model, config: EngineConfig, platform: str, tensor_parallel
             raise ValueError(f"attention='pallas': {why_not}: use attention='reference'")
         return "pallas"
     return "pallas" if platform in ACCELERATORS and why_not is None else "reference"
+
+
+def fusion_refusal(quantization: str, tensor_parallel: int) -> str | None:
+    """Why this engine's weights cannot be fused, or None."""
+    if tensor_parallel > 1:
+        return "tensor parallelism splits q, k, v, gate and up by heads, each matrix on its own"
+    if quantization == "gguf":
+        return "GGUF blocks run through the CPU kernels, which read each matrix on its own"
+    return None
+
+
+def wants_fusion(choice: str, platform: str, quantization: str, tensor_parallel: int = 1) -> bool:
+    """`fuse_projections`: "auto" fuses on a GPU or TPU wherever the weights allow (on a CPU the
+    C++ layer kernel reads each matrix by address); "on" fuses anywhere, refused (naming the
+    knob) where it cannot; "off" never (`EngineArgs` checks the choice)."""
+    why_not = fusion_refusal(quantization, tensor_parallel)
+    if choice == "on" and why_not is not None:
+        raise ValueError(f"fuse_projections='on': {why_not}; use fuse_projections='off'")
+    if choice == "auto":
+        return why_not is None and platform in ACCELERATORS
+    return choice == "on"
