@@ -59,13 +59,8 @@ def _owned(a: np.ndarray) -> np.ndarray:
     return a if a.base is None else np.array(a)
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    value = reader.get(key)
-    return default if value is None else value
-
-
 def gguf_config(reader: GGUFFile, path: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported ({SUPPORTED_GGUF_ARCHS})")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
@@ -73,37 +68,37 @@ def gguf_config(reader: GGUFFile, path: str) -> ModelConfig:
                          "load the Hugging Face checkpoint instead")
 
     def need(key):
-        value = _field(reader, f"{arch}.{key}")
+        value = reader.get(f"{arch}.{key}")
         if value is None:
             raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
         return value
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    tokens = reader.get("tokenizer.ggml.tokens")
+    vocab = reader.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
         raise ValueError(f"{path}: GGUF metadata has no vocab size")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     eos_ids = {int(eos)} if eos is not None else set()
     if tokens:
         # Chat models end a turn with <|im_end|> / <|eot_id|>: stop there too.
         for special in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>"):
             if special in tokens:
                 eos_ids.add(tokens.index(special))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = reader.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         model_type="llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=int(need("block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
         intermediate_size=int(need("feed_forward_length")),
         max_position_embeddings=int(need("context_length")),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(sorted(eos_ids)),

@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor table, parsed with `struct` over one memory map.
 
 The `gguf` package's `GGUFReader` builds a numpy view per metadata item: SmolLM2's 98,000
-vocabulary and merge strings take it 2-4 s, on every start, before a weight is read. Here a
-string is one `struct.unpack_from` and one slice (0.1 s for the same file). Tensors come out as
+vocabulary and merge strings take it seconds, on every start, before a weight is read. Here a
+string is one `struct.unpack_from` and one slice (docs/experiments.md has both figures). Tensors come out as
 `GGUFReader` gives them (same dtypes and shapes, views of the map), with the `gguf` package's
 own quantization types, so its dequantizers apply unchanged.
 """
