@@ -109,3 +109,21 @@ def test_background_compiles_of_a_warm_engine_end():
     assert sum(key[-1] == GREEDY for key in llm.engine.compiled.keys()) == programs
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_program_is_traced_for_its_engines_platform_alone():
+    """The engine traces its programs for its own platform (`Ops.platform`): no
+    `platform_dependent` left (the sampler's skips and the attention kernel chosen at the trace,
+    not all of them traced to be chosen at lowering), and fewer equations than the program for
+    any platform."""
+    from cbjax.runtime.step import ragged_step
+
+    engine = Engine(abstract_model(RANDOM_PRESETS["tiny-llama"], jnp.float32),
+                    EngineConfig(num_slots=2, max_seq_len=64, kv_cache="paged", page_size=16, attention="pallas",
+                                 cpu_kernels="off", max_logprobs=3))
+    args, static = engine.padding_arguments(16, 1)
+    assert static["platform"] == "cpu"
+    own = str(ragged_step.trace(*args, **static).jaxpr)
+    anywhere = str(ragged_step.trace(*args, **{**static, "platform": None}).jaxpr)
+    assert "platform_index" not in own and "platform_index" in anywhere
+    assert len(own.splitlines()) < len(anywhere.splitlines())

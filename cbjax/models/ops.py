@@ -8,6 +8,8 @@ kernels) subclasses it and says, per call, whether it takes the work or leaves i
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +17,26 @@ from cbjax.models import gguf_blocks, quant
 
 
 class Ops:
+    # The one platform a program is traced for ("cpu", "gpu", "cuda", "rocm", "tpu"), or None:
+    # any, each platform's way chosen when the program is lowered (`platform_dependent`).
+    platform: str | None = None
+
+    def on(self, platform: str | None) -> "Ops":
+        """These operations traced for `platform` alone (see `platform`): one instance per
+        (backend, platform), so identity stays equality. A program traced for one platform
+        holds only that platform's branches, where `platform_dependent` traces every platform's
+        (both sides of each of the sampler's skips twice over, the attention kernel's three bodies)."""
+        base = self._base if self.platform is not None else self
+        if platform is None:
+            return base
+        variants = base.__dict__.setdefault("_on", {})
+        if platform not in variants:
+            variant = copy.copy(base)
+            variant.__dict__.pop("_on", None)
+            variant.platform, variant._base = platform, base
+            variants.setdefault(platform, variant)
+        return variants[platform]
+
     def dense(self, x: jax.Array, w) -> jax.Array:
         """`x @ w.T` for a weight stored `[out, in]` (see cbjax/models/params.py), or a
         `quant.QuantizedWeight` or `gguf_blocks.GGUFWeight` of that shape."""
@@ -49,7 +71,7 @@ class Ops:
     # this static argument on every call, and object's own hash costs no Python frame.
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({'' if self.platform is None else f'platform={self.platform!r}'})"
 
 
 XLA = Ops()

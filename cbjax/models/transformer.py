@@ -52,11 +52,11 @@ def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
     return q, k, v
 
 
-def _kernel_attention(q, cache, layer_k, layer_v, slot_ids, starts, ragged, window):
+def _kernel_attention(q, cache, layer_k, layer_v, slot_ids, starts, ragged, window, platform):
     """Attention by the ragged Pallas kernel over the layer's cache, paged or slots (a slot read
     as a run of pages): the platform's kernel, on a CPU its body in interpret mode. `ragged`:
     a flat mixed batch, one token per row (cu_q_lens, kv_lens, row slots); None: a decode
-    step, one token per row and sequence."""
+    step, one token per row and sequence. `platform`: the one traced for (`Ops.platform`)."""
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     if ragged is None:
@@ -66,7 +66,7 @@ def _kernel_attention(q, cache, layer_k, layer_v, slot_ids, starts, ragged, wind
     k_pages, v_pages, tables = cache.kernel_view(layer_k, layer_v, row_slots)
     # The kernel loads each page once per query tile of a sequence, not once per token.
     return ragged_paged_attention(q[:, 0], k_pages, v_pages, kv_lens, tables, cu_q_lens, scale=q.shape[-1] ** -0.5,
-                                  window=window)[:, None]
+                                  window=window, platform=platform)[:, None]
 
 
 def _blocked_history(q, cache, layer_k, layer_v, window, slot_ids, positions, history_end, valid, block, scale):
@@ -209,7 +209,7 @@ def forward(
         ks[layer] = cache.write(ks[layer], slot_ids, starts, num_valid, k)
         vs[layer] = cache.write(vs[layer], slot_ids, starts, num_valid, v)
         if attention_kernel:
-            out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged, window)
+            out = _kernel_attention(q, cache, ks[layer], vs[layer], slot_ids, starts, ragged, window, ops.platform)
         else:
             k, v = as_stored(k, ks[layer]), as_stored(v, vs[layer])  # as the kernel reads them back
             out = _reference_attention(q, k, v, cache, ks[layer], vs[layer], window, slot_ids, positions,

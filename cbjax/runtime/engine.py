@@ -236,7 +236,7 @@ class Engine(EngineBase):
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
-                     ops=self.ops, sampler=sampler, verify=verify))
+                     ops=self.ops, sampler=sampler, verify=verify, platform=self.platform))
 
     def run_program(self, args: tuple, static: dict) -> jax.Array:
         """Run the step program of these arguments (`_step_arguments`): the cache and state advance."""

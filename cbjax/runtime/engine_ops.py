@@ -41,7 +41,8 @@ class DecodeMatmulOps(Ops):
         return super().dense(x, w)
 
     def __repr__(self) -> str:
-        return f"DecodeMatmulOps(interpret={self.interpret}, everywhere={self.everywhere})"
+        on = "" if self.platform is None else f", platform={self.platform!r}"
+        return f"DecodeMatmulOps(interpret={self.interpret}, everywhere={self.everywhere}{on})"
 
 
 PALLAS_MATMUL, PALLAS_MATMUL_EVERYWHERE = DecodeMatmulOps(False), DecodeMatmulOps(False, everywhere=True)

@@ -39,5 +39,5 @@ def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = 
                 # Traced inside the target's context, not once for all: from JAX 0.11 a trace made
                 # outside it fails to lower for cuda ("No supported GPU devices found").
                 with lowering_target(p):
-                    out[key][p] = ragged_step.trace(*args, **static).lower(lowering_platforms=(p,))
+                    out[key][p] = ragged_step.trace(*args, **{**static, "platform": p}).lower(lowering_platforms=(p,))
     return out

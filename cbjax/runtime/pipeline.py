@@ -34,6 +34,7 @@ from cbjax.runtime.engine_choices import kv_dtype
 from cbjax.runtime.packed import QLEN, START, resolve
 from cbjax.runtime.step import run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
+from cbjax.models.ops import XLA
 from cbjax.scheduling.plan import Row
 
 
@@ -69,15 +70,17 @@ def _stage(params, cache, batch, x, *, config, first_layer, embed, history_block
                       embed=embed, head=False)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "first_layer", "history_block"),
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "first_layer", "history_block", "platform"),
                    donate_argnames=("cache", "state"))
-def _last_stage(params, cache, state, batch, x, flat, ints, floats, *, config, max_len, first_layer, history_block):
+def _last_stage(params, cache, state, batch, x, flat, ints, floats, *, config, max_len, first_layer, history_block,
+                platform):
     """The last stage: its layers, the head, and the step's sampling and state update (the
-    one step's, step.sample_rows). Returns `[R, 2]` (token or -1, done)."""
+    one step's, step.sample_rows, traced for `platform`). Returns `[R, 2]` (token or -1, done)."""
     TRACE_COUNTS[("pipeline-last", config, batch.inputs.shape[0], first_layer)] += 1
     logits, cache = run_layers(params, config, cache, batch, hidden=x, history_block=history_block,
                                first_layer=first_layer, embed=False)
-    out, _, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len, max_logprobs=0)
+    out, _, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len, max_logprobs=0,
+                                ops=XLA.on(platform))
     return out, cache, state
 
 
@@ -213,7 +216,7 @@ class PipelineEngine(Engine):
         out, self.caches[last], self.state = _last_stage(
             self.stage_params[last], self.caches[last], self.state, batch, jax.device_put(x, self.devices[last]),
             flat, ints, floats, config=self.model.config, max_len=self.max_len, first_layer=self.bounds[last],
-            history_block=block)
+            history_block=block, platform=self.platform)
         self._log(last, chain, kind, rows, tokens // rows, attended)
         return out
 

@@ -41,18 +41,26 @@ class Sampler(enum.IntFlag):
 GREEDY, ALL = Sampler(0), Sampler(15)
 
 
-def skip_unless(pred, branch, otherwise, operand):
+# Where a conditional's predicate is read on the host, so `skip_unless` selects.
+SELECTING_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def skip_unless(pred, branch, otherwise, operand, platform: str | None = None):
     """`branch(operand)` where `pred`, else `otherwise(operand)`: a work-skipping branch on a CPU
     or TPU, both computed and selected on a GPU. XLA:GPU evaluates a conditional's predicate
     on the host (a device-to-host copy and a wait inside the step): the host can no longer
     queue the rest of the step, nor return to dispatch the next one, while the device runs,
-    so every step's dispatch and launches would sit on the device's critical path."""
+    so every step's dispatch and launches would sit on the device's critical path.
+    `platform`: the one the program is traced for (`Ops.platform`); None: both ways, chosen
+    at lowering."""
     def on_device(pred, operand):
         return jax.lax.cond(pred, branch, otherwise, operand)
 
     def selected(pred, operand):
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), branch(operand), otherwise(operand))
 
+    if platform is not None:
+        return (selected if platform in SELECTING_PLATFORMS else on_device)(pred, operand)
     return jax.lax.platform_dependent(pred, operand, cuda=selected, rocm=selected, default=on_device)
 
 
@@ -126,21 +134,22 @@ def sample(
         unsorted = lambda _: jax.vmap(_sample_row_unsorted)(*rows)  # noqa: E731
         if sorts:
             needed = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1)))
-            drawn = skip_unless(needed, lambda _: jax.vmap(_sample_row)(*rows), unsorted, None)
+            drawn = skip_unless(needed, lambda _: jax.vmap(_sample_row)(*rows), unsorted, None, ops.platform)
         else:
             drawn = unsorted(None)
         return jnp.where(temperature > 0, drawn, greedy)
 
     # Skip it all when every row is greedy.
-    return skip_unless(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+    return skip_unless(jnp.any(temperature > 0), stochastic, lambda _: greedy, None, ops.platform)
 
 
-def process_logits(logits, rows, index, history=None) -> jax.Array:
+def process_logits(logits, rows, index, history=None, platform: str | None = None) -> jax.Array:
     """vLLM's order: logit bias, min_tokens (stop ids masked while `index < min_tokens`), then
     the repetition penalty over prompt and output tokens and the frequency and presence
     penalties over the output's counts. `rows`: the rows' `SlotState`; `index`: each row's
     output index; `history()`: the rows' `(seen, counts)` (default: `rows`' own), called
-    inside the branch. Skipped, as one branch, when no row has any of them."""
+    inside the branch. Skipped, as one branch, when no row has any of them (`skip_unless` on
+    `platform`)."""
     num_rows, vocab = logits.shape
     row = jnp.arange(num_rows)[:, None]
 
@@ -156,7 +165,7 @@ def process_logits(logits, rows, index, history=None) -> jax.Array:
         return (logits - rows.frequency[:, None] * counts.astype(logits.dtype)
                 - rows.presence[:, None] * (counts > 0))
 
-    return skip_unless(jnp.any(processes(rows, index)), apply, lambda x: x, logits)
+    return skip_unless(jnp.any(processes(rows, index)), apply, lambda x: x, logits, platform)
 
 
 def processes(rows, index) -> jax.Array:
@@ -165,10 +174,10 @@ def processes(rows, index) -> jax.Array:
             | jnp.any(rows.bias_ids >= 0, axis=-1))
 
 
-def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
+def logprob_columns(logits, token, wanted, k: int, platform: str | None = None) -> jax.Array:
     """`[rows, 1 + 2k]` float32: the sampled token's log-probability under the raw logits, the
     top k log-probabilities (best first) and their token ids (exact in float32 below 2^24).
-    Computed only when some row asked (`wanted >= 0`); zeros otherwise."""
+    Computed only when some row asked (`wanted >= 0`; `skip_unless` on `platform`); zeros otherwise."""
     def compute(logits):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)
@@ -176,7 +185,7 @@ def logprob_columns(logits, token, wanted, k: int) -> jax.Array:
         return jnp.concatenate([chosen, top, ids.astype(jnp.float32)], axis=-1)
 
     return skip_unless(jnp.any(wanted >= 0), compute,
-                       lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits)
+                       lambda _: jnp.zeros((logits.shape[0], 1 + 2 * k), jnp.float32), logits, platform)
 
 
 def allowed_tokens(mask, vocab: int) -> jax.Array:
@@ -194,7 +203,8 @@ def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None,
     `process_logits`'. `ops`: the backend's, for the greedy argmax. `sampler`: the parts
     traced at all (the rows' parameters must need no other: `Sampler`)."""
     def processed_and_sampled(logits):
-        processed = process_logits(logits, rows, index, history) if sampler & Sampler.PROCESS else logits
+        processed = (process_logits(logits, rows, index, history, ops.platform) if sampler & Sampler.PROCESS
+                     else logits)
         if mask is not None:
             processed = jnp.where(allowed_tokens(mask, logits.shape[-1]), processed, -jnp.inf)
         if not sampler & Sampler.DRAW:
@@ -209,14 +219,14 @@ def sample_next(logits, rows, index, max_logprobs: int, mask=None, history=None,
         # they are. Deciding it here, around everything, leaves no branch that passes the
         # `[R, V]` logits through unchanged: XLA:CPU copies a conditional's result.
         plain = ~jnp.any(processes(rows, index) | (rows.temperature > 0))
-        token = skip_unless(plain, ops.argmax, processed_and_sampled, logits)
+        token = skip_unless(plain, ops.argmax, processed_and_sampled, logits, ops.platform)
     else:
         token = processed_and_sampled(logits)
     if not max_logprobs:
         return token, None
     if not sampler & Sampler.LOGPROBS:
         return token, jnp.zeros((logits.shape[0], 1 + 2 * max_logprobs), jnp.float32)
-    return token, logprob_columns(logits, token, rows.logprobs, max_logprobs)
+    return token, logprob_columns(logits, token, rows.logprobs, max_logprobs, ops.platform)
 
 
 def count_sampled(counts, slots, token) -> jax.Array:

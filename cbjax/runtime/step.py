@@ -263,20 +263,23 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
 
 
 _STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops", "sampler",
-           "verify")
+           "verify", "platform")
 JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
-                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0):
+                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
     rows' structured-output bitmasks (`steps` 1); None compiles a program without one.
     `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row).
     `verify > 0` (`steps` 1): the program of calls with speculating rows of up to `verify`
-    tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py)."""
+    tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py).
+    `platform`: the one the program is traced for, its branches alone (`Ops.platform`: a small
+    model's step traces in a third of the time); None: every platform's, chosen at lowering."""
+    ops = ops.on(platform)
     TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify)] += 1
     if verify:
         batch = resolve(state, cache.lengths, flat, ints)

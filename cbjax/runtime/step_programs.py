@@ -25,11 +25,8 @@ import threading
 import jax
 
 from cbjax.runtime import executables, step
-from cbjax.runtime.sampling import ALL, GREEDY, Sampler
+from cbjax.runtime.sampling import ALL, GREEDY, SELECTING_PLATFORMS, Sampler
 from cbjax.runtime.step import ragged_step
-
-# Platforms where a conditional's predicate is read on the host, so `skip_unless` selects.
-SPECIALIZING_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def abstract(args):
@@ -43,7 +40,7 @@ class SamplerVariants:
     def __init__(self, num_slots: int, platform: str, allowed: bool = True):
         """`allowed`: whether the engine's step takes a sampler variant at all (a pipeline's
         last stage samples with every part)."""
-        self.specializes = allowed and platform in SPECIALIZING_PLATFORMS
+        self.specializes = allowed and platform in SELECTING_PLATFORMS
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
 
     @property

@@ -2,7 +2,8 @@
 
 `jax.lax.platform_dependent` puts both kernels in the traced program and lowers only the
 one for the platform it is compiled for: Triton on a GPU (`triton_kernel.py`), Mosaic on
-a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode.
+a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode. A
+caller that knows its platform names it (`platform=`) and only that kernel is traced.
 So a program traced on this CPU and lowered with `lowering_platforms=("cuda",)` or
 `("tpu",)` holds the real kernel call (tests/test_cross_lowering.py). `set_cpu_interpreter`
 makes a CPU interpret the TPU kernel instead (the engine's parity tests run both).
@@ -148,7 +149,8 @@ def _reference_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale: float,
                            block_q: int | None = None, pages_per_block: int | None = None,
                            interpret: bool | str = False, window: int = 0, num_warps: int | None = None,
-                           num_stages: int | None = None, kv_splits: int | None = None):
+                           num_stages: int | None = None, kv_splits: int | None = None,
+                           platform: str | None = None):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
@@ -156,7 +158,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
     dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
     Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
-    interpreter (both on any platform); False lets the platform choose. `num_warps`,
+    interpreter (both on any platform); False lets the platform choose: `platform` ("cpu",
+    "gpu", "cuda", "rocm", "tpu") when the caller knows it, else at lowering. `num_warps`,
     `num_stages` and `kv_splits` (split-KV: programs sharing a query tile's keys; Triton only):
     the Triton kernel's launch settings. With no launch setting given, the call takes this
     process's tuned `Launch` for its shape (`shape_of`), else the defaults (by head_dim, 1 split):
@@ -172,13 +175,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     return _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale,
                                    block_q=launch.block_q, pages_per_block=launch.pages_per_block,
                                    interpret=interpret, window=window, num_warps=launch.num_warps,
-                                   num_stages=launch.num_stages, kv_splits=launch.kv_splits)
+                                   num_stages=launch.num_stages, kv_splits=launch.kv_splits, platform=platform)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
-                                             "num_warps", "num_stages", "kv_splits"))
+                                             "num_warps", "num_stages", "kv_splits", "platform"))
 def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, block_q,
-                            pages_per_block, interpret, window, num_warps, num_stages, kv_splits):
+                            pages_per_block, interpret, window, num_warps, num_stages, kv_splits, platform):
     head_dim, page_size = q.shape[2], k_pages.shape[2]
     auto_q, auto_pages = block_sizes(head_dim, page_size, page_indices.shape[1])
     block_q = auto_q if block_q is None else block_q
@@ -203,5 +206,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
 
     if interpret:
         return run("tpu" if interpret == "tpu" else "triton", True)(*args)
+    if platform is not None:
+        on = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "tpu"}.get(platform)
+        return (run(on, False) if on else run(_cpu_interpreter, True))(*args)
     return jax.lax.platform_dependent(*args, cuda=run("triton", False), rocm=run("triton", False),
                                       tpu=run("tpu", False), default=run(_cpu_interpreter, True))
