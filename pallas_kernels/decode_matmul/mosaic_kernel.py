@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# Pallas' Mosaic GPU module is imported where a kernel is built, not here: its MLIR dialects
+# take 1.0 s to import, which every process importing cbjax paid (a server's start, a script's --help).
 TILE_ROWS = 64  # wgmma's B side: the activations' rows, padded
 ACTIVATIONS = (jnp.bfloat16, jnp.float16)
 WEIGHTS = (jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn)
@@ -63,6 +64,8 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype, x_dtyp
 
 def _swizzled(dtype, inner: int, role: str) -> tuple:
     """A shared-memory tile's tiling and swizzle for rows of `inner` elements (wgmma's operands)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(inner * bits, role)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
@@ -70,6 +73,8 @@ def _swizzled(dtype, inner: int, role: str) -> tuple:
 
 def matmul(x, values, *, block_n: int, block_k: int, splits: int, stages: int, interpret: bool):
     """`x [rows, in] @ values.T` as f32 `[rows, out]` (8-bit values unscaled: the caller scales)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     rows, in_dim = x.shape
     out_dim = values.shape[0]
     steps = in_dim // block_k // splits

@@ -32,7 +32,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+# Pallas' Triton module is imported where a kernel is built, not here: its MLIR dialect
+# takes 0.5-0.7 s to import, which every process importing cbjax paid (a server's start, a script's --help).
 
 MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
 FORMS = ("dot", "reduce", "stream")
@@ -92,6 +94,8 @@ def matmul(x, values, scale, *, form: str, block_n: int, splits: int, block_k: i
     `values` float and `scale` None.
     `block_n` must divide `out`; `block_k` (a power of two >= 16) must be the group size, or
     with one group per row divide `in`; `splits * unroll` must divide `in / block_k`."""
+    from jax.experimental.pallas import triton as plgpu
+
     rows, in_dim = x.shape
     out_dim, groups = values.shape[0], (1 if scale is None else scale.shape[1])
     per_row = groups == 1

@@ -24,7 +24,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+# Pallas' TPU module is imported where a kernel is built, not here: its MLIR dialect
+# takes 0.2 s to import, which every process importing cbjax paid (a server's start, a script's --help).
 
 _MASKED = -1e30
 
@@ -34,6 +36,8 @@ def _kernel(kv_lens_ref, table_ref, cu_ref, first_ref, last_ref,  # scalar prefe
             o_ref,  # output block
             k_buf, v_buf, sems,  # scratch
             *, scale, block_q, group, page_size, pages_per_block, table_width, window):
+    from jax.experimental.pallas import tpu as pltpu
+
     head, block = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     block_tokens = pages_per_block * page_size
@@ -109,6 +113,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
               interpret=False, window=0):
     """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract); `interpret`: run on
     the CPU under Pallas's TPU interpreter (DMAs and semaphores simulated)."""
+    from jax.experimental.pallas import tpu as pltpu
+
     num_tokens, q_heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_indices.shape

@@ -32,7 +32,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+# Pallas' Triton module is imported where a kernel is built, not here: its MLIR dialect
+# takes 0.5-0.7 s to import, which every process importing cbjax paid (a server's start, a script's --help).
 
 _MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 _MASKED = -1e30  # finite: a row that sees nothing in a block stays finite (and is discarded)
@@ -47,6 +49,8 @@ def _load_pages(ref, pages, *, page_size: int, head_dim: int, padded_dim: int):
     """The keys (or values) of `pages` as `[pages * page_size, padded_dim]`, in the cache's
     dtype (bf16 dots on tensor cores). `ref` is one head's pool: `[num_pages, page_size,
     head_dim]`, or flat `[num_pages * page_size * head_dim]` when head_dim is padded."""
+    from jax.experimental.pallas import triton as plgpu
+
     tokens = pages.shape[0] * page_size
     if padded_dim == head_dim:
         return ref[pages].reshape(tokens, head_dim)
@@ -58,6 +62,8 @@ def _load_pages(ref, pages, *, page_size: int, head_dim: int, padded_dim: int):
 
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, q_start_ref, q_end_ref, table_ref, *refs, scale, block_q,
             pages_per_block, page_size, num_pages, head_dim, window, kv_splits):
+    from jax.experimental.pallas import triton as plgpu
+
     # 8-bit K/V come with a scale per key (`[num_pages, page_size]` each): q.k scaled per key
     # after the dot, and each probability times its value's scale before p.v, so the 8-bit
     # pages are widened but never multiplied through.
@@ -134,6 +140,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, b
     """`[T, q_heads, hd]` in q's dtype (see `reference` for the contract). `k_pages` and
     `v_pages` may be 8-bit with their scales (`kv_cache.QuantizedKV`-like: values and scale).
     `kv_splits`: programs sharing each query tile's keys (split-KV, above)."""
+    from jax.experimental.pallas import triton as plgpu
+
     scales = ()
     if hasattr(k_pages, "scale"):
         scales = tuple(p.scale.reshape(p.scale.shape[:3]) for p in (k_pages, v_pages))
