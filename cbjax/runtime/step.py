@@ -277,8 +277,8 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row).
     `verify > 0` (`steps` 1): the program of calls with speculating rows of up to `verify`
     tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py).
-    `platform`: the one the program is traced for, its branches alone (`Ops.platform`: a small
-    model's step traces in a third of the time); None: every platform's, chosen at lowering."""
+    `platform`: the one the program is traced for, its branches alone (`Ops.platform`; what it
+    saves: docs/experiments.md); None: every platform's, chosen at lowering."""
     ops = ops.on(platform)
     TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify)] += 1
     if verify:
