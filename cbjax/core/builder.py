@@ -76,7 +76,7 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if args.quantization not in ("none", "gguf") and simulate is None:
         model, owned = quantized(model, args.quantization, first_device), True
     if simulate is None and wants_fusion(args.fuse_projections, first_device.platform, args.quantization,
-                                                args.tensor_parallel if mesh is None else sharding.tp_size(mesh)):
+                                         args.tensor_parallel if mesh is None else sharding.tp_size(mesh)):
         model = dataclasses.replace(model, params=fusion.fuse_projections(model.params, release=owned))
     num_slots, num_pages = args.num_slots, args.num_pages
     if args.kv_cache_bytes is not None:  # one memory budget from which either layout sizes itself

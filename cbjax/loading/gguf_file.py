@@ -2,9 +2,9 @@
 
 The `gguf` package's `GGUFReader` builds a numpy view per metadata item: SmolLM2's 98,000
 vocabulary and merge strings take it seconds, on every start, before a weight is read. Here a
-string is one `struct.unpack_from` and one slice (docs/experiments.md has both figures). Tensors come out as
-`GGUFReader` gives them (same dtypes and shapes, views of the map), with the `gguf` package's
-own quantization types, so its dequantizers apply unchanged.
+string is one `struct.unpack_from` and one slice (docs/experiments.md has both figures).
+Tensors come out as `GGUFReader` gives them (same dtypes and shapes, views of the map), with
+the `gguf` package's own quantization types, so its dequantizers apply unchanged.
 """
 
 from __future__ import annotations
