@@ -101,6 +101,31 @@ def test_specialized_variants_draw_what_the_full_program_draws(layout):
     assert second == expected
 
 
+def test_a_cold_cpu_engine_compiles_only_the_parts_its_calls_have_needed():
+    """Where branches skip work (CPU), an engine that has not warmed up compiles, at a bucket's
+    first use, the union of the parts needed so far; its tokens and logprobs equal those of a
+    warmed engine, which runs `ALL` alone."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(3, 20, size=6)]
+    kwargs = dict(num_slots=4, max_seq_len=64, max_logprobs=4, seed=0)
+    warmed = LLM("tiny-llama", **kwargs)
+    warmed.warmup()
+    cold = LLM("tiny-llama", **kwargs)
+    assert not cold.engine.samplers.specializes
+    greedy = [SAMPLINGS[0]] * len(prompts)
+    assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)
+    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY}
+    mixed = [SAMPLINGS[0], SAMPLINGS[5], SAMPLINGS[2]]
+    assert _outputs(cold, prompts[:3], mixed) == _outputs(warmed, prompts[:3], mixed)
+    wide = Sampler.LOGPROBS | Sampler.DRAW | Sampler.SORT
+    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, wide}
+    programs = len(cold.engine.compiled.keys())
+    assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)  # the wider programs serve
+    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, wide}
+    assert len(cold.engine.compiled.keys()) >= programs
+    assert {key[-1] for key in warmed.engine.compiled.keys()} == {ALL}
+
+
 def test_background_compiles_of_a_warm_engine_end():
     llm = LLM("tiny-llama", num_slots=2, max_seq_len=32, seed=0)
     llm.engine.samplers.specializes = True  # as on a GPU

@@ -203,7 +203,7 @@ class Engine(EngineBase):
         calls = []
         for members in self.split(rows):
             call_rows = [r for _, r in members]
-            sampler = self.samplers.for_rows(call_rows) if self.samplers.specializes else ALL
+            sampler = self.samplers.for_rows(call_rows)
             verify = self.verify_positions if any(r.verify for r in call_rows) else 0
             calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps, sampler, verify),
                           [i for i, _ in members]))
@@ -247,7 +247,8 @@ class Engine(EngineBase):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
         key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"])  # program_key
-        return self.compiled.ready.get(key) or self.compiled.get(args, static, wait)
+        # Only a GPU's narrower variants compile in the background (step_programs.py).
+        return self.compiled.ready.get(key) or self.compiled.get(args, static, wait or not self.samplers.specializes)
 
     def padding_arguments(self, num_tokens: int, steps: int, sampler: Sampler = ALL,
                           masks: np.ndarray | None = None, verify: int = 0) -> tuple[tuple, dict]:

@@ -2,18 +2,24 @@
 arguments' shapes, the steps a call runs and the sampler variant (`sampling.Sampler`);
 compiled (or read from disk, runtime/executables.py) at first use, many at once at warm-up.
 
-Sampler variants: where the device skips a branch's work (CPU, TPU), every call runs the program holding every
-part of sampling (`ALL`): one program per bucket, as before. On a GPU a branch computes both
-sides (`sampling.skip_unless`), so the host, which packs every row's sampling parameters,
-picks the smallest variant that covers a call's rows. A decode row named by its slot alone
-(the overlap's calls) needs what its slot's request needs: the host keeps that per slot, set
-by the row that ends the request's prompt, and `ALL` for a slot whose state came from
-elsewhere (a swap-in, a disaggregated move) until a prompt row tells it otherwise.
+Sampler variants: the host, which packs every row's sampling parameters, knows which parts of
+sampling a call's rows need (`sampling.Sampler`). A decode row named by its slot alone (the
+overlap's calls) needs what its slot's request needs: the host keeps that per slot, set by the
+row that ends the request's prompt, and `ALL` for a slot whose state came from elsewhere (a
+swap-in, a disaggregated move) until a prompt row tells it otherwise.
 
-Bounded programs: `warmup` compiles `ALL` for every bucket (any request runs at once), then
-the all-greedy programs in the background; any other variant is compiled in the background
-the first time a call needs it, and `ALL` serves that call and every later one until it is
-ready. At most 16 variants a bucket, and only those a workload reaches.
+On a GPU a branch computes both sides (`sampling.skip_unless`), so each call runs the smallest
+variant that covers its rows: `warmup` compiles `ALL` for every bucket (any request runs at
+once), then the all-greedy programs in the background; any other variant is compiled in the
+background the first time a call needs it, and `ALL` serves that call and every later one until
+it is ready. At most 16 variants a bucket, and only those a workload reaches.
+
+On a CPU or TPU a branch skips its work at run time, so a variant saves only its compile (a
+greedy program traces, lowers and compiles in half the time of `ALL`'s: docs/engine.md). An
+engine that has not warmed up compiles, at a bucket's first use, the parts its calls have
+needed so far (a union that only grows: at most five programs a bucket, one for a workload
+whose sampling never changes); warm-up compiles `ALL` for every bucket and the engine runs
+only those from then on, as before.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class SamplerVariants:
         """`allowed`: whether the engine's step takes a sampler variant at all (a pipeline's
         last stage samples with every part)."""
         self.specializes = allowed and platform in SELECTING_PLATFORMS
+        # Where branches skip work: the parts needed so far (ALL once warm-up compiled them all).
+        self._needed = 0 if allowed and not self.specializes else int(ALL)
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
 
     @property
@@ -53,15 +61,23 @@ class SamplerVariants:
         self._slots = [0] * len(self._slots)
 
     def for_rows(self, rows) -> Sampler:
-        """The variant a call of `rows` runs (`ALL` where the platform does not specialize)."""
-        if not self.specializes:
+        """The variant a call of `rows` runs: on a GPU the smallest that covers them, elsewhere
+        every part needed so far (`ALL` after warm-up, or where the engine takes no variants)."""
+        if self._needed == ALL and not self.specializes:
             return ALL
         need, table = 0, self._slots
         for row in rows:
             if row.is_last:
                 table[row.slot] = Sampler.of(row.sampling)
             need |= table[row.slot]
-        return Sampler(need)
+        if self.specializes:
+            return Sampler(need)
+        self._needed |= need
+        return Sampler(self._needed)
+
+    def warmed_up(self) -> None:
+        """Every bucket's `ALL` program is compiled: where branches skip work, run only those."""
+        self._needed = int(ALL)
 
     def slot_replaced(self, slot: int) -> None:
         """Slot `slot`'s decode state was written whole (a sequence moved in): any variant may be needed."""

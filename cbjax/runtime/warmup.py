@@ -18,6 +18,7 @@ def warm_up(engine, only: str | None = None) -> int:
     engine.compile_programs(progs, meanwhile=lambda: _warm_small_programs(engine, only))
     if not progs:
         _warm_small_programs(engine, only)
+    engine.samplers.warmed_up()
     for sampler in engine.samplers.ahead[1:]:  # narrower variants: in the background
         for _, num_tokens, steps in (p for p in progs if p[0] == "step"):
             engine.compile_program(num_tokens, steps, sampler)
