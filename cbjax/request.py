@@ -51,6 +51,32 @@ class StructuredOutput:
             if not self.json_object else "json_object"
 
 
+class Sampler(enum.IntFlag):
+    """The parts of sampling a request needs, and a step's program holds (its static argument,
+    cbjax/runtime/sampling.py): the host, which packs every row's sampling parameters, ORs
+    them over a call's rows and picks a program that covers them (runtime/step.py). Where a
+    branch skips work on the device (CPU, TPU) one program holding them all costs nothing for
+    rows that need less; on a GPU `skip_unless` computes both sides, so a program for greedy
+    rows alone is the only way they skip the vocabulary sort (what it cost: docs/engine.md,
+    "Sampler variants")."""
+
+    DRAW = 1  # a row samples at temperature > 0
+    SORT = 2  # ... with top-k or top-p (a sort over the vocabulary)
+    PROCESS = 4  # a row has a logits processor (logit bias, min_tokens, penalties)
+    LOGPROBS = 8  # a row asks for logprobs
+
+    @classmethod
+    def of(cls, sampling) -> int:
+        """What one request's `SamplingParams` need, as plain int bits (the host ORs them per row)."""
+        draws = sampling.temperature > 0
+        return ((cls.DRAW if draws else 0) | (cls.SORT if draws and (sampling.top_k > 0 or sampling.top_p < 1) else 0)
+                | (cls.PROCESS if sampling.processes_logits else 0)
+                | (cls.LOGPROBS if sampling.logprobs is not None else 0))
+
+
+GREEDY, ALL = Sampler(0), Sampler(15)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. `temperature=0` is greedy; `top_k=0`, `top_p=1` and `min_p=0` are off

@@ -159,8 +159,8 @@ def test_files_and_classes_stay_small():
     assert too_long == []
 
 
-def test_one_request_passes_through_at_most_12_modules():
-    """A greedy `generate` of one prompt, once compiled, runs host code in at most 12 of our
+def test_one_request_passes_through_at_most_13_modules():
+    """A greedy `generate` of one prompt, once compiled, runs host code in at most 13 of our
     modules (docs/architecture.md lists them), and enters the front door once per request."""
     import sys
 
@@ -181,6 +181,6 @@ def test_one_request_passes_through_at_most_12_modules():
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         sys.setprofile(None)
-    assert len(calls) <= 12, "\n".join(sorted(calls))
+    assert len(calls) <= 13, "\n".join(sorted(calls))
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert all(path in doc for path in calls), [p for p in calls if p not in doc]

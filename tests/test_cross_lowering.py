@@ -200,7 +200,7 @@ def test_speculations_verify_programs_lower_for_cuda_and_tpu():
     """An engine that speculates (num_speculative_tokens=3): its verify programs, at SmolLM2's
     shape in bf16, lower for both platforms with the kernels and no data-dependent control flow
     on cuda; the all-greedy variant's sample at every position sorts nothing."""
-    from cbjax.runtime.sampling import ALL, GREEDY
+    from cbjax.request import ALL, GREEDY
 
     model = abstract_model(SHAPES["smollm2-135m"], jnp.bfloat16)
     engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", page_size=16,

@@ -16,7 +16,7 @@ from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.lowering import lower_programs
-from cbjax.runtime.sampling import ALL
+from cbjax.request import ALL
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 
 PROMPTS = [[3, 17, 25, 9, 4, 11], [5, 6, 7], list(range(20, 41))]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from cbjax import LLM, SamplingParams
+from cbjax.request import ALL, GREEDY, Sampler
 from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.lowering import lower_programs
 from cbjax.runtime.step_programs import SamplerVariants
-from cbjax.runtime.sampling import ALL, GREEDY, Sampler
 from cbjax.scheduling.plan import Row
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 
@@ -101,27 +101,28 @@ def test_specialized_variants_draw_what_the_full_program_draws(layout):
     assert second == expected
 
 
-def test_a_cold_cpu_engine_compiles_only_the_parts_its_calls_have_needed():
-    """Where branches skip work (CPU), an engine that has not warmed up compiles, at a bucket's
-    first use, the union of the parts needed so far; its tokens and logprobs equal those of a
-    warmed engine, which runs `ALL` alone."""
+def test_a_cold_cpu_engine_runs_greedy_programs_until_a_call_needs_more():
+    """Where branches skip work (CPU), an engine that has not warmed up runs the greedy programs
+    while its calls are greedy (a swapped-out greedy request comes back greedy), then `ALL`;
+    its tokens and logprobs equal those of a warmed engine, which runs `ALL` alone."""
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(3, 20, size=6)]
     kwargs = dict(num_slots=4, max_seq_len=64, max_logprobs=4, seed=0)
     warmed = LLM("tiny-llama", **kwargs)
     warmed.warmup()
-    cold = LLM("tiny-llama", **kwargs)
+    cold = LLM("tiny-llama", kv_cache="paged", page_size=8, num_pages=12, preemption_mode="swap",
+               host_kv_cache_bytes=1 << 24, **kwargs)
     assert not cold.engine.samplers.specializes
-    greedy = [SAMPLINGS[0]] * len(prompts)
+    greedy = [SamplingParams(max_tokens=30, ignore_eos=True)] * len(prompts)
     assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)
+    assert cold.scheduler.host.stats.swaps_in > 0  # swapped out and back in
     assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY}
     mixed = [SAMPLINGS[0], SAMPLINGS[5], SAMPLINGS[2]]
     assert _outputs(cold, prompts[:3], mixed) == _outputs(warmed, prompts[:3], mixed)
-    wide = Sampler.LOGPROBS | Sampler.DRAW | Sampler.SORT
-    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, wide}
+    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, ALL}
     programs = len(cold.engine.compiled.keys())
-    assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)  # the wider programs serve
-    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, wide}
+    assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)  # ALL serves from now on
+    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, ALL}
     assert len(cold.engine.compiled.keys()) >= programs
     assert {key[-1] for key in warmed.engine.compiled.keys()} == {ALL}
 

@@ -23,10 +23,9 @@ import numpy as np
 
 from cbjax.models.fusion import is_fused
 from cbjax.models.kv_cache import PagedCache, SlotCache
-from cbjax.request import SamplingParams
+from cbjax.request import ALL, SamplingParams, Sampler
 from cbjax.runtime import kernel_tuning, programs, sharding, step
 from cbjax.runtime.cpu import kernels as cpu_kernels
-from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_choices import choose_attention, kv_dtype
 from cbjax.runtime.engine_ops import engine_ops

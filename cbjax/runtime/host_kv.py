@@ -64,6 +64,7 @@ def swap_length(engine, length: int) -> int:
 class HostKV:
     def __init__(self):
         self.sequences: dict[object, kv_transfer.SequenceKV] = {}
+        self._needs: dict[object, int] = {}  # key -> the sampling its request needs (SamplerVariants.of_slot)
         self.pages: dict[int, tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]] = {}  # key -> (k, v)
 
     @property
@@ -112,6 +113,7 @@ class HostKV:
         if host is not None:
             seq = jax.device_put(seq, jax.tree.map(lambda _: host, seq))  # queued behind the gather
         self.sequences[op.key] = seq
+        self._needs[op.key] = engine.samplers.of_slot(op.slot)
 
     def _seq_in(self, engine, ops) -> None:
         (op,) = ops
@@ -122,10 +124,11 @@ class HostKV:
             seq = jax.device_put(seq, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), seq))
         # Its slot was deactivated when it was preempted (before the gather): it decodes on.
         seq = dataclasses.replace(seq, state=dataclasses.replace(seq.state, active=np.ones((1,), bool)))
-        kv_transfer.insert_sequence(engine, seq, op.slot, op.pages and list(op.pages))
+        kv_transfer.insert_sequence(engine, seq, op.slot, op.pages and list(op.pages), self._needs.pop(op.key))
 
     def _seq_drop(self, engine, ops) -> None:
         del self.sequences[ops[0].key]
+        del self._needs[ops[0].key]
 
     # ---------------------------------------------------------- prefix pages
     def _page_out(self, engine, ops) -> None:

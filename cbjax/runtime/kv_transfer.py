@@ -19,6 +19,7 @@ import functools
 import jax
 import numpy as np
 
+from cbjax.request import ALL
 from cbjax.runtime import sharding
 from cbjax.runtime.device_state import TRACE_COUNTS
 
@@ -95,8 +96,9 @@ def move(seq: SequenceKV, engine) -> SequenceKV:
                       seq.length)
 
 
-def insert_sequence(engine, seq: SequenceKV, slot: int, pages: list[int] | None) -> None:
-    """Write `seq` (already at `engine`'s shardings) into slot `slot` (paged: into `pages`)."""
+def insert_sequence(engine, seq: SequenceKV, slot: int, pages: list[int] | None, need: int = ALL) -> None:
+    """Write `seq` (already at `engine`'s shardings) into slot `slot` (paged: into `pages`);
+    `need`: the sampling its request needs (`SamplerVariants.of_slot`), when the caller kept it."""
     padded = seq.k[0].shape[1]
     cache = engine.cache
     page_size, fill = cache.transfer_unit(padded), cache.no_page
@@ -106,4 +108,4 @@ def insert_sequence(engine, seq: SequenceKV, slot: int, pages: list[int] | None)
     engine.cache, engine.state = _scatter(engine.cache, engine.state, seq.k, seq.v, seq.state,
                                           engine.put(np.int32(slot)), engine.put(table),
                                           engine.put(np.int32(seq.length)))
-    engine.samplers.slot_replaced(slot)
+    engine.samplers.slot_replaced(slot, need)

@@ -8,7 +8,7 @@ import contextlib
 
 import jax
 
-from cbjax.runtime.sampling import ALL
+from cbjax.request import ALL
 from cbjax.runtime.step import ragged_step
 
 

@@ -8,37 +8,11 @@ seeded request samples the same tokens whatever batch or slot it lands in.
 
 from __future__ import annotations
 
-import enum
-
 import jax
 import jax.numpy as jnp
 
 from cbjax.models.ops import XLA, Ops
-
-
-class Sampler(enum.IntFlag):
-    """The parts of sampling a step's program holds (a static argument): the host, which packs
-    every row's sampling parameters, picks the smallest that covers the call's rows. Where a
-    branch skips work on the device (CPU, TPU) one program holding them all costs nothing for
-    rows that need less; on a GPU `skip_unless` computes both sides, so a program for greedy
-    rows alone is the only way they skip the vocabulary sort (what it cost: docs/engine.md,
-    "Sampler variants")."""
-
-    DRAW = 1  # a row samples at temperature > 0
-    SORT = 2  # ... with top-k or top-p (a sort over the vocabulary)
-    PROCESS = 4  # a row has a logits processor (logit bias, min_tokens, penalties)
-    LOGPROBS = 8  # a row asks for logprobs
-
-    @classmethod
-    def of(cls, sampling) -> int:
-        """What one request's `SamplingParams` need, as plain int bits (the host ORs them per row)."""
-        draws = sampling.temperature > 0
-        return ((cls.DRAW if draws else 0) | (cls.SORT if draws and (sampling.top_k > 0 or sampling.top_p < 1) else 0)
-                | (cls.PROCESS if sampling.processes_logits else 0)
-                | (cls.LOGPROBS if sampling.logprobs is not None else 0))
-
-
-GREEDY, ALL = Sampler(0), Sampler(15)
+from cbjax.request import ALL, Sampler
 
 
 # Where a conditional's predicate is read on the host, so `skip_unless` selects.

@@ -35,12 +35,11 @@ from cbjax import grammar
 from cbjax.checks import FieldError
 from cbjax.models import forward
 from cbjax.models.ops import XLA
-from cbjax.request import SamplingParams
+from cbjax.request import ALL, SamplingParams, Sampler
 from cbjax.runtime.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
                                         PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, TRACE_COUNTS)
 from cbjax.runtime import speculative
 from cbjax.runtime.packed import HEADER, Resolved, resolve
-from cbjax.runtime.sampling import ALL, Sampler
 from cbjax.scheduling.plan import Row
 
 

@@ -16,10 +16,9 @@ it is ready. At most 16 variants a bucket, and only those a workload reaches.
 
 On a CPU or TPU a branch skips its work at run time, so a variant saves only its compile (a
 greedy program traces, lowers and compiles in half the time of `ALL`'s: docs/engine.md). An
-engine that has not warmed up compiles, at a bucket's first use, the parts its calls have
-needed so far (a union that only grows: at most five programs a bucket, one for a workload
-whose sampling never changes); warm-up compiles `ALL` for every bucket and the engine runs
-only those from then on, as before.
+engine that has not warmed up runs the greedy programs while every call it has run was greedy,
+and `ALL` from the first call that needs anything more (at most two programs a bucket);
+warm-up compiles `ALL` for every bucket and the engine runs only those from then on, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ import threading
 import jax
 
 from cbjax.runtime import executables, step
-from cbjax.runtime.sampling import ALL, GREEDY, SELECTING_PLATFORMS, Sampler
+from cbjax.request import ALL, GREEDY, Sampler
+from cbjax.runtime.sampling import SELECTING_PLATFORMS
 from cbjax.runtime.step import ragged_step
 
 
@@ -47,7 +47,7 @@ class SamplerVariants:
         """`allowed`: whether the engine's step takes a sampler variant at all (a pipeline's
         last stage samples with every part)."""
         self.specializes = allowed and platform in SELECTING_PLATFORMS
-        # Where branches skip work: the parts needed so far (ALL once warm-up compiled them all).
+        # Where branches skip work: GREEDY until a call needs more (or warm-up compiled ALL), then ALL.
         self._needed = 0 if allowed and not self.specializes else int(ALL)
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
 
@@ -61,8 +61,9 @@ class SamplerVariants:
         self._slots = [0] * len(self._slots)
 
     def for_rows(self, rows) -> Sampler:
-        """The variant a call of `rows` runs: on a GPU the smallest that covers them, elsewhere
-        every part needed so far (`ALL` after warm-up, or where the engine takes no variants)."""
+        """The variant a call of `rows` runs: on a GPU the smallest that covers them; elsewhere
+        `GREEDY` while every call so far was greedy, else `ALL` (after warm-up, or where the
+        engine takes no variants: always `ALL`)."""
         if self._needed == ALL and not self.specializes:
             return ALL
         need, table = 0, self._slots
@@ -72,16 +73,22 @@ class SamplerVariants:
             need |= table[row.slot]
         if self.specializes:
             return Sampler(need)
-        self._needed |= need
+        if need:
+            self._needed = int(ALL)
         return Sampler(self._needed)
 
     def warmed_up(self) -> None:
         """Every bucket's `ALL` program is compiled: where branches skip work, run only those."""
         self._needed = int(ALL)
 
-    def slot_replaced(self, slot: int) -> None:
-        """Slot `slot`'s decode state was written whole (a sequence moved in): any variant may be needed."""
-        self._slots[slot] = int(ALL)
+    def slot_replaced(self, slot: int, need: int = ALL) -> None:
+        """Slot `slot`'s decode state was written whole (a sequence moved in): `need`, what its
+        request needs (`of_slot` where it left, when the host kept it), else any variant."""
+        self._slots[slot] = int(need)
+
+    def of_slot(self, slot: int) -> int:
+        """What slot `slot`'s request needs (bits of Sampler), kept for it to move back in with."""
+        return self._slots[slot]
 
 
 def program_key(args: tuple, static: dict) -> tuple:
