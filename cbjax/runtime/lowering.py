@@ -22,14 +22,16 @@ def lowering_target(platform: str):
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
 
 
-def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = None) -> dict[tuple, dict]:
-    """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles, traced here
-    and lowered for each of `platforms` ("cuda", "tpu") without the device (the Pallas kernels'
-    Triton and Mosaic lowering rules run; only the final compile needs it). Params may be shapes.
-    `samplers`: lower each program for each of these sampler variants, keyed `(*program, sampler)`;
-    None: the variant every call can run, keyed by the program alone."""
+def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = None,
+                   programs: list[tuple] | None = None) -> dict[tuple, dict]:
+    """`{program: {platform: jax Lowered}}`: every program `engine.warmup` compiles (or those of
+    `programs`, of `engine.programs()`), traced here and lowered for each of `platforms`
+    ("cuda", "tpu") without the device (the Pallas kernels' Triton and Mosaic lowering rules
+    run; only the final compile needs it). Params may be shapes. `samplers`: lower each program
+    for each of these sampler variants, keyed `(*program, sampler)`; None: the variant every
+    call can run, keyed by the program alone."""
     out = {}
-    for prog in engine.programs():
+    for prog in engine.programs() if programs is None else programs:
         for sampler in samplers or (ALL,):
             args, static = engine.padding_arguments(prog[1], prog[2], sampler,
                                                     verify=engine.verify_positions if prog[0] == "verify" else 0)
