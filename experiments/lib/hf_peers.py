@@ -49,7 +49,13 @@ def peer_cache_config(prompts: list[list[int]], budgets: list[int], max_batch: i
 
 def load_peer(spec: str):
     """A transformers model for a GGUF file, a Hugging Face directory or the smollm2 preset;
-    None for random-init presets (no transformers twin)."""
+    None for random-init presets (no transformers twin: PyTorch is not even imported, 3-5 s)."""
+    from cbjax.loading.presets import PRESETS, smollm2_gguf_path
+
+    if spec == "smollm2-135m":
+        spec = smollm2_gguf_path()
+    elif spec in PRESETS:
+        return None
     try:
         import torch
         import transformers
@@ -57,12 +63,6 @@ def load_peer(spec: str):
         print(f"transformers peers need PyTorch (pip install 'cbjax[peers]'): {e}")
         return None
 
-    from cbjax.loading.presets import PRESETS, smollm2_gguf_path
-
-    if spec == "smollm2-135m":
-        spec = smollm2_gguf_path()
-    elif spec in PRESETS:
-        return None
     configure_torch()
     if spec.endswith(".gguf"):
         return transformers.AutoModelForCausalLM.from_pretrained(
