@@ -309,3 +309,12 @@ def test_a_request_admitted_in_a_round_gets_its_first_token_in_that_round(overla
     # its first token (and, prefill_first, the same round's decode token) is out now
     assert late in outputs and len(outputs[late].new_token_ids) >= 1
     llm.run_until_done()
+
+
+def test_token_buckets_stop_at_what_one_round_can_hold():
+    """A round holds at most a row per slot, none longer than max_seq_len: a bucket past
+    num_slots * max_seq_len would be a program warm-up compiles and no call runs."""
+    small = LLM("tiny-llama", num_slots=2, max_seq_len=32)
+    assert small.engine.token_buckets() == [1, 2, 4, 8, 16, 32, 64]
+    assert LLM("tiny-llama", num_slots=3, max_seq_len=32).engine.token_buckets()[-1] == 128  # holds 96
+    assert LLM("tiny-llama", num_slots=8, max_seq_len=128).engine.token_buckets()[-1] == 512  # the CPU's budget

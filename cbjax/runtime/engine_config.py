@@ -138,9 +138,11 @@ class EngineConfig:
             self.num_pages = checks.integer("num_pages", self.num_pages, 1)
 
     def step_tokens(self, platform: str) -> int:
-        """The step's token budget on `platform` ("cpu" or anything else; see `max_step_tokens`)."""
+        """The step's token budget on `platform` ("cpu" or anything else; see `max_step_tokens`),
+        never more than one round can hold (a row per slot, none longer than `max_seq_len`):
+        larger buckets would be programs that warm-up compiles and no call runs."""
         default = DEFAULT_STEP_TOKENS["cpu" if platform == "cpu" else "accelerator"]
-        return self.max_step_tokens or self.max_num_batched_tokens or default
+        return min(self.max_step_tokens or self.max_num_batched_tokens or default, self.num_slots * self.max_seq_len)
 
     def smallest_step(self, platform: str) -> int:
         """The smallest token bucket on `platform` (see `min_step_tokens`)."""
