@@ -500,7 +500,8 @@ def test_bench_startup_times_a_cold_and_a_cached_launch(tmp_path):
     run_script("bench_startup.py", "--model=tiny-llama", "--num_slots=2", "--max_seq_len=64",
                f"--compilation_cache={tmp_path / 'cache'}", f"--output_json={out}")
     launches = json.loads(out.read_text())["launches"]
-    assert len(launches) == 2 and all(run["health_s"] > 0 and run["programs"] == 10 for run in launches)
+    # buckets 1 ... 128 tokens: two slots of 64 hold no more
+    assert len(launches) == 2 and all(run["health_s"] > 0 and run["programs"] == 8 for run in launches)
     assert any((tmp_path / "cache").iterdir()), "the first launch left its programs in the cache"
 
 
