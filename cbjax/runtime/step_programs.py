@@ -1,9 +1,9 @@
 """The compiled step programs an engine runs, and which one each call runs: keyed by the
-arguments' shapes, the steps a call runs and the sampler variant (`sampling.Sampler`);
+arguments' shapes, the steps a call runs and the sampler variant (`request.Sampler`);
 compiled (or read from disk, runtime/executables.py) at first use, many at once at warm-up.
 
 Sampler variants: the host, which packs every row's sampling parameters, knows which parts of
-sampling a call's rows need (`sampling.Sampler`). A decode row named by its slot alone (the
+sampling a call's rows need (`request.Sampler`). A decode row named by its slot alone (the
 overlap's calls) needs what its slot's request needs: the host keeps that per slot, set by the
 row that ends the request's prompt, and `ALL` for a slot whose state came from elsewhere (a
 swap-in, a disaggregated move) until a prompt row tells it otherwise.
@@ -48,7 +48,7 @@ class SamplerVariants:
         last stage samples with every part)."""
         self.specializes = allowed and platform in SELECTING_PLATFORMS
         # Where branches skip work: GREEDY until a call needs more (or warm-up compiled ALL), then ALL.
-        self._needed = 0 if allowed and not self.specializes else int(ALL)
+        self._greedy_only = allowed and not self.specializes
         self._slots = [int(ALL)] * num_slots  # what each slot's request needs (bits of Sampler)
 
     @property
@@ -64,7 +64,7 @@ class SamplerVariants:
         """The variant a call of `rows` runs: on a GPU the smallest that covers them; elsewhere
         `GREEDY` while every call so far was greedy, else `ALL` (after warm-up, or where the
         engine takes no variants: always `ALL`)."""
-        if self._needed == ALL and not self.specializes:
+        if not (self.specializes or self._greedy_only):
             return ALL
         need, table = 0, self._slots
         for row in rows:
@@ -73,13 +73,12 @@ class SamplerVariants:
             need |= table[row.slot]
         if self.specializes:
             return Sampler(need)
-        if need:
-            self._needed = int(ALL)
-        return Sampler(self._needed)
+        self._greedy_only = not need
+        return GREEDY if self._greedy_only else ALL
 
     def warmed_up(self) -> None:
         """Every bucket's `ALL` program is compiled: where branches skip work, run only those."""
-        self._needed = int(ALL)
+        self._greedy_only = False
 
     def slot_replaced(self, slot: int, need: int = ALL) -> None:
         """Slot `slot`'s decode state was written whole (a sequence moved in): `need`, what its
