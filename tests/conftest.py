@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from cbjax.parallel.distributed import expose_host_devices
-from cbjax.runtime import executables
+from cbjax.runtime import engine_config, executables
 
 # JAX's persistent compilation cache, shared by the test processes (pytest-xdist workers)
 # and the experiment scripts they start: the suite compiles the same tiny-model programs
@@ -41,6 +41,14 @@ if jax.__version__.startswith("0.10."):
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# A CPU engine's smallest token bucket is 1 (engine_config.DEFAULT_MIN_STEP_TOKENS: on a CPU a
+# decode step's time grows with its rows), so a 4-slot engine's decodes compile three programs
+# (1, 2 and 4 rows) where one of 8 tokens would do: they were 46% of the step programs of the
+# engine-heavy test files. The suite checks tokens, not speed: its CPU engines start at 8 unless
+# a test sets `min_step_tokens` (the tests of the buckets themselves do).
+SUITE_MIN_STEP_TOKENS = 8
+engine_config.DEFAULT_MIN_STEP_TOKENS["cpu"] = SUITE_MIN_STEP_TOKENS
 
 # Eight CPU devices for the scale-out tests (tensor parallel, replicas, pipeline stages); set
 # before JAX starts its backend (importing it does not). Everything else runs on device 0.

@@ -26,8 +26,9 @@ def random_prompt(rng, n, vocab=512):
 def test_no_recompilation_after_warmup_over_200_random_requests():
     llm = LLM("tiny-llama", num_slots=8, max_seq_len=MAX_SEQ_LEN, refill_interval=2)
     num_programs = llm.engine.warmup()
-    # One step per token bucket: 1, 2, 4, ... up to the step budget (512 on a CPU).
-    assert num_programs == len(llm.engine.programs()) == 10
+    # One step per token bucket: 8, 16, ... up to the step budget (512 on a CPU; the suite's
+    # smallest bucket is 8, conftest.py).
+    assert num_programs == len(llm.engine.programs()) == 7
     compiled = sum(TRACE_COUNTS.values())
     rng = np.random.default_rng(0)
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 100, size=200)]
@@ -314,7 +315,7 @@ def test_a_request_admitted_in_a_round_gets_its_first_token_in_that_round(overla
 def test_token_buckets_stop_at_what_one_round_can_hold():
     """A round holds at most a row per slot, none longer than max_seq_len: a bucket past
     num_slots * max_seq_len would be a program warm-up compiles and no call runs."""
-    small = LLM("tiny-llama", num_slots=2, max_seq_len=32)
+    small = LLM("tiny-llama", num_slots=2, max_seq_len=32, min_step_tokens=1)
     assert small.engine.token_buckets() == [1, 2, 4, 8, 16, 32, 64]
     assert LLM("tiny-llama", num_slots=3, max_seq_len=32).engine.token_buckets()[-1] == 128  # holds 96
     assert LLM("tiny-llama", num_slots=8, max_seq_len=128).engine.token_buckets()[-1] == 512  # the CPU's budget

@@ -78,7 +78,7 @@ def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
         sizes = sorted(sizes + [s * 3 // 2 for s in sizes if s >= options["prefill_floor"]])
         sizes = sizes[:next(i for i, s in enumerate(sizes) if s >= budget) + 1]
         assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 48]
-    sizes = [s for s in sizes if s >= options.get("min_step_tokens", 1)]
+    sizes = [s for s in sizes if s >= llm.engine.config.smallest_step(llm.engine.platform)]
     assert [p[1] for p in llm.engine.programs() if p[2] == 1] == sizes
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)
@@ -100,7 +100,7 @@ def test_decode_only_steps_cost_the_active_rows_not_the_slots():
     shapes = []
     for slots in (2, 64):
         llm = LLM("tiny-llama", num_slots=slots, max_seq_len=MAX_SEQ_LEN, merge_mode="chunked",
-                  max_num_batched_tokens=2 * slots + 8)
+                  max_num_batched_tokens=2 * slots + 8, min_step_tokens=1)
         calls = []
         step = llm.engine._step
         llm.engine._step = lambda packed, steps, *sampler: calls.append((packed[0].shape, packed[1].shape)) \
