@@ -22,6 +22,7 @@ from cbjax.models.params import flatten_shapes, param_shapes, unflatten
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.lowering import lower_programs
 from cbjax.runtime.engine_config import EngineConfig
+from tests.tiers import sweep
 
 LLAMA3_8B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position_embeddings=8192,
@@ -120,7 +121,8 @@ CASES = [(shape, "f32", "paged") for shape in ("tiny-llama", "smollm2-135m", "ll
 CASES += [(shape, "bf16", layout) for shape in sorted(SHAPES) for layout in ("paged", "slots")]
 
 
-@pytest.mark.parametrize("shape, dtype, layout", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("shape, dtype, layout", sweep(CASES, quick=[c for c in CASES if c[0] != "tiny-llama" or c[1] == "f32"],
+                                                       ids=["-".join(c) for c in CASES]))
 def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype, layout):
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
     model = abstract_model(SHAPES[shape], dtype)

@@ -12,6 +12,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.runtime import kv_transfer
 from tests.test_scale_out import MAX_TOKENS, gqa  # noqa: F401 (the shared fixture)
+from tests.tiers import slow, sweep
 
 OPTIONS = dict(num_slots=4, max_seq_len=64, page_size=8)
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS)
@@ -68,8 +69,9 @@ def _run_in_random_order(llm, prompts, seed: int) -> dict[str, list[int]]:
     return {ids[rid]: o.token_ids for rid, o in outputs.items()}
 
 
-@pytest.mark.parametrize("split,kv_cache", [((1, 2, 1, 2), "slots"), ((1, 1, 3, 1), "paged"),
-                                            ((2, 1, 1, 2), "paged"), ((1, 2, 2, 1), "slots")])
+@pytest.mark.parametrize("split,kv_cache", sweep([((1, 2, 1, 2), "slots"), ((1, 1, 3, 1), "paged"),
+                                                  ((2, 1, 1, 2), "paged"), ((1, 2, 2, 1), "slots")],
+                                                 quick={((1, 1, 3, 1), "paged"), ((1, 2, 2, 1), "slots")}))
 def test_disaggregated_greedy_equals_transformers(gqa, monkeypatch, split, kv_cache):  # noqa: F811
     """(prefill instances, devices each, decode instances, devices each)."""
     model, _, prompts, expected = gqa
@@ -205,6 +207,7 @@ def disaggregation_cost(llm):
 
 
 @pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+@slow
 def test_prefill_and_decode_in_two_processes(gqa, kv_cache):  # noqa: F811
     """Prefill in one process, decode in the other (2 host devices each, tensor parallel
     inside): the KV crosses through JAX's transfer server and outputs equal transformers'."""

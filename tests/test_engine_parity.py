@@ -11,6 +11,7 @@ import torch
 from cbjax import LLM, SamplingParams
 from cbjax.loading import load_hf_dir
 from tests.hf_models import make_hf_model, save_hf_model
+from tests.tiers import slow, sweep
 
 MAX_SEQ_LEN = 64
 NUM_PROMPTS = 20
@@ -80,7 +81,7 @@ def hf_greedy(hf, prompt, max_tokens):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=sweep(["llama", "qwen3"], quick={"llama"}))
 def setup(request, tmp_path_factory):
     return _setup(request.param, tmp_path_factory)
 
@@ -137,6 +138,7 @@ def test_online_random_order_matches_transformers(setup, name):
             assert sum(o.metrics.num_preemptions for o in outputs) == llm.scheduler.num_preemptions
 
 
+@slow
 def test_the_tpu_kernel_through_the_engine_matches_transformers(llama_setup):
     """The Mosaic TPU kernel's body, under Pallas's TPU interpreter (slow: one family, one mode),
     as the engine's attention: the engine's own ragged batches (padding rows, finished decode
@@ -192,8 +194,8 @@ def test_prefix_cache_shares_a_system_prompt_and_keeps_outputs(setup):
 KERNEL_FAMILIES = ["llama-hd80", "qwen3-hd96", "mistral", "qwen2-window"]
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+@pytest.mark.parametrize("family,layout", sweep([(f, layout) for f in KERNEL_FAMILIES for layout in ("slots", "paged")],
+                                               quick={("mistral", "slots"), ("llama-hd80", "paged")}))
 def test_the_kernel_matches_transformers_on_any_head_dim_and_window(family, layout, tmp_path):
     """Greedy tokens with the Pallas kernel as the engine's attention (interpret mode here)
     equal transformers' for models the kernel once refused: chunks cut at odd offsets beside

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,6 +56,7 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
     assert column["rows"]["continuous-int8kv"]["slots"] == slots["int8"]
 
 
+@slow
 def test_latency_sweep_and_ablate_write_results(tmp_path):
     small = ("--num_requests=6", "--num_slots=2", "--max_seq_len=64", "--prompt_high=32", "--output_cap=24")
     run_script("latency_sweep.py", "--model=tiny-llama", "--qps=50", "--policies=static,continuous", *small,
@@ -70,6 +72,7 @@ def test_latency_sweep_and_ablate_write_results(tmp_path):
     assert (tmp_path / "ablate_refill_interval.png").stat().st_size > 0
 
 
+@slow
 def test_speculation_study_writes_its_table(tmp_path):
     run_script("speculation.py", "--model=tiny-llama", "--workloads=synthetic", "--batch_sizes=2", "--ks=2",
                "--max_tokens=24", "--max_seq_len=64", "--requests_per_slot=1", f"--output_dir={tmp_path}")
@@ -102,6 +105,7 @@ def test_static_bound():
     assert fcfs_bound([8, 8, 8, 8], 2) == pytest.approx(1.0)
 
 
+@slow
 def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
     out = tmp_path / "bench.json"
     run_script("bench_paged_attention.py", "--interpret", "--batch_sizes=2", "--context_lens=64", "--page_sizes=16",
@@ -112,6 +116,7 @@ def test_paged_attention_benchmark_smoke_in_interpret_mode(tmp_path):
     assert all("us" in r[n] for r in rows for n in ("ours", "xla_reference", "dense"))
 
 
+@slow
 def test_bench_device_tiny_runs_every_section(tmp_path):
     """The device benchmark's tiny mode on this CPU: every section reports (the kernels
     interpreted, matching their reference; every engine timed at each batch; the peer run in
@@ -249,6 +254,7 @@ def test_compare_batching_table_columns_line_up():
     assert any(line.startswith("continuous-paged mean running ") for line in lines)
 
 
+@slow
 def test_transformers_peers_threads_and_bounded_cache(monkeypatch):
     """The peers run with one thread per core and a generate_batch cache sized to the batch
     (transformers' default takes most of the free memory), and the bounded cache gives the
@@ -274,6 +280,7 @@ def test_transformers_peers_threads_and_bounded_cache(monkeypatch):
     assert bounded == reference and [len(t) for t in bounded] == budgets
 
 
+@slow
 def test_eval_perplexity_writes_json_and_png(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
@@ -305,6 +312,7 @@ def test_find_capacity_brackets_then_bisects():
     assert find_capacity(lambda q: True, start=1.0, low=0.1, high=8.0, steps=3) == (8.0, [1.0, 2.0, 4.0, 8.0])
 
 
+@slow
 def test_capacity_simulated_writes_table_json_and_plot(tmp_path):
     run_script("capacity.py", "--simulate=a100-80gb", "--model=llama3.2-1b", "--dtype=bfloat16", "--kv_cache=paged",
                "--attention=pallas", "--num_slots=8", "--max_seq_len=1024", "--slo_batch=4", "--slo_context=256",
@@ -322,6 +330,7 @@ def test_capacity_simulated_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "capacity.png").stat().st_size > 0
 
 
+@slow
 def test_merge_modes_writes_table_json_and_plot(tmp_path):
     run_script("merge_modes.py", "--model=tiny-llama", "--num_decoders=2", "--decoder_output_len=12", "--num_long=2",
                "--long_prompt_len=30", "--long_output_len=3", "--long_qps=50", "--long_start_s=0.02",
@@ -334,6 +343,7 @@ def test_merge_modes_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "merge_modes.png").stat().st_size > 0
 
 
+@slow
 def test_bench_decode_slots_smoke(tmp_path):
     out = tmp_path / "slots.json"
     run_script("bench_decode_slots.py", "--model=tiny-llama", "--slots=2,8", "--steps=3", "--repeats=1",
@@ -342,6 +352,7 @@ def test_bench_decode_slots_smoke(tmp_path):
     assert set(result["seconds_per_step"]) == {"prefill_first", "chunked"}
 
 
+@slow
 def test_serve_bench_against_a_started_server(tmp_path):
     run_script("serve_bench.py", "--model=tiny-llama", "--qps=40", "--num_requests=6", "--prompt_high=20",
                "--output_cap=6", "--max_seq_len=64", "--num_slots=4", f"--output_dir={tmp_path}")
@@ -399,6 +410,7 @@ class _FakePeer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+@slow
 def test_serve_bench_against_a_peer_interleaves_repeats(tmp_path):
     peer = _FakePeer()
     try:
@@ -422,6 +434,7 @@ def test_serve_bench_against_a_peer_interleaves_repeats(tmp_path):
     assert result["ratios"] == {}  # no in-process side
 
 
+@slow
 def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     run_script("pipeline_bubbles.py", "--micro_batches=1,2", "--decode_steps=2", "--policies=continuous",
                "--num_requests=6", "--num_slots=4", "--max_seq_len=128", "--output_cap=16", f"--output_dir={tmp_path}")
@@ -438,6 +451,7 @@ def test_pipeline_bubbles_and_scale_out_write_results(tmp_path):
     assert all(0 <= r["prefix_hit_rate"] <= 1 and r["output_throughput"] > 0 for r in runs)
 
 
+@slow
 def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
     # A stand-in for llama-batched-bench that prints its table, so the parsing is tested without llama.cpp.
     fake = tmp_path / "llama-batched-bench"
@@ -475,6 +489,7 @@ def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
             assert ours[f"{prefix}throughput_vs_llama_cpp"] == pytest.approx(np.median(ratios))
 
 
+@slow
 def test_bench_overlap_reports_both_settings_with_equal_tokens(tmp_path):
     out = tmp_path / "overlap.json"
     run_script("bench_overlap.py", "--model=tiny-llama", "--sequences=2,4", "--prompt_len=4", "--new_tokens=6",
@@ -486,6 +501,7 @@ def test_bench_overlap_reports_both_settings_with_equal_tokens(tmp_path):
         assert r["round_ms_off"] > 0 and r["round_ms_on"] > 0 and r["device_ms_on"] > 0
 
 
+@slow
 def test_bench_layer_loop_times_both_loops(tmp_path):
     out = tmp_path / "layer_loop.json"
     run_script("bench_layer_loop.py", "--model=tiny-llama", "--tokens=1,4", "--repeats=1", f"--output_json={out}")
@@ -495,6 +511,7 @@ def test_bench_layer_loop_times_both_loops(tmp_path):
                                                    "scanned_run_ms"))
 
 
+@slow
 def test_bench_startup_times_a_cold_and_a_cached_launch(tmp_path):
     out = tmp_path / "startup.json"
     run_script("bench_startup.py", "--model=tiny-llama", "--num_slots=2", "--max_seq_len=64",
@@ -505,6 +522,7 @@ def test_bench_startup_times_a_cold_and_a_cached_launch(tmp_path):
     assert any((tmp_path / "cache").iterdir()), "the first launch left its programs in the cache"
 
 
+@slow
 def test_host_tier_studies_write_their_tables(tmp_path):
     """multi_turn: Mooncake conversations scaled to the tiny model, each row measured and predicted
     by a cost model profiled on the spot; swap_vs_recompute: one page size measured and simulated."""

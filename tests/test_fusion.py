@@ -18,6 +18,7 @@ from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.lowering import lower_programs
 from cbjax.request import ALL
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
+from tests.tiers import sweep
 
 PROMPTS = [[3, 17, 25, 9, 4, 11], [5, 6, 7], list(range(20, 41))]
 
@@ -28,14 +29,14 @@ def _outputs(llm: LLM) -> list:
     return llm.generate(PROMPTS, [greedy, sampled, greedy], use_tqdm=False)
 
 
-@pytest.mark.parametrize("model, options", [
+@pytest.mark.parametrize("model, options", sweep([
     ("tiny-llama", dict(kv_cache="paged", page_size=16)),
     ("tiny-qwen2", {}),  # q/k/v biases
     ("tiny-qwen3", {}),  # q/k norms after the split
     ("tiny-gpt2", {}),  # fused q/k/v; an ungated MLP stays as it is
     # int8 values and scales fused alike, through the Pallas decode matmul (interpreted here) as on a GPU
     ("tiny-mistral", dict(quantization="int8", quantized_matmul="pallas", max_step_tokens=16)),
-])
+], quick=[("tiny-llama", dict(kv_cache="paged", page_size=16))]))
 def test_fused_engines_decode_the_unfused_tokens(model, options):
     plain = LLM(model, num_slots=3, max_seq_len=64, fuse_projections="off", **options)
     fused = LLM(model, num_slots=3, max_seq_len=64, fuse_projections="on", **options)

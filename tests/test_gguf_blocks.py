@@ -17,6 +17,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.models import quant
 from cbjax.models.gguf_blocks import BLOCK_TYPES, GGUFWeight, check_kind, dequantize_rows
+from tests.tiers import slow
 
 presets = pytest.importorskip("cbjax.loading.presets")
 
@@ -61,6 +62,7 @@ def test_block_dequantization_matches_the_gguf_package(kind):
     np.testing.assert_array_equal(rows[0], want[[2, 0]])
 
 
+@slow
 def test_smollm2_runs_from_its_own_blocks():
     """The embedded Q4_1 file (its embedding Q8_0): every matrix stays in its blocks, the
     resident weight bytes are the file's tensor bytes, and greedy decoding gives the tokens of
@@ -123,6 +125,7 @@ def test_cpu_block_kernel_matches_the_dequantized_product(kind):
         assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, width)), weight)
 
 
+@slow
 def test_a_q8_0_copy_runs_from_its_blocks(tmp_path):
     """SmolLM2's Q4_1 file written again in Q8_0 blocks (metadata and norms as they were): the
     engine holds exactly its tensor bytes and decodes the tokens of its dequantized weights."""

@@ -11,6 +11,7 @@ import torch
 from cbjax import LLM, SamplingParams
 from cbjax.scheduling.host_tier import HostTier
 from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
+from tests.tiers import sweep
 
 MAX_SEQ_LEN = 64
 NUM_SLOTS = 4
@@ -66,7 +67,7 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sweep(sorted(FAMILIES), quick={"gpt2", "llama", "llama-hd80"}))
 def family(request, tmp_path_factory):
     """A family's tiny model and the unconstrained answer (transformers' greedy tokens, which
     an engine never preempted gives too: tests/test_engine_parity.py)."""

@@ -22,6 +22,7 @@ from cbjax.loading import load_model
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_config import EngineConfig
 from cbjax.runtime.step import ragged_step
+from tests.tiers import sweep
 
 
 def _opaque_kernel(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, **_):
@@ -55,7 +56,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sweep(sorted(CASES), quick={"slots-cpu-kernels", "paged-cpu-kernels-chunked",
+                                                            "paged-xla-chunked"}))
 def test_every_step_updates_its_cache_and_state_in_place(case, monkeypatch):
     options = dict(CASES[case])
     dtype = options.pop("dtype", "float32")

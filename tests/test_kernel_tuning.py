@@ -14,6 +14,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.runtime import kernel_tuning
 from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
+from tests.tiers import slow
 
 SHAPE = (16, 4096, 14336, 112, "int8")
 
@@ -98,6 +99,7 @@ MODEL = "tiny-llama"
 PROMPTS = [[5, 9, 14, 3, 22, 8, 31], [17, 4, 4, 60, 2, 40, 11, 19, 27, 33, 6, 12, 50]]
 
 
+@slow
 def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkeypatch):
     """Every Pallas call of the engine's programs (the decode matmul on its int8 weights at the
     decode-sized buckets, the attention kernel at every bucket) is tuned; the fake timer prefers

@@ -18,6 +18,7 @@ from cbjax.loading.orbax_io import load_orbax, save_orbax
 from cbjax.models import forward, quant
 from cbjax.models.kv_cache import SlotCache
 from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
+from tests.tiers import slow, sweep
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 31], [17, 4, 4, 60], [2, 40, 11, 19, 27, 33, 6, 12, 50]]
 
@@ -167,7 +168,7 @@ def test_bad_quantization_settings():
 
 
 # ---------------------------------------------------------------- the KV cache in 8 bits
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sweep(sorted(FAMILIES), quick={"llama", "qwen2-window"}))
 def test_int8_kv_tokens_agree_across_layouts_and_attention(hf_dirs, family):
     """Per family: int8 KV gives the same greedy tokens in the slot and the paged cache and by
     the reference path and the ragged kernel (interpreted); fp8 KV in the slot cache runs too.
@@ -237,10 +238,11 @@ def test_8bit_cache_gives_back_the_models_keys():
     model = load_model("tiny-llama")
     tokens = jnp.asarray([list(range(5, 30))], jnp.int32)
     held = {}
+    # One program per cache dtype (op by op, the prefill compiled ~130 small programs).
+    prefill = jax.jit(lambda params, cache: forward(params, model.config, cache, tokens, jnp.zeros((1,), jnp.int32),
+                                                    slot_ids=jnp.zeros((1,), jnp.int32), kv_len=0)[1])
     for dtype in (jnp.float32, jnp.int8, jnp.float8_e4m3fn):
-        cache = SlotCache.init(model.config, 2, 64, dtype)
-        _, cache = forward(model.params, model.config, cache, tokens, jnp.zeros((1,), jnp.int32),
-                           slot_ids=jnp.zeros((1,), jnp.int32), kv_len=0)
+        cache = prefill(model.params, SlotCache.init(model.config, 2, 64, dtype))
         held[jnp.dtype(dtype).name] = [np.asarray(a) for a in cache.get_sequence(0)]
     for name, tolerance in (("int8", 0.02), ("float8_e4m3fn", 0.07)):
         for got, want in zip(held[name], held["float32"]):
@@ -301,6 +303,7 @@ def test_bad_kv_cache_dtype_settings():
         LLM("tiny-llama", kv_cache_dtype="int8", simulate="h100")
 
 
+@slow
 def test_int8_kv_across_scale_out():
     """int8 KV gives one engine's tokens tensor-parallel (scales sharded with the KV heads), over
     two pipeline stages and across disaggregated prefill and decode instances (scales moved)."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference
+from tests.tiers import sweep
 
 PAGE = 8
 
@@ -64,9 +65,14 @@ MIXES = {
 KERNELS = {"triton": True, "tpu": "tpu"}  # the `interpret` argument that runs each one on the CPU
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1), (6, 2)], ids=["mha", "gqa4", "mqa", "gqa3"])
-@pytest.mark.parametrize("head_dim", [16, 32])
+HEADS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (6, 1), "gqa3": (6, 2)}
+F32_CASES = [(head_dim, name, mix) for head_dim in (16, 32) for name in HEADS for mix in sorted(MIXES)]
+
+
+# Every grouping at head_dim 32, and multi-head at 16, in the quick run.
+@pytest.mark.parametrize("head_dim,heads,mix", sweep(
+    [(d, HEADS[name], mix) for d, name, mix in F32_CASES], ids=["-".join(map(str, c)) for c in F32_CASES],
+    quick=[(d, HEADS[name], mix) for d, name, mix in F32_CASES if d == 32 or name == "mha"]))
 def test_kernels_match_reference_f32(mix, heads, head_dim):
     rng = np.random.default_rng(hash((mix, heads, head_dim)) % 2 ** 32)
     q, k, v, kv_lens, table, cu = make_batch(rng, MIXES[mix], *heads, head_dim, jnp.float32)
@@ -212,7 +218,7 @@ SPLIT_CASES = [((8, 8), 32, 0, jnp.float32), ((8, 4), 32, 0, jnp.float32), ((8, 
 
 
 @pytest.mark.parametrize("heads,head_dim,window,dtype", SPLIT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-@pytest.mark.parametrize("kv_splits", [2, 3, 8])
+@pytest.mark.parametrize("kv_splits", sweep([2, 3, 8], quick={2, 8}))
 def test_split_kv_matches_reference(heads, head_dim, window, dtype, kv_splits):
     rng = np.random.default_rng(head_dim * 10 + kv_splits)
     eight_bit = np.dtype(dtype).itemsize == 1

@@ -13,6 +13,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.runtime.engine import Engine
+from tests.tiers import sweep
 
 MAX_SEQ_LEN = 64
 
@@ -172,7 +173,7 @@ def test_paged_decode_lookahead_never_livelocks(model, page_size, num_pages, dec
 
 
 # 5 ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+@pytest.mark.parametrize("kv_cache", sweep(["slots", "paged"], quick={"slots"}))
 def test_bfloat16_serves_batched_prefills_end_to_end(kv_cache):
     rng = np.random.default_rng(5)
     prompts = prompts_of(rng, rng.integers(3, 40, size=6))
@@ -189,11 +190,11 @@ def test_bfloat16_serves_batched_prefills_end_to_end(kv_cache):
 
 
 # 6 ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("options", sweep([
     dict(kv_cache="paged", page_size=8, num_pages=14, enable_prefix_caching=True, decode_steps=2),
     dict(max_prefill_tokens=12),
     dict(kv_cache="paged", page_size=8, num_pages=20, enable_prefix_caching=True, max_prefill_tokens=16),
-])
+], quick=[dict(max_prefill_tokens=12)]))
 def test_warmup_covers_every_program_the_configuration_reaches(model, options):
     llm = LLM(model, num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
     llm.warmup()

@@ -17,6 +17,7 @@ from cbjax.runtime.lowering import lower_programs
 from cbjax.runtime.step_programs import SamplerVariants
 from cbjax.scheduling.plan import Row
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
+from tests.tiers import sweep
 
 
 def test_warmup_variants_per_platform():
@@ -78,8 +79,8 @@ def _outputs(llm, prompts, samplings):
     return [(o.token_ids, [(lp.token_id, round(lp.logprob, 5)) for lp in o.logprobs or []]) for o in outs]
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(kv_cache="paged", page_size=8, merge_mode="chunked",
-                                                 max_num_batched_tokens=16)])
+@pytest.mark.parametrize("layout", sweep([dict(), dict(kv_cache="paged", page_size=8, merge_mode="chunked",
+                                                       max_num_batched_tokens=16)], quick=[dict()]))
 def test_specialized_variants_draw_what_the_full_program_draws(layout):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(3, 20, size=12)]

@@ -20,6 +20,7 @@ from cbjax.runtime.pipeline import StageCall, bubble_fraction, stage_bounds
 from cbjax.parallel.replicas import Replicas
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_engine_parity import hf_greedy
+from tests.tiers import slow, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 10
@@ -86,7 +87,7 @@ def _assert_tensor_parallel_layout(llm, tp: int, kv_split: bool):
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.state))
 
 
-@pytest.mark.parametrize("tp,kv_cache", [(2, "slots"), (4, "paged"), (8, "slots")])
+@pytest.mark.parametrize("tp,kv_cache", sweep([(2, "slots"), (4, "paged"), (8, "slots")], quick={(2, "slots")}))
 def test_tensor_parallel_gqa_matches_transformers(gqa, tp, kv_cache):
     model, _, prompts, expected = gqa
     llm = LLM(model, tensor_parallel=tp, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8)
@@ -101,7 +102,7 @@ def test_tensor_parallel_gqa_matches_transformers(gqa, tp, kv_cache):
         assert llm.engine.num_compilations() == before
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", sweep([2, 4], quick={2}))
 def test_tensor_parallel_qwen3_chunked_mixed(qwen3, tp):
     model, prompts, expected = qwen3
     llm = LLM(model, tensor_parallel=tp, num_slots=4, max_seq_len=64, merge_mode="chunked",
@@ -120,7 +121,8 @@ def test_tensor_parallel_rejects_what_does_not_divide(gqa):
         LLM(model, tensor_parallel=0, num_slots=2, max_seq_len=32)
 
 
-@pytest.mark.parametrize("dp,tp,routing", [(2, 1, "round_robin"), (2, 2, "least_loaded")])
+@pytest.mark.parametrize("dp,tp,routing", sweep([(2, 1, "round_robin"), (2, 2, "least_loaded")],
+                                                 quick={(2, 1, "round_robin")}))
 def test_replicas_match_transformers(gqa, dp, tp, routing):
     model, _, prompts, expected = gqa
     front = Replicas(model, data_parallel=dp, tensor_parallel=tp, routing=routing, num_slots=2, max_seq_len=64,
@@ -236,6 +238,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@slow
 def test_two_processes_serve_through_jax_distributed(gqa, tmp_path):
     """Two CPU processes, one device each, joined by jax.distributed (gloo): the model is
     tensor-parallel across them and both processes produce transformers' greedy tokens."""

@@ -11,6 +11,7 @@ import pytest
 
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models import forward
+from tests.tiers import slow
 
 presets = pytest.importorskip("cbjax.loading.presets")
 try:
@@ -49,6 +50,7 @@ def test_greedy_answer_names_paris(smollm2):
     assert text.prompt == "The capital of France is the city of" and text.token_ids
 
 
+@slow
 def test_logits_match_transformers_from_same_gguf(smollm2):
     import torch
     import transformers

@@ -11,6 +11,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.request import Request
 from cbjax.scheduling.speculation import AdaptiveLength, NgramProposer, expected_tokens, may_speculate
+from tests.tiers import sweep
 
 MODEL = "tiny-llama"
 
@@ -62,8 +63,9 @@ def run(sampling, speculate: str = "none", scripted=None, model: str = MODEL, **
     return llm, outs
 
 
-@pytest.mark.parametrize("kv_cache,merge_mode", [("slots", "prefill_first"), ("paged", "chunked"),
-                                                 ("paged", "prefill_first"), ("slots", "fused")])
+@pytest.mark.parametrize("kv_cache,merge_mode", sweep([("slots", "prefill_first"), ("paged", "chunked"),
+                                                       ("paged", "prefill_first"), ("slots", "fused")],
+                                                      quick={("paged", "chunked")}))
 def test_verified_tokens_equal_decoding_whatever_is_proposed(kv_cache, merge_mode):
     """Greedy and seeded top-k/top-p sampling: proposals right, wrong and partly right, with
     n-gram and scripted proposers, give the tokens plain decoding gives; a request stops on its
@@ -248,7 +250,7 @@ def test_warm_up_compiles_the_verify_programs():
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sweep(FAMILIES, quick={"tiny-llama"}))
 def test_every_family_speculates_token_exact(family):
     """Both cache layouts (paged with chunked prefill, slots with fused steps): n-gram and
     scripted proposals, and on the slot cache a draft that is the target itself (every

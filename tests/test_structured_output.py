@@ -21,6 +21,7 @@ from cbjax.serve import Server
 from cbjax.serve.tools import Tools, parse_output
 from cbjax.workload import random_json_schema
 from tests.hf_models import save_chat_model
+from tests.tiers import slow
 
 MODEL = "tiny-chat"
 USER = [{"role": "user", "content": "Describe a thing as JSON."}]
@@ -103,6 +104,7 @@ def _streamed_chat(client, **kw) -> tuple[str, str]:
     return text, reason
 
 
+@slow
 def test_random_json_schemas_over_32_concurrent_streams_all_validate(served):
     server, prompts, ref = served
     client = _client(server)
