@@ -9,6 +9,7 @@ import tempfile
 import jax
 import pytest
 
+from cbjax import compile_cache
 from cbjax.parallel.distributed import expose_host_devices
 from cbjax.runtime import engine_config, executables
 
@@ -16,14 +17,16 @@ from cbjax.runtime import engine_config, executables
 # and the experiment scripts they start: the suite compiles the same tiny-model programs
 # in many processes, and after the mapping guard below clears the in-memory caches. Keyed
 # by the program and the JAX version, so a hit is the same executable. A fresh directory
-# per run unless CBJAX_TEST_JAX_CACHE names one to keep.
+# per run unless CBJAX_TEST_JAX_CACHE names one to keep. Programs that compile faster than
+# cbjax's own threshold are not written (as outside the suite): the eager ops' thousands of
+# 15-ms programs cost 30 ms apiece to write, more than compiling them again.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("CBJAX_TEST_JAX_CACHE") or os.path.join(
         tempfile.gettempdir(), f"cbjax-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(compile_cache.MIN_COMPILE_SECONDS))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", compile_cache.MIN_COMPILE_SECONDS)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # The suite is mostly XLA compilation of tiny programs: LLVM's backend optimizations cost a

@@ -18,6 +18,7 @@ from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.models.attention import attention_part, visible
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.runtime.engine import EngineConfig
+from tests.tiers import slow
 
 # Skipped only where no C++ compiler is installed: where one is, the kernels must build
 # (test_the_kernels_build_where_a_compiler_is fails otherwise, never skips).
@@ -184,6 +185,7 @@ print("ok")
 """
 
 
+@slow
 @needs_kernels
 def test_thread_pool_survives_back_to_back_calls_of_different_chunk_counts():
     """Matmuls of different chunk counts, dispatched back to back. The pool once let a worker

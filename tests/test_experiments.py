@@ -45,7 +45,11 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
         assert set(column["machine_schedule_seconds"]) == {"static", "continuous"}
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
-    # A trace's lengths instead (Azure's code service, scaled to the tiny model).
+
+
+@slow
+def test_compare_batching_on_a_trace_with_an_8bit_cache(tmp_path):
+    """A trace's lengths instead (Azure's code service, scaled to the tiny model)."""
     run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=8", "--num_requests=4", "--num_slots=2",
                "--prompt_len=24", "--policies=continuous", "--paged_policies=", "--workload=azure_code", "--repeats=1",
                "--length_scale=0.01", "--kv_cache_dtypes=auto,int8", f"--output_dir={tmp_path}")

@@ -67,7 +67,7 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=sweep(sorted(FAMILIES), quick={"gpt2", "llama", "llama-hd80"}))
+@pytest.fixture(scope="module", params=sweep(sorted(FAMILIES), quick={"gpt2", "llama"}))
 def family(request, tmp_path_factory):
     """A family's tiny model and the unconstrained answer (transformers' greedy tokens, which
     an engine never preempted gives too: tests/test_engine_parity.py)."""

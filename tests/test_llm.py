@@ -10,6 +10,7 @@ from cbjax.loading import Model
 from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.simulator import SimClock, SimulatedEngine
 from cbjax.runtime.engine import TRACE_COUNTS
+from tests.tiers import slow
 
 MAX_SEQ_LEN = 128
 
@@ -23,6 +24,7 @@ def random_prompt(rng, n, vocab=512):
     return rng.integers(3, vocab, size=n).tolist()
 
 
+@slow
 def test_no_recompilation_after_warmup_over_200_random_requests():
     llm = LLM("tiny-llama", num_slots=8, max_seq_len=MAX_SEQ_LEN, refill_interval=2)
     num_programs = llm.engine.warmup()

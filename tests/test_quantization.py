@@ -168,7 +168,7 @@ def test_bad_quantization_settings():
 
 
 # ---------------------------------------------------------------- the KV cache in 8 bits
-@pytest.mark.parametrize("family", sweep(sorted(FAMILIES), quick={"llama", "qwen2-window"}))
+@pytest.mark.parametrize("family", sweep(sorted(FAMILIES), quick={"llama"}))
 def test_int8_kv_tokens_agree_across_layouts_and_attention(hf_dirs, family):
     """Per family: int8 KV gives the same greedy tokens in the slot and the paged cache and by
     the reference path and the ragged kernel (interpreted); fp8 KV in the slot cache runs too.

@@ -174,8 +174,9 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(gqa):
         Replicas(model, data_parallel=4, tensor_parallel=4)
 
 
-@pytest.mark.parametrize("stages,micro_batches,decode_steps,policy", [
-    (2, 1, 1, "continuous"), (2, 2, 3, "continuous"), (2, 4, 2, "static"), (3, 2, 1, "continuous")])
+@pytest.mark.parametrize("stages,micro_batches,decode_steps,policy", sweep([
+    (2, 1, 1, "continuous"), (2, 2, 3, "continuous"), (2, 4, 2, "static"), (3, 2, 1, "continuous")],
+    quick={(2, 1, 1, "continuous"), (2, 4, 2, "static")}))
 def test_pipeline_stages_match_transformers(gqa, stages, micro_batches, decode_steps, policy):
     model, _, prompts, expected = gqa
     llm = LLM(model, pipeline_stages=stages, micro_batches=micro_batches, decode_steps=decode_steps, policy=policy,

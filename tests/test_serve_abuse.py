@@ -24,6 +24,7 @@ from cbjax.request import StructuredOutput
 from cbjax.runtime.warmup import warm_structured_output
 from cbjax.serve import Server
 from tests.hf_models import save_chat_model
+from tests.tiers import slow
 
 MODEL = "tiny-chat"
 ANSWER_WITHIN_S = 30
@@ -309,6 +310,7 @@ def test_the_server_is_idle_and_serving_after_the_abuse(server):
 
 
 # ----------------------------------------- 5. nothing compiles mid-stream
+@slow
 def test_warmed_structured_output_programs_leave_nothing_to_compile(model_dir):
     """The CLI's warm-up covers what a constrained request runs: its first one compiles
     nothing on the engine thread (a compile there stalls every stream for seconds)."""

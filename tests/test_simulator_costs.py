@@ -15,6 +15,7 @@ from cbjax.simulator import ACCELERATORS, MODEL_SHAPES, Call, RooflineCost
 from cbjax.simulator.hardware import LINKS, gemm_inner_dim, kv_bytes_per_token, matmul_params, weight_bytes
 from cbjax.simulator.published import FIT_PARAMETERS, fit, load, simulate
 from cbjax.workload import LengthDist, synthetic
+from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PUBLISHED = os.path.join(ROOT, "configs", "published_gpu_measurements.json")
@@ -144,6 +145,7 @@ def test_the_closed_loop_client_keeps_exactly_its_concurrency_in_flight(concurre
         llm.replay([w.as_tuple() for w in work], use_tqdm=False, concurrency=0)
 
 
+@slow
 def test_the_presets_match_the_published_measurements():
     """Deterministic (simulated time), so a pass/fail check: every validate row within 15%,
     the median within 5% (4.0% when the presets were frozen; issue 23 asks 5%)."""

@@ -272,7 +272,7 @@ def test_every_family_speculates_token_exact(family):
     assert spec.accepted == spec.proposed > 0
 
 
-@pytest.mark.parametrize("merge_mode", ["prefill_first", "fused", "chunked"])
+@pytest.mark.parametrize("merge_mode", sweep(["prefill_first", "fused", "chunked"], quick={"chunked"}))
 def test_a_second_model_drafts_for_the_target(merge_mode):
     """A different tiny model of the same vocabulary as the draft: some proposals accepted, some
     not; greedy and seeded sampling give plain decoding's tokens, in every merge mode."""
