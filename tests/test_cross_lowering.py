@@ -121,8 +121,11 @@ CASES = [(shape, "f32", "paged") for shape in ("tiny-llama", "smollm2-135m", "ll
 CASES += [(shape, "bf16", layout) for shape in sorted(SHAPES) for layout in ("paged", "slots")]
 
 
-@pytest.mark.parametrize("shape, dtype, layout", sweep(CASES, quick=[c for c in CASES if c[0] != "tiny-llama" or c[1] == "f32"],
-                                                       ids=["-".join(c) for c in CASES]))
+# The tiny model in bf16 only in the slow tier (its f32 programs and the larger shapes' bf16 ones are quick).
+QUICK_CASES = [c for c in CASES if c[0] != "tiny-llama" or c[1] == "f32"]
+
+
+@pytest.mark.parametrize("shape, dtype, layout", sweep(CASES, quick=QUICK_CASES, ids=["-".join(c) for c in CASES]))
 def test_engine_programs_lower_for_cuda_and_tpu(shape, dtype, layout):
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
     model = abstract_model(SHAPES[shape], dtype)
