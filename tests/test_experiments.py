@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
