@@ -230,10 +230,11 @@ def _mixed_step(config, params, layout, cache_dtype=jnp.float32):
                            lengths=cache.lengths)
     rng = np.random.default_rng(1)
     history = [9, 14, 31]  # tokens each slot holds before the step
+    prefill = jax.jit(lambda params, cache, tokens, slot: forward(  # one program a prompt, not one an op
+        params, config, cache, tokens, jnp.zeros((1,), jnp.int32), slot_ids=slot, kv_len=max_len)[1])
     for slot, n in enumerate(history):  # prompts through the reference (T > 1: never the kernel)
         tokens = jnp.asarray(rng.integers(3, config.vocab_size, (1, n)), jnp.int32)
-        _, cache = forward(params, config, cache, tokens, jnp.zeros((1,), jnp.int32),
-                           slot_ids=jnp.asarray([slot], jnp.int32), kv_len=max_len)
+        cache = prefill(params, cache, tokens, jnp.asarray([slot], jnp.int32))
     # Rows: slot 0 decodes; slot 1 takes three tokens; padding; slot 2 at 31 decodes (its
     # last position) and a token at 32 that has no room (dropped, as the reference drops it).
     slot_ids = jnp.asarray([0, 1, 1, 1, 0, 2, 2], jnp.int32)

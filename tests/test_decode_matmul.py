@@ -28,27 +28,32 @@ FORMATS = [(jnp.int8, 32), (jnp.int8, 64), (jnp.int8, 128), (jnp.int8, 0), (jnp.
 
 
 def weight(out_dim: int, in_dim: int, mode: str, per_row: bool, seed: int = 0) -> quant.QuantizedWeight:
-    w = quant.quantize(jax.random.normal(jax.random.key(seed), (out_dim, in_dim)) * 0.05, mode)
+    w = quant.quantize(normal((out_dim, in_dim), seed, std=0.05), mode)
     return quant.QuantizedWeight(w.values, w.scale[:, :1]) if per_row else w
 
 
 def random_weight(out_dim: int, in_dim: int, dtype, group: int | None, seed: int) -> tuple:
     """`(values, scale)` of any format: 8-bit values over their whole range with a random scale
-    per `group` inputs (0: per row), or a float weight and None."""
-    kv, ks = jax.random.split(jax.random.key(seed))
+    per `group` inputs (0: per row), or a float weight and None. Drawn by numpy: a jax.random
+    draw outside a jit compiles a program for every new shape."""
+    rng = np.random.default_rng(seed)
     if group is None:
-        return (jax.random.normal(kv, (out_dim, in_dim)) * 0.05).astype(dtype), None
-    raw = jax.random.uniform(kv, (out_dim, in_dim), minval=-127, maxval=127)
-    values = jnp.round(raw).astype(dtype) if dtype == jnp.int8 else (raw * (448 / 127)).astype(dtype)
+        return jnp.asarray(rng.normal(size=(out_dim, in_dim)) * 0.05, dtype), None
+    raw = rng.uniform(-127, 127, (out_dim, in_dim)).astype(np.float32)
+    values = jnp.asarray(np.round(raw), dtype) if dtype == jnp.int8 else jnp.asarray(raw * (448 / 127), dtype)
     groups = in_dim // group if group else 1
-    return values, jax.random.uniform(ks, (out_dim, groups), minval=1e-4, maxval=1e-3)
+    return values, jnp.asarray(rng.uniform(1e-4, 1e-3, (out_dim, groups)), jnp.float32)
+
+
+def normal(shape, seed: int, dtype=jnp.float32, std: float = 1.0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(scale=std, size=shape), dtype)
 
 
 @pytest.mark.parametrize("form,rows", [(f, r) for f in FORMS for r in (1, 3, 16) if f == "dot" or r <= 4])
 @pytest.mark.parametrize("dtype,group", FORMATS, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_kernel_matches_reference(form, rows, dtype, group):
     values, scale = random_weight(64, 1024, dtype, group, seed=rows)
-    x = jax.random.normal(jax.random.key(100 + rows), (rows, 1024))
+    x = normal((rows, 1024), 100 + rows)
     want = np.asarray(reference(x, values, scale))
     for launch in (Launch(form=form), Launch(form=form, block_n=16, splits=2, unroll=2)):
         got = np.asarray(decode_matmul(x, values, scale, interpret=True, launch=launch))
@@ -66,7 +71,7 @@ def test_mosaic_form_matches_reference(dtype, group, rows):
     blocks, splits and stages; equal to the reference up to the output's rounding to x's dtype."""
     values, scale = random_weight(128, 512, dtype, group, seed=rows)
     x_dtype = jnp.float16 if dtype == jnp.float16 else jnp.bfloat16
-    x = jax.random.normal(jax.random.key(rows), (rows, 512)).astype(x_dtype)
+    x = normal((rows, 512), rows, x_dtype)
     want = np.asarray(reference(x, values, scale))
     for launch in (Launch(form="mosaic"), Launch(form="mosaic", block_n=128, splits=2, block_k=64, num_stages=2)):
         got = decode_matmul(x, values, scale, interpret=True, launch=launch)
@@ -87,14 +92,14 @@ def test_mosaic_form_refuses_what_it_does_not_take():
 
 def test_reference_is_the_dequantized_product():
     w = weight(48, 256, "int8", per_row=False)
-    x = jax.random.normal(jax.random.key(1), (5, 256))
+    x = normal((5, 256), 1)
     np.testing.assert_allclose(np.asarray(reference(x, w.values, w.scale)), np.asarray(x @ w.dequantize().T),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_leading_dims_and_dtype_kept():
     w = weight(32, 128, "int8", per_row=False)
-    x = jax.random.normal(jax.random.key(2), (2, 1, 128)).astype(jnp.bfloat16)
+    x = normal((2, 1, 128), 2, jnp.bfloat16)
     y = decode_matmul(x, w.values, w.scale, interpret=True)
     assert y.shape == (2, 1, 32) and y.dtype == jnp.bfloat16
     want = reference(x.reshape(2, 128), w.values, w.scale).reshape(2, 1, 32)
@@ -168,7 +173,7 @@ def test_one_launch_fits_every_shape():
     """A launch too big for a matrix (set_default_launch serves them all) is halved to fit it."""
     assert resolve(Launch(block_n=128, splits=64, unroll=8), 1, 96, 256, 2) == ("reduce", 32, 128, 1, 2)
     w = weight(96, 256, "int8", per_row=False)
-    x = jax.random.normal(jax.random.key(3), (2, 256))
+    x = normal((2, 256), 3)
     got = decode_matmul(x, w.values, w.scale, interpret=True, launch=Launch(block_n=128, splits=64, unroll=8))
     np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, w.values, w.scale)), rtol=1e-5, atol=1e-5)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
+# One program per shape, not one per op (see the attention reference).
+@jax.jit
 def reference(x, values, scale=None):
     """`x [rows, in] @ (values * scale).T` in f32: `values [out, in]` 8-bit, `scale [out, groups]`
     float32, group g of row i being `values[i, g * size:(g + 1) * size] * scale[i, g]`. Each

@@ -13,6 +13,8 @@ float32 scale per key (values `[kv_heads, num_pages, page_size, head_dim]`, scal
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,9 @@ def _gather(pool, pages: jax.Array) -> jax.Array:
     return pool[:, pages].astype(jnp.float32)
 
 
+# One program per shape, not one per op: called outside a jit (the tests), op-by-op dispatch
+# compiled each of its ~25 ops for every new shape.
+@functools.partial(jax.jit, static_argnames=("scale", "window"))
 def reference(
     q: jax.Array,  # [T, q_heads, head_dim]
     k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
