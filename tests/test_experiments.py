@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.forked_runs import ForkedRuns
 from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +195,14 @@ def experiments_module(name: str):
     return importlib.import_module(scripts().get(name, f"experiments.lib.{name}"))
 
 
+@pytest.fixture(scope="module")
+def forked():
+    """Runs that stop at their flags, forked from one process that imported jax and cbjax once."""
+    runs = ForkedRuns(ROOT)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("script,flag", [
     ("compare_batching.py", "--num_slots=0"),
     ("compare_batching.py", "--max_gen_lens=8,-3"),
@@ -229,9 +238,9 @@ def experiments_module(name: str):
     ("capacity.py", "--workloads=azure_coed"),
     ("capacity.py", "--slo_batch=64"),
 ])
-def test_bad_flag_values_are_refused_at_parse_time(script, flag):
+def test_bad_flag_values_are_refused_at_parse_time(forked, script, flag):
     """A one-line message naming the flag, before anything loads (no traceback)."""
-    proc = subprocess.run(experiment(script, *flag.split()), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = forked.run(script, *flag.split())
     name = flag.split()[-1].split("=")[0]
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "Flags parsing error" in line]
@@ -240,8 +249,8 @@ def test_bad_flag_values_are_refused_at_parse_time(script, flag):
 
 
 @pytest.mark.parametrize("script", ["latency_sweep.py", "ablate.py", "serve_bench.py", "capacity.py"])
-def test_help_lists_the_workload_flags(script):
-    proc = subprocess.run(experiment(script, "--help"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_help_lists_the_workload_flags(forked, script):
+    proc = forked.run(script, "--help")
     for name in ("--num_requests", "--prompt_low", "--output_cap", "--burstiness", "--workload", "--length_scale",
                  "--trace_start_s", "--time_scale"):
         assert name in proc.stdout, f"{script} --help does not show {name}"
