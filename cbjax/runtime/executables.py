@@ -21,12 +21,11 @@ import os
 import pickle
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 
 import jax
-import jax.monitoring
 import jaxlib
+from jax._src import config as jax_config  # a thread's own override of the cache's threshold
 from jax.experimental import serialize_executable
 
 from pallas_kernels import tuning
@@ -43,16 +42,6 @@ COUNTS: collections.Counter = collections.Counter()
 # Files hashed for the source digest: every module a step's trace can run.
 _PACKAGES = ("cbjax", "pallas_kernels")
 
-
-_READ_FROM_JAX_CACHE = threading.local()  # hits: JAX cache reads by this thread's compile
-
-
-def _count_jax_cache_hit(event: str, **kwargs) -> None:
-    if event == "/jax/compilation_cache/cache_hits":  # recorded in the compiling thread
-        _READ_FROM_JAX_CACHE.hits = getattr(_READ_FROM_JAX_CACHE, "hits", 0) + 1
-
-
-jax.monitoring.register_event_listener(_count_jax_cache_hit)
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,18 +141,15 @@ def compiled(jitted, jit_options: dict, args: tuple, static: dict):
     if program is None and path is None:
         program = jitted.lower(*args, **static).compile()
     elif program is None:
-        # An XLA:CPU executable that JAX read from its own cache serializes into one whose
-        # first call fails ("Function ... not found"): compile under a module name of this key's
-        # own, which JAX's cache does not hold (unless this store lost the file: then once more
-        # under a random name), and store only what XLA compiled here.
-        for suffix in (program_key[:16], uuid.uuid4().hex):
-            renamed = functools.wraps(jitted.__wrapped__)(lambda *a, **k: jitted.__wrapped__(*a, **k))
-            renamed.__name__ = f"{name}_{suffix}"
-            _READ_FROM_JAX_CACHE.hits = 0
+        # This store is the program's cache: JAX's would hold a second copy nothing reads (its
+        # write costs as much as this one), so this thread's compile skips it. The module is named
+        # after this key, which JAX's cache then never holds: an XLA:CPU executable that JAX read
+        # from its cache serializes into one whose first call fails ("Function ... not found").
+        renamed = functools.wraps(jitted.__wrapped__)(lambda *a, **k: jitted.__wrapped__(*a, **k))
+        renamed.__name__ = f"{name}_{program_key[:16]}"
+        with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
             program = jax.jit(renamed, **jit_options).lower(*args, **static).compile()
-            if not _READ_FROM_JAX_CACHE.hits:
-                store(path, program)
-                break
+        store(path, program)
     with _LOADED_LOCK:
         _LOADED[program_key] = program
         while len(_LOADED) > MAX_LOADED:
