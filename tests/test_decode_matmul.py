@@ -27,6 +27,10 @@ FORMATS = [(jnp.int8, 32), (jnp.int8, 64), (jnp.int8, 128), (jnp.int8, 0), (jnp.
            (jnp.float8_e4m3fn, 0), (jnp.bfloat16, None), (jnp.float32, None)]
 
 
+def normal(shape, seed: int, dtype=jnp.float32, std: float = 1.0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(scale=std, size=shape), dtype)
+
+
 def weight(out_dim: int, in_dim: int, mode: str, per_row: bool, seed: int = 0) -> quant.QuantizedWeight:
     w = quant.quantize(normal((out_dim, in_dim), seed, std=0.05), mode)
     return quant.QuantizedWeight(w.values, w.scale[:, :1]) if per_row else w
@@ -43,10 +47,6 @@ def random_weight(out_dim: int, in_dim: int, dtype, group: int | None, seed: int
     values = jnp.asarray(np.round(raw), dtype) if dtype == jnp.int8 else jnp.asarray(raw * (448 / 127), dtype)
     groups = in_dim // group if group else 1
     return values, jnp.asarray(rng.uniform(1e-4, 1e-3, (out_dim, groups)), jnp.float32)
-
-
-def normal(shape, seed: int, dtype=jnp.float32, std: float = 1.0) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).normal(scale=std, size=shape), dtype)
 
 
 @pytest.mark.parametrize("form,rows", [(f, r) for f in FORMS for r in (1, 3, 16) if f == "dot" or r <= 4])
