@@ -128,7 +128,7 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
     for kernel, shape in calls:
         names = ([launch.name for launch in decode_matmul.candidates(shape[0], shape[3])] + ["xla"]
                  if kernel == decode_matmul.KERNEL else
-                 [launch.name for launch in ragged_paged_attention.candidates(shape[3], shape[4], shape[5])])
+                 [launch.name for launch in ragged_paged_attention.candidates_of(shape)])
         preferred.update({name: prefer(name) for name in names})
     choices = kernel_tuning.tune_kernels(llm.engine, cache=cache, device_kind="NVIDIA H200", timer=timer,
                                          interpret=True)

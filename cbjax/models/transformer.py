@@ -59,9 +59,8 @@ def _kernel_attention(q, cache, layer_k, layer_v, slot_ids, starts, ragged, wind
     step, one token per row and sequence. `platform`: the one traced for (`Ops.platform`)."""
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-    if ragged is None:
-        rows = q.shape[0]
-        ragged = (jnp.arange(rows + 1, dtype=jnp.int32), starts + 1, slot_ids)
+    if ragged is None:  # one row a sequence: the kernel may take its decode form (cu_q_lens None)
+        ragged = (None, starts + 1, slot_ids)
     cu_q_lens, kv_lens, row_slots = ragged
     k_pages, v_pages, tables = cache.kernel_view(layer_k, layer_v, row_slots)
     # The kernel loads each page once per query tile of a sequence, not once per token.

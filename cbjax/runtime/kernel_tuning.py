@@ -84,7 +84,7 @@ def matmul_runs(shape: tuple, example, interpret: bool) -> dict[str, Callable[[]
 def attention_arguments(example) -> tuple:
     """Arguments of an attention call's shapes: its rows spread over its sequences, each at the
     longest context its page table holds (the case split-KV is for), pages distinct where the
-    pool allows."""
+    pool allows. A decode call's (no `cu_q_lens`) stays one."""
     (q, k_pages, v_pages, kv_lens, tables, cu), _ = example
     q, k_pages, v_pages = _random_tree((q, k_pages, v_pages), seed=1)
     seqs, pages_per_seq = tables.shape
@@ -95,16 +95,17 @@ def attention_arguments(example) -> tuple:
     context = min(pages_per_seq, num_pages) * page_size
     lens = np.maximum(q_lens, context).astype(np.int32)
     table = (np.arange(seqs)[:, None] * pages_per_seq + np.arange(pages_per_seq)[None, :]) % num_pages
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return q, k_pages, v_pages, jnp.asarray(lens), jnp.asarray(table, jnp.int32), jnp.asarray(cu_q_lens)
+    cu_q_lens = None if cu is None else jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k_pages, v_pages, jnp.asarray(lens), jnp.asarray(table, jnp.int32), cu_q_lens
 
 
 def attention_runs(shape: tuple, example, interpret: bool) -> dict[str, Callable[[], object]]:
     """Each launch of the attention kernel's space for `shape` (`ragged_paged_attention.shape_of`:
-    rows, heads, KV heads, head_dim, page size, pages a sequence, ...) on `attention_arguments`."""
+    rows, heads, KV heads, head_dim, page size, pages a sequence, ...; a decode call's includes
+    the Mosaic GPU form) on `attention_arguments`."""
     arrays, static = attention_arguments(example), example[1]
     runs = {}
-    for launch in attention_kernel.candidates(shape[3], shape[4], shape[5]):
+    for launch in attention_kernel.candidates_of(shape):
         # Every setting named (kv_splits at least): the call must not read the tuned choice.
         settings = {**dataclasses.asdict(launch), "kv_splits": launch.kv_splits or 1}
         runs[launch.name] = (lambda settings=settings: attention_kernel.ragged_paged_attention(

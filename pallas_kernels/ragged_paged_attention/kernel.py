@@ -3,6 +3,8 @@
 `jax.lax.platform_dependent` puts both kernels in the traced program and lowers only the
 one for the platform it is compiled for: Triton on a GPU (`triton_kernel.py`), Mosaic on
 a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode. A
+decode call (`cu_q_lens=None`: one query row a sequence) may also run on Mosaic GPU
+(`mosaic_kernel.py`), where a device's tuning chose it (`Launch(form="mosaic")`). A
 caller that knows its platform names it (`platform=`) and only that kernel is traced.
 So a program traced on this CPU and lowered with `lowering_platforms=("cuda",)` or
 `("tpu",)` holds the real kernel call (tests/test_cross_lowering.py). `set_cpu_interpreter`
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import tuning
-from pallas_kernels.ragged_paged_attention import tpu_kernel, triton_kernel
+from pallas_kernels.ragged_paged_attention import mosaic_kernel, tpu_kernel, triton_kernel
 
 KERNEL = "ragged_paged_attention"  # its name in pallas_kernels/tuning.py
 
@@ -108,20 +110,25 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
 
 @dataclasses.dataclass(frozen=True)
 class Launch(tuning.NamedLaunch):
-    """The Triton kernel's settings a device tunes; None: the shape's own (`block_sizes`, by
-    head_dim, one program per tile)."""
+    """The kernel's settings a device tunes; None: the shape's own (`block_sizes`, by head_dim,
+    one program per tile). `form`: None for the Triton kernel, "mosaic" for the Mosaic GPU one
+    (decode calls; `num_stages` is then its shared-memory buffers)."""
 
     block_q: int | None = None
     pages_per_block: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     kv_splits: int | None = None
+    form: str | None = None
+
+
+FORMS = (None, "mosaic")
 
 
 def candidates(head_dim: int, page_size: int, pages_per_seq: int) -> list[Launch]:
-    """The launches a device times for a shape (pallas_kernels/tuning.py): split-KV at 1, 2, 4
-    and 8 programs a tile, each with the shape's own blocks, twice the pages a step, and the
-    other warp count."""
+    """The Triton launches a device times for a shape (pallas_kernels/tuning.py): split-KV at 1,
+    2, 4 and 8 programs a tile, each with the shape's own blocks, twice the pages a step, and
+    the other warp count."""
     pages = block_sizes(head_dim, page_size, pages_per_seq)[1]
     wider = min(pages * 2, 1 << max(pages_per_seq - 1, 0).bit_length())
     warps = 8 if triton_kernel.padded_head_dim(head_dim) <= 64 else 4  # the one the shape does not take
@@ -132,12 +139,33 @@ def candidates(head_dim: int, page_size: int, pages_per_seq: int) -> list[Launch
     return list(dict.fromkeys(launches))
 
 
-def shape_of(q, k_pages, page_indices, window: int) -> tuple:
+def mosaic_candidates(shape: tuple) -> list[Launch]:
+    """The Mosaic GPU launches for a call's key (`shape_of`), where its KV and head_dim suit the
+    kernel and they fit in shared memory: 64 and 128 keys a block at 1, 2, 4 and 8 splits with
+    two buffers, and three buffers of 64 keys, for a decode call; fewer for a ragged one."""
+    _, q_heads, kv_heads, head_dim, page_size, _, dtype, _, decode = shape
+    settings = ([(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1), (128, 2, 2), (128, 2, 4),
+                 (128, 2, 8), (64, 3, 1), (64, 3, 4)] if decode else [(64, 2, 1), (128, 2, 1), (64, 2, 4)])
+    launches = []
+    for keys, stages, splits in settings:
+        pages = max(keys // page_size, 1)
+        if mosaic_kernel.unsupported(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                                     dtype=dtype, pages_per_block=pages, stages=stages) is None:
+            launches.append(Launch(form="mosaic", pages_per_block=pages, num_stages=stages, kv_splits=splits))
+    return list(dict.fromkeys(launches))
+
+
+def candidates_of(shape: tuple) -> list[Launch]:
+    """Every launch a device times for a call's key (`shape_of`): the Triton ones, then Mosaic GPU's."""
+    return candidates(shape[3], shape[4], shape[5]) + mosaic_candidates(shape)
+
+
+def shape_of(q, k_pages, page_indices, window: int, decode: bool = False) -> tuple:
     """A call's key in the tuning table: query rows, heads, head_dim, page size, pages a
-    sequence, the KV's dtype, whether a window bounds it."""
+    sequence, the KV's dtype, whether a window bounds it, whether it is a decode call."""
     values = k_pages.values if hasattr(k_pages, "scale") else k_pages
     return (q.shape[0], q.shape[1], values.shape[0], q.shape[2], values.shape[2], page_indices.shape[1],
-            np.dtype(values.dtype).name, int(window > 0))
+            np.dtype(values.dtype).name, int(window > 0), int(decode))
 
 
 def _reference_kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, window, **unused):
@@ -150,32 +178,56 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                            block_q: int | None = None, pages_per_block: int | None = None,
                            interpret: bool | str = False, window: int = 0, num_warps: int | None = None,
                            num_stages: int | None = None, kv_splits: int | None = None,
-                           platform: str | None = None):
+                           platform: str | None = None, form: str | None = None):
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
-    `page_indices[s]`; causal within its new tokens, and with `window` > 0 each query sees
+    `page_indices[s]` (`cu_q_lens` None: one row each, a decode call); causal within its new tokens, and with `window` > 0 each query sees
     only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
     dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
     Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
     interpreter (both on any platform); False lets the platform choose: `platform` ("cpu",
     "gpu", "cuda", "rocm", "tpu") when the caller knows it, else at lowering. `num_warps`,
-    `num_stages` and `kv_splits` (split-KV: programs sharing a query tile's keys; Triton only):
-    the Triton kernel's launch settings. With no launch setting given, the call takes this
+    `num_stages` and `kv_splits` (split-KV: programs sharing a query tile's keys): the launch
+    settings; `form="mosaic"`: the Mosaic GPU kernel (decode calls on cuda; under `interpret`
+    Pallas' GPU interpreter). With no launch setting given, the call takes this
     process's tuned `Launch` for its shape (`shape_of`), else the defaults (by head_dim, 1 split):
     chosen here, outside the jitted body, so a new choice is a new static argument."""
-    launch = Launch(block_q, pages_per_block, num_warps, num_stages, kv_splits)
-    shape = shape_of(q, k_pages, page_indices, window)
+    launch = Launch(block_q, pages_per_block, num_warps, num_stages, kv_splits, form)
+    shape = shape_of(q, k_pages, page_indices, window, decode=cu_q_lens is None)
     tuning.note(KERNEL, shape, (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                              (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)),
                                 dict(scale=scale, window=window)))
     if launch == Launch():
         choice = tuning.chosen(KERNEL, shape)
         launch = Launch.parse(choice) if choice is not None else launch
+    if launch.form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {launch.form!r}")
+    if launch.form == "mosaic":
+        return _mosaic(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale, launch=launch,
+                       interpret=interpret, window=window, platform=platform)
+    if cu_q_lens is None:
+        cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     return _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale,
                                    block_q=launch.block_q, pages_per_block=launch.pages_per_block,
                                    interpret=interpret, window=window, num_warps=launch.num_warps,
                                    num_stages=launch.num_stages, kv_splits=launch.kv_splits, platform=platform)
+
+
+def _mosaic(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, launch, interpret, window, platform):
+    """The call on the Mosaic GPU kernel: on cuda, or under Pallas' GPU interpreter."""
+    if hasattr(k_pages, "scale"):
+        raise ValueError("the Mosaic GPU form does not read 8-bit KV (the Triton kernel does)")
+    if interpret and not mosaic_kernel.interpretable():
+        raise NotImplementedError("the Mosaic GPU form's interpret mode needs JAX >= 0.11 (a transposed wgmma operand)")
+    if not interpret and platform not in (None, "gpu", "cuda"):
+        raise ValueError(f"the Mosaic GPU form runs on NVIDIA GPUs (cuda), not {platform!r}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
+    pages = launch.pages_per_block or max(64 // k_pages.shape[2], 1)
+    return mosaic_kernel.attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale,
+                                   pages_per_block=pages, kv_splits=launch.kv_splits or 1,
+                                   stages=launch.num_stages or 2, window=window, interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "window",
