@@ -229,12 +229,17 @@ def test_speculations_verify_programs_lower_for_cuda_and_tpu():
             assert (sorts == 0 and not top_k) if sampler == GREEDY else (sorts >= 1 and top_k), (program, sampler)
 
 
-def test_tuned_launches_lower_for_cuda():
+MOSAIC_ATTENTION = "form=mosaic,kv_splits=2,num_stages=2,pages_per_block=4"
+
+
+@pytest.mark.parametrize("attention", sweep(["kv_splits=4", MOSAIC_ATTENTION], quick={MOSAIC_ATTENTION}))
+def test_tuned_launches_lower_for_cuda(attention):
     """The programs of a GPU engine after its tuning (Llama-3-8B's shape, bf16, paged): with
-    split-KV chosen for the attention kernel and the decode matmul's Mosaic GPU form chosen over
-    XLA's dot for the bf16 weights at the decode buckets, every program lowers for cuda with no
-    data-dependent control flow; the decode-sized programs call the Mosaic GPU kernel for every
-    matrix, the larger ones for the LM head only; the attention stays a Triton call."""
+    split-KV chosen for the attention kernel (Triton's, or its Mosaic GPU form) and the decode
+    matmul's Mosaic GPU form chosen over XLA's dot for the bf16 weights at the decode buckets,
+    every program lowers for cuda with no data-dependent control flow; the decode-sized programs
+    call the Mosaic GPU kernel for every matrix, the larger ones for the LM head only; the
+    attention is the Triton call or one more Mosaic GPU call, as chosen."""
     from cbjax.runtime import engine_ops, kernel_tuning
     from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
 
@@ -247,7 +252,7 @@ def test_tuned_launches_lower_for_cuda():
     try:
         calls = kernel_tuning.kernel_calls(engine)
         for kernel, shape in calls:
-            tuning.use(kernel, shape, "kv_splits=4" if kernel == ragged_paged_attention.KERNEL else "form=mosaic")
+            tuning.use(kernel, shape, attention if kernel == ragged_paged_attention.KERNEL else "form=mosaic")
         matmul_rows = {shape[0] for kernel, shape in calls if kernel == decode_matmul.KERNEL}
         assert matmul_rows and max(matmul_rows) <= decode_matmul.MAX_ROWS
         jax.clear_caches()
@@ -256,12 +261,13 @@ def test_tuned_launches_lower_for_cuda():
             low = by_platform["cuda"]
             assert data_dependent_control_flow(low) == [], program
             targets = [attribute(c, "call_target_name") for c in custom_calls(low)]
-            assert "__gpu$xla.gpu.triton" in targets, program
+            mosaic_attention = attention.startswith("form=mosaic")
+            assert ("__gpu$xla.gpu.triton" in targets) != mosaic_attention, program
             # A kernel call per distinct matrix shape (calls of one shape share one function): the
             # five of Llama-3-8B in a decode-sized program; past 64 rows only the LM head over
             # the rows that sample (one per slot at most) stays decode-sized.
             matmuls = 5 if program[1] <= decode_matmul.MAX_ROWS else 1
-            assert targets.count("mosaic_gpu_v2") == matmuls, program
+            assert targets.count("mosaic_gpu_v2") == matmuls + mosaic_attention, program
     finally:
         tuning.forget()
         jax.clear_caches()
