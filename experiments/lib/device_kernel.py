@@ -4,7 +4,8 @@
 - kernel_bw: the kernel's KV bandwidth (live K/V bytes over its time) on a mixed batch (32
   decodes at 1,000-4,000 tokens beside two 256-token prefill chunks), on 64 decodes at 2,048
   and 4,096 tokens and on one 4,096-token decode, for two page sizes, several keys per step and
-  split-KV at 2-16 splits, against the copy.
+  split-KV at 2-16 splits, against the copy; on a GPU also every Mosaic GPU launch the engine's
+  tuning would time for the batch (decode batches as decode calls: one row a sequence).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def kernel_check() -> list[dict]:
         error = float(np.abs(out - ref).max() / np.abs(ref).max())
         tolerance = 5e-3 if case["dtype"] == "float32" else 3e-2  # tf32 / bf16 operands
         rows.append({**case, "rel_error": error, "ok": bool(np.isfinite(error) and error < tolerance)})
+        if not interpret and case["dtype"] == "bfloat16" and case["head_dim"] % 64 == 0:  # its Mosaic GPU form
+            decode = case["mix"] == "decodes"
+            call = (*args[:5], None if decode else args[5])
+            out = np.asarray(ragged_paged_attention(*call, scale=scale, window=case["window"], form="mosaic"),
+                             np.float32)
+            error = float(np.abs(out - ref).max() / np.abs(ref).max())
+            rows.append({**case, "form": "mosaic", "rel_error": error,
+                         "ok": bool(np.isfinite(error) and error < tolerance)})
     return rows
 
 
@@ -89,6 +98,7 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
+    from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     interpret = jax.default_backend() == "cpu"
@@ -120,17 +130,44 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
                     rows.append({**variant, "error": str(e)[:200]})
                     continue
                 rows.append({**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
+            if not interpret:  # Mosaic GPU (its interpreter is JAX >= 0.11's, and slow): the tuning's launches
+                rows += mosaic_rows(args, name, page, live, copy_GBps, attention_kernel)
             del args
+    return rows
+
+
+def mosaic_rows(args, name: str, page: int, live: int, copy_GBps: float, attention_kernel) -> list[dict]:
+    """The Mosaic GPU launches the engine's tuning would time for this batch, each timed."""
+    import jax
+
+    decode = not name.startswith("mixed")  # every sequence one row: a decode call
+    call = (*args[:5], None if decode else args[5])
+    shape = attention_kernel.shape_of(args[0], args[1], args[4], 0, decode=decode)
+    rows = []
+    for launch in attention_kernel.mosaic_candidates(shape):
+        fn = jax.jit(functools.partial(attention_kernel.ragged_paged_attention, scale=0.1, form="mosaic",
+                                       pages_per_block=launch.pages_per_block, num_stages=launch.num_stages,
+                                       kv_splits=launch.kv_splits))
+        variant = {"batch": name, "page": page, "form": "mosaic", "keys_per_step": launch.pages_per_block * page,
+                   "block_q": "-", "num_stages": launch.num_stages, "kv_splits": launch.kv_splits}
+        try:
+            ms = timed_ms(fn, *call)
+        except Exception as e:  # a ptxas or shared-memory refusal on this device
+            rows.append({**variant, "error": str(e)[:200]})
+            continue
+        rows.append({**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
     return rows
 
 
 def kernel_lines(results: dict, line) -> None:
     """The kernel sections' lines of bench_device's table."""
     for r in results.get("kernel", []):
-        line("kernel", f"hd{r['head_dim']} {r['dtype']} page{r['page']} {r['mix']} w{r['window']}",
+        line("kernel", f"{r.get('form', 'triton')} hd{r['head_dim']} {r['dtype']} page{r['page']} {r['mix']} "
+             f"w{r['window']}",
              f"rel err {r['rel_error']:.1e} {'ok' if r['ok'] else 'FAIL'}")
     for r in results.get("kernel_bw", []):
         figure = (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({suspect(r['of_copy'], 'copy')})" if "ms" in r
                   else "error")
-        line("kernel_bw", f"{r['batch']} p{r['page']} k{r['keys_per_step']} q{r['block_q']} s{r['num_stages']} "
+        line("kernel_bw", f"{r.get('form', 'triton')} {r['batch']} p{r['page']} k{r['keys_per_step']} "
+             f"q{r['block_q']} s{r['num_stages']} "
              f"x{r.get('kv_splits', 1)}", figure)

@@ -142,10 +142,10 @@ def candidates(head_dim: int, page_size: int, pages_per_seq: int) -> list[Launch
 def mosaic_candidates(shape: tuple) -> list[Launch]:
     """The Mosaic GPU launches for a call's key (`shape_of`), where its KV and head_dim suit the
     kernel and they fit in shared memory: 64 and 128 keys a block at 1, 2, 4 and 8 splits with
-    two buffers, and three buffers of 64 keys, for a decode call; fewer for a ragged one."""
+    two buffers, and three buffers of 64 keys, for a decode call; four of those for a ragged one."""
     _, q_heads, kv_heads, head_dim, page_size, _, dtype, _, decode = shape
     settings = ([(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1), (128, 2, 2), (128, 2, 4),
-                 (128, 2, 8), (64, 3, 1), (64, 3, 4)] if decode else [(64, 2, 1), (128, 2, 1), (64, 2, 4)])
+                 (128, 2, 8), (64, 3, 1), (64, 3, 4)] if decode else [(64, 2, 1), (128, 2, 1), (64, 2, 4), (64, 2, 8)])
     launches = []
     for keys, stages, splits in settings:
         pages = max(keys // page_size, 1)
@@ -182,17 +182,18 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     """Attention of a flat batch of query tokens `q [T, q_heads, hd]` over paged K/V
     (`[kv_heads, num_pages, page_size, hd]`): sequence s owns rows
     `[cu_q_lens[s], cu_q_lens[s + 1])` and its first `kv_lens[s]` keys on pages
-    `page_indices[s]` (`cu_q_lens` None: one row each, a decode call); causal within its new tokens, and with `window` > 0 each query sees
-    only the keys in `(position - window, position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's
-    dtype; rows past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the
-    Triton kernel's body in Pallas interpret mode, "tpu" the TPU kernel's under the TPU
-    interpreter (both on any platform); False lets the platform choose: `platform` ("cpu",
-    "gpu", "cuda", "rocm", "tpu") when the caller knows it, else at lowering. `num_warps`,
-    `num_stages` and `kv_splits` (split-KV: programs sharing a query tile's keys): the launch
-    settings; `form="mosaic"`: the Mosaic GPU kernel (decode calls on cuda; under `interpret`
-    Pallas' GPU interpreter). With no launch setting given, the call takes this
-    process's tuned `Launch` for its shape (`shape_of`), else the defaults (by head_dim, 1 split):
-    chosen here, outside the jitted body, so a new choice is a new static argument."""
+    `page_indices[s]` (`cu_q_lens` None: one row each, a decode call); causal within its new
+    tokens, and with `window` > 0 each query sees only the keys in `(position - window,
+    position]` (pages before that are not read). Returns `[T, q_heads, hd]` in q's dtype; rows
+    past `cu_q_lens[-1]` are left unspecified. `interpret`: True runs the Triton kernel's body
+    in Pallas interpret mode, "tpu" the TPU kernel's under the TPU interpreter (both on any
+    platform); False lets the platform choose: `platform` ("cpu", "gpu", "cuda", "rocm",
+    "tpu") when the caller knows it, else at lowering. `num_warps`, `num_stages` and
+    `kv_splits` (split-KV: programs sharing a query tile's keys): the launch settings;
+    `form="mosaic"`: the Mosaic GPU kernel (on cuda; under `interpret`, Pallas' GPU
+    interpreter). With no launch setting given, the call takes this process's tuned `Launch`
+    for its shape (`shape_of`), else the defaults (by head_dim, 1 split): chosen here, outside
+    the jitted body, so a new choice is a new static argument."""
     launch = Launch(block_q, pages_per_block, num_warps, num_stages, kv_splits, form)
     shape = shape_of(q, k_pages, page_indices, window, decode=cu_q_lens is None)
     tuning.note(KERNEL, shape, (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),

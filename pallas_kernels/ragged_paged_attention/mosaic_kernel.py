@@ -1,21 +1,24 @@
-"""Decode attention over paged K/V on Mosaic GPU, Pallas' Hopper backend (TMA copies, wgmma on
-the tensor cores): the backend JAX keeps, where the Triton one (triton_kernel.py) is deprecated.
+"""Ragged paged attention on Mosaic GPU, Pallas' Hopper backend (TMA copies, wgmma on the tensor
+cores): the backend JAX keeps, where the Triton one (triton_kernel.py) is deprecated. The
+contract of `reference`; a tuning candidate beside the Triton kernel (kernel.py), never the default.
 
-For calls whose every sequence has one query row (a decode step), split-KV. Grid `(sequences,
-KV heads, kv_splits)`: program (s, h, j) takes sequence s's query row with every query head of
-KV head h (a GQA group, padded to 8 rows, sits in a 64-row tile: wgmma's M; the padding costs
-registers and shared memory, not HBM) and walks the j-th of `kv_splits` equal spans of the
-key blocks the row can see. A key block is `pages_per_block` pages, each brought in by one TMA
-copy at the page the table names, into one of `stages` shared-memory buffers: the copies of
-the next `stages - 1` blocks are in flight while a block is computed. Per block, `q @ k.T`
-(one wgmma, K read transposed in shared memory), an online softmax in registers, the
-probabilities through shared memory, and `p @ v` (a second wgmma). Each program stores its
-unnormalized output with its running max and sum (f32), and the log-sum-exp combine outside
-the kernel (triton_kernel.combine_splits) merges the spans, as the Triton kernel's split-KV.
+Grid `(sequences, KV heads, tiles x kv_splits)`. A tile is up to 8 tokens of one sequence, each
+token's query heads of KV head h padded to 8 rows, in a 64-row tile (wgmma's M); in a decode call
+(`cu_q_lens` None: one row a sequence) a tile is one token, so the grid is (sequences, KV heads,
+splits). Split j of a tile walks the j-th of `kv_splits` equal spans of the key blocks the tile
+sees. A block is `pages_per_block` pages, each brought in by one TMA copy at the page the table
+names, into one of `stages` shared-memory buffers: the next `stages - 1` blocks' copies are in
+flight while a block is computed. Per block, `q @ k.T` (one wgmma, K read transposed in shared
+memory), the causal and window mask by row, an online softmax in registers, the probabilities
+through shared memory in the KV's dtype, and `p @ v` (a second wgmma). Each program stores every
+token's rows on their own (a tile never spills into the next sequence's rows) as an unnormalized
+f32 output with its running max and sum, and the log-sum-exp combine outside the kernel
+(triton_kernel.combine_splits) normalizes and merges the splits.
 
-Not here (the Triton kernel keeps them): rows of several tokens a sequence (prefill chunks,
-speculative verification, the mixed step), 8-bit KV with its scales, f32 KV. Its interpret-mode
-check needs JAX >= 0.11: earlier GPU interpreters do not read a transposed wgmma operand.
+Not here (the Triton kernel keeps them): 8-bit KV with its scales, f32 KV, head_dim other than
+64/128/192/256 and blocks of fewer than 64 keys (layout inference refuses those tiles at JAX 0.10
+and 0.11). Its interpret-mode check needs JAX >= 0.11: earlier GPU interpreters do not read a
+transposed wgmma operand.
 """
 
 from __future__ import annotations
