@@ -6,6 +6,8 @@ counts; lowered for cuda (both JAX versions); what it refuses, and the launches 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from pallas_kernels.ragged_paged_attention import (Launch, candidates, candidate
                                                    ragged_paged_attention, reference, shape_of)
 from tests.test_cross_lowering import attribute, custom_calls
 from tests.test_ragged_paged_attention import MIXES, _quantized, make_batch
+from tests.tiers import slow
 
 needs_interpreter = pytest.mark.skipif(not mosaic_kernel.interpretable(),
                                        reason="JAX < 0.11: the GPU interpreter cannot read a transposed wgmma operand")
@@ -146,3 +149,48 @@ def test_mosaic_form_lowers_for_cuda(decode, head_dim, window):
     with lowering_target("cuda"):
         lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
     assert [attribute(c, "call_target_name") for c in custom_calls(lowered)] == ["mosaic_gpu_v2"]
+
+
+@needs_interpreter
+@slow
+def test_an_engine_tuned_to_the_mosaic_form_gives_the_reference_engines_tokens(tmp_path, monkeypatch):
+    """A paged f16 engine whose tuning (a fake timer that prefers one Mosaic GPU launch and
+    runs it, interpreted) chose the Mosaic GPU form for every attention call: its programs, traced
+    after the tuning, run that form (in the GPU interpreter on this CPU) and give the greedy tokens
+    of the engine with the reference attention."""
+    from cbjax import LLM, SamplingParams
+    from cbjax.loading.model import Model
+    from cbjax.loading.presets import RANDOM_PRESETS
+    from cbjax.models.params import init_params
+    from cbjax.runtime import kernel_tuning
+    from pallas_kernels import tuning
+
+    config = dataclasses.replace(RANDOM_PRESETS["tiny-llama"], head_dim=64)
+    model = Model(config, init_params(config, seed=3, dtype=jnp.float16))
+    options = dict(num_slots=2, max_seq_len=128, kv_cache="paged", page_size=16, dtype="float16", kernel_tuning="off")
+    prompts, sampling = [[5, 9, 14, 3, 22, 8, 31], [17, 4, 4, 60, 2, 40, 11, 19, 27, 33]], SamplingParams(max_tokens=5)
+    want = [o.token_ids for o in LLM(model, attention="reference", **options).generate(prompts, sampling,
+                                                                                     use_tqdm=False)]
+    llm = LLM(model, attention="pallas", **options)
+    chosen = Launch(form="mosaic", pages_per_block=4, num_stages=2, kv_splits=4).name
+
+    def timer(name, run):
+        if name == chosen:
+            jax.block_until_ready(run())
+        return 0.5 if name == chosen else 1.0
+
+    tuning.forget()
+    try:
+        choices = kernel_tuning.tune_kernels(llm.engine, cache=tuning.TuningCache(tmp_path / tuning.FILE_NAME),
+                                             device_kind="NVIDIA H200", timer=timer, interpret=True)
+        assert choices and set(choices.values()) == {chosen}
+        seen = []
+        original = mosaic_kernel.attention
+        monkeypatch.setattr(mosaic_kernel, "attention",
+                            lambda *a, **kw: seen.append(kw["kv_splits"]) or original(*a, **kw))
+        got = [o.token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
+    finally:
+        tuning.forget()
+        jax.clear_caches()
+    assert seen and set(seen) == {4}
+    assert got == want

@@ -216,9 +216,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 
 
 def _mosaic(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, launch, interpret, window, platform):
-    """The call on the Mosaic GPU kernel: on cuda, or under Pallas' GPU interpreter."""
+    """The call on the Mosaic GPU kernel: on cuda, or under Pallas' GPU interpreter (asked, or on a
+    CPU, as the Triton kernel's body is interpreted there)."""
     if hasattr(k_pages, "scale"):
         raise ValueError("the Mosaic GPU form does not read 8-bit KV (the Triton kernel does)")
+    interpret = interpret or platform == "cpu"
     if interpret and not mosaic_kernel.interpretable():
         raise NotImplementedError("the Mosaic GPU form's interpret mode needs JAX >= 0.11 (a transposed wgmma operand)")
     if not interpret and platform not in (None, "gpu", "cuda"):
