@@ -101,8 +101,8 @@ def attention_arguments(example) -> tuple:
 
 def attention_runs(shape: tuple, example, interpret: bool) -> dict[str, Callable[[], object]]:
     """Each launch of the attention kernel's space for `shape` (`ragged_paged_attention.shape_of`:
-    rows, heads, KV heads, head_dim, page size, pages a sequence, ...; a decode call's includes
-    the Mosaic GPU form) on `attention_arguments`."""
+    rows, heads, KV heads, head_dim, page size, pages a sequence, ...: the Triton launches, and
+    the Mosaic GPU ones where that form takes the call) on `attention_arguments`."""
     arrays, static = attention_arguments(example), example[1]
     runs = {}
     for launch in attention_kernel.candidates_of(shape):

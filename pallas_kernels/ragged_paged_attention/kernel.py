@@ -2,9 +2,9 @@
 
 `jax.lax.platform_dependent` puts both kernels in the traced program and lowers only the
 one for the platform it is compiled for: Triton on a GPU (`triton_kernel.py`), Mosaic on
-a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode. A
-decode call (`cu_q_lens=None`: one query row a sequence) may also run on Mosaic GPU
-(`mosaic_kernel.py`), where a device's tuning chose it (`Launch(form="mosaic")`). A
+a TPU (`tpu_kernel.py`), and on a CPU the Triton kernel's body in Pallas interpret mode. On
+cuda a call may run on Mosaic GPU instead (`mosaic_kernel.py`), where a device's tuning chose
+it (`Launch(form="mosaic")`; a decode call, `cu_q_lens=None`, has its own launches). A
 caller that knows its platform names it (`platform=`) and only that kernel is traced.
 So a program traced on this CPU and lowered with `lowering_platforms=("cuda",)` or
 `("tpu",)` holds the real kernel call (tests/test_cross_lowering.py). `set_cpu_interpreter`
@@ -112,7 +112,7 @@ def block_sizes(head_dim: int, page_size: int, pages_per_seq: int) -> tuple[int,
 class Launch(tuning.NamedLaunch):
     """The kernel's settings a device tunes; None: the shape's own (`block_sizes`, by head_dim,
     one program per tile). `form`: None for the Triton kernel, "mosaic" for the Mosaic GPU one
-    (decode calls; `num_stages` is then its shared-memory buffers)."""
+    (`num_stages` is then its shared-memory buffers)."""
 
     block_q: int | None = None
     pages_per_block: int | None = None
