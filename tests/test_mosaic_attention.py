@@ -194,3 +194,14 @@ def test_an_engine_tuned_to_the_mosaic_form_gives_the_reference_engines_tokens(t
         jax.clear_caches()
     assert seen and set(seen) == {4}
     assert got == want
+
+
+def test_work_items_are_the_tiles_that_hold_tokens():
+    """The grid's items: each sequence's tiles of up to `tokens` tokens in order, none for an
+    empty sequence, and every item past the last given a tile past its sequence (it exits)."""
+    cu = jnp.asarray([0, 1, 1, 18, 19, 27], jnp.int32)  # q lengths 1, 0, 17, 1, 8
+    seq, tile = mosaic_kernel._work_items(cu, num_tokens=32, tokens=8)
+    assert seq.shape == (5 + 32 // 8,)
+    pairs = [(int(s), int(t)) for s, t in zip(seq, tile)]
+    assert pairs[:6] == [(0, 0), (2, 0), (2, 1), (2, 2), (3, 0), (4, 0)]
+    assert all(t * 8 >= 32 for _, t in pairs[6:])

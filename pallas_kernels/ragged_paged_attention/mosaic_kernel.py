@@ -2,17 +2,18 @@
 cores): the backend JAX keeps, where the Triton one (triton_kernel.py) is deprecated. The
 contract of `reference`; a tuning candidate beside the Triton kernel (kernel.py), never the default.
 
-Grid `(sequences, KV heads, tiles x kv_splits)`. A tile is up to 8 tokens of one sequence, each
-token's query heads of KV head h padded to 8 rows, in a 64-row tile (wgmma's M); in a decode call
-(`cu_q_lens` None: one row a sequence) a tile is one token, so the grid is (sequences, KV heads,
-splits). Split j of a tile walks the j-th of `kv_splits` equal spans of the key blocks the tile
-sees. A block is `pages_per_block` pages, each brought in by one TMA copy at the page the table
-names, into one of `stages` shared-memory buffers: the next `stages - 1` blocks' copies are in
-flight while a block is computed. Per block, `q @ k.T` (one wgmma, K read transposed in shared
-memory), the causal and window mask by row, an online softmax in registers, the probabilities
-through shared memory in the KV's dtype, and `p @ v` (a second wgmma). Each program stores every
-token's rows on their own (a tile never spills into the next sequence's rows) as an unnormalized
-f32 output with its running max and sum, and the log-sum-exp combine outside the kernel
+Grid `(work items, KV heads, kv_splits)`. A work item is a tile of up to 8 tokens of one
+sequence (a list made in XLA from `cu_q_lens`, `_work_items`), each token's query heads of KV
+head h padded to 8 rows, in a 64-row tile (wgmma's M); in a decode call (`cu_q_lens` None: one
+row a sequence) a tile is one token, an item a sequence. Split j of a tile walks the j-th of
+`kv_splits` equal spans of the key blocks the tile sees. A block is `pages_per_block` pages,
+each brought in by one TMA copy at the page the table names, into one of `stages`
+shared-memory buffers: the next `stages - 1` blocks' copies are in flight while a block is
+computed. Per block, `q @ k.T` (one wgmma, K read transposed in shared memory), the causal and
+window mask by row, an online softmax in registers, the probabilities through shared memory in
+the KV's dtype, and `p @ v` (a second wgmma). Each program stores every token's rows on their
+own (a tile never spills into the next sequence's rows) as an unnormalized f32 output with its
+running max and sum, and the log-sum-exp combine outside the kernel
 (triton_kernel.combine_splits) normalizes and merges the splits.
 
 Not here (the Triton kernel keeps them): 8-bit KV with its scales, f32 KV, head_dim other than
@@ -115,17 +116,21 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens=None, *, sca
     group = q_heads // kv_heads
     rows = -(-group // GROUP_ROWS) * GROUP_ROWS  # a token's rows in the tile
     tokens = 1 if decode else TILE_ROWS // rows  # a tile's tokens
-    tiles = 1 if decode else pl.cdiv(num_tokens, tokens)  # a sequence's, at most
     block_kv = pages_per_block * page_size
     table = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % pages_per_block)))
     dtype = k_pages.dtype
     qg = (q.astype(jnp.float32) * scale).astype(dtype).reshape(num_tokens, kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, tokens), (0, 0), (0, rows - group), (0, 0)))  # a tile past the end reads padding
 
-    def body(q_gmem, k_gmem, v_gmem, lens_gmem, cu_gmem, table_gmem, o_gmem, m_gmem, l_gmem,
+    if decode:
+        item_seq, item_tile = jnp.arange(num_seqs, dtype=jnp.int32), jnp.zeros((num_seqs,), jnp.int32)
+    else:
+        item_seq, item_tile = _work_items(cu_q_lens, num_tokens, tokens)
+
+    def body(q_gmem, k_gmem, v_gmem, lens_gmem, cu_gmem, table_gmem, seq_gmem, tile_gmem, o_gmem, m_gmem, l_gmem,
              q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_barrier, kv_barriers):
-        s, h, program = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("tile")
-        tile, split = program // kv_splits, lax.rem(program, kv_splits)
+        item, h, split = lax.axis_index("item"), lax.axis_index("h"), lax.axis_index("split")
+        s, tile = seq_gmem[item], tile_gmem[item]
         seq_start, seq_end, kv_len = cu_gmem[s], cu_gmem[s + 1], lens_gmem[s]
         token0 = seq_start + tile * tokens
 
@@ -210,8 +215,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens=None, *, sca
     o, m, l = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((kv_splits, num_tokens, kv_heads, rows, head_dim), jnp.float32), stats, stats),
-        grid=(num_seqs, kv_heads, tiles * kv_splits),
-        grid_names=("s", "h", "tile"),
+        grid=(item_seq.shape[0], kv_heads, kv_splits),
+        grid_names=("item", "h", "split"),
         scratch_types=dict(
             q_smem=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=_swizzled(dtype, head_dim)),
             k_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_swizzled(dtype, head_dim)),
@@ -224,12 +229,29 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens=None, *, sca
             kv_barriers=plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=stages)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else None,
-    )(qg, k_pages, v_pages, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), table.astype(jnp.int32))
+    )(qg, k_pages, v_pages, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), table.astype(jnp.int32),
+      item_seq, item_tile)
     # Rows past the last sequence's tokens are never stored: whatever they hold, they are dropped.
     valid = (jnp.arange(num_tokens) < cu_q_lens[-1])[None, :, None, None]
     o, m, l = jnp.where(valid[..., None], o, 0.0), jnp.where(valid, m, _MASKED), jnp.where(valid, l, 0.0)
     out = combine_splits(o, m, l)[:, :, :group]
     return out.reshape(num_tokens, q_heads, head_dim).astype(q.dtype)
+
+
+def _work_items(cu_q_lens, num_tokens: int, tokens: int) -> tuple:
+    """The grid's first axis as a list of (sequence, tile) items, the tiles that hold tokens: a
+    sequence of q tokens has ceil(q / tokens) of them, so there are at most S + T / tokens items
+    (a grid of sequences x the tiles of the longest possible one would be S x T / tokens, nearly
+    all of it programs that exit at once in a batch of decodes). Items past the last are given a
+    tile past their sequence's end, so they exit."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    items = num_seqs + num_tokens // tokens
+    tiles = (cu_q_lens[1:] - cu_q_lens[:-1] + tokens - 1) // tokens
+    ends = jnp.cumsum(tiles)
+    index = jnp.arange(items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_seqs - 1).astype(jnp.int32)
+    tile = jnp.where(index < ends[-1], index - (ends - tiles)[seq], num_tokens).astype(jnp.int32)
+    return seq, tile
 
 
 def _interpret_params():
