@@ -27,19 +27,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu import interpret_params, swizzled
+
 # Pallas' Mosaic GPU module is imported where a kernel is built, not here: its MLIR dialects
 # take 1.0 s to import, which every process importing cbjax paid (a server's start, a script's --help).
 TILE_ROWS = 64  # wgmma's B side: the activations' rows, padded
 ACTIVATIONS = (jnp.bfloat16, jnp.float16)
 WEIGHTS = (jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn)
-
-
-def interpret_params():
-    """What `interpret=True` means for a Mosaic GPU kernel: Pallas' GPU interpreter (threads,
-    shared memory, TMA and barriers simulated on the CPU)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype, x_dtype, *, block_n: int,
@@ -60,15 +54,6 @@ def unsupported(rows: int, out_dim: int, in_dim: int, groups: int, dtype, x_dtyp
         return (f"Mosaic GPU form: a [{out_dim}, {in_dim}] weight in blocks of {block_n} x {block_k} "
                 f"over {splits} splits (block_n a multiple of 64 dividing out, block_k x splits dividing in)")
     return None
-
-
-def _swizzled(dtype, inner: int, role: str) -> tuple:
-    """A shared-memory tile's tiling and swizzle for rows of `inner` elements (wgmma's operands)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(inner * bits, role)
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def matmul(x, values, *, block_n: int, block_k: int, splits: int, stages: int, interpret: bool):
@@ -98,9 +83,9 @@ def matmul(x, values, *, block_n: int, block_k: int, splits: int, stages: int, i
             plgpu.emit_pipeline(
                 step, grid=(steps,), max_concurrent_steps=stages,
                 in_specs=[plgpu.BlockSpec((block_n, block_k), lambda k: (n, s * steps + k),
-                                          transforms=_swizzled(values.dtype, block_k, "lhs")),
+                                          transforms=swizzled(values.dtype, block_k, "lhs")),
                           plgpu.BlockSpec((block_k, TILE_ROWS), lambda k: (s * steps + k, 0),
-                                          transforms=_swizzled(x.dtype, TILE_ROWS, "rhs"))])(w_gmem, x_gmem)
+                                          transforms=swizzled(x.dtype, TILE_ROWS, "rhs"))])(w_gmem, x_gmem)
             o_smem[...] = acc_ref[...]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * block_n, block_n)])
@@ -114,8 +99,8 @@ def matmul(x, values, *, block_n: int, block_k: int, splits: int, stages: int, i
         grid=(out_dim // block_n, splits),
         grid_names=("n", "s"),
         scratch_types=dict(
-            o_smem=plgpu.SMEM((block_n, TILE_ROWS), jnp.float32, transforms=_swizzled(jnp.float32, TILE_ROWS, "out")),
-            a_smem=plgpu.SMEM((block_n, block_k), x.dtype, transforms=_swizzled(x.dtype, block_k, "lhs"))),
+            o_smem=plgpu.SMEM((block_n, TILE_ROWS), jnp.float32, transforms=swizzled(jnp.float32, TILE_ROWS, "out")),
+            a_smem=plgpu.SMEM((block_n, block_k), x.dtype, transforms=swizzled(x.dtype, block_k, "lhs"))),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret_params() if interpret else None,
     )(values, xt)

@@ -202,6 +202,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     if launch == Launch():
         choice = tuning.chosen(KERNEL, shape)
         launch = Launch.parse(choice) if choice is not None else launch
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
     if launch.form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {launch.form!r}")
     if launch.form == "mosaic":
@@ -225,8 +227,6 @@ def _mosaic(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, scale, lau
         raise NotImplementedError("the Mosaic GPU form's interpret mode needs JAX >= 0.11 (a transposed wgmma operand)")
     if not interpret and platform not in (None, "gpu", "cuda"):
         raise ValueError(f"the Mosaic GPU form runs on NVIDIA GPUs (cuda), not {platform!r}")
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
     pages = launch.pages_per_block or max(64 // k_pages.shape[2], 1)
     return mosaic_kernel.attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, scale=scale,
                                    pages_per_block=pages, kv_splits=launch.kv_splits or 1,
@@ -243,8 +243,6 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
     pages_per_block = auto_pages if pages_per_block is None else pages_per_block
     check_supported(head_dim=head_dim, page_size=page_size, dtype=k_pages.dtype, q_heads=q.shape[1],
                     kv_heads=k_pages.shape[0], block_q=block_q, pages_per_block=pages_per_block, kv_splits=kv_splits)
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
     if cu_q_lens.shape[0] != kv_lens.shape[0] + 1 or page_indices.shape[0] != kv_lens.shape[0]:
         raise ValueError("cu_q_lens must have one entry more than kv_lens and page_indices have rows")
     args = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),

@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu import interpret_params, swizzled
 from pallas_kernels.ragged_paged_attention.triton_kernel import combine_splits
 
 # Pallas' Mosaic GPU module is imported where a kernel is built, not here (1.0 s to import).
@@ -75,15 +76,6 @@ def shared_memory_bytes(head_dim: int, block_kv: int, stages: int) -> int:
     statistics), plus 4 KB for barriers and alignment."""
     return (TILE_ROWS * head_dim * 2 + 2 * stages * block_kv * head_dim * 2 + TILE_ROWS * block_kv * 2
             + TILE_ROWS * head_dim * 4 + 2 * TILE_ROWS * 4 + 4096)
-
-
-def _swizzled(dtype, inner: int) -> tuple:
-    """A shared-memory tile's tiling and swizzle for rows of `inner` elements (wgmma's operands)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(inner * bits, "lhs")
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def _transposed(ref):
@@ -218,17 +210,17 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens=None, *, sca
         grid=(item_seq.shape[0], kv_heads, kv_splits),
         grid_names=("item", "h", "split"),
         scratch_types=dict(
-            q_smem=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=_swizzled(dtype, head_dim)),
-            k_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_swizzled(dtype, head_dim)),
-            v_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_swizzled(dtype, head_dim)),
-            p_smem=plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=_swizzled(dtype, block_kv)),
+            q_smem=plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=swizzled(dtype, head_dim, "lhs")),
+            k_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled(dtype, head_dim, "rhs")),
+            v_smem=plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled(dtype, head_dim, "rhs")),
+            p_smem=plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled(dtype, block_kv, "lhs")),
             o_smem=plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32),
             m_smem=plgpu.SMEM((TILE_ROWS,), jnp.float32),
             l_smem=plgpu.SMEM((TILE_ROWS,), jnp.float32),
             q_barrier=plgpu.Barrier(num_arrivals=tokens),
             kv_barriers=plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=stages)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params() if interpret else None,
+        interpret=interpret_params() if interpret else None,
     )(qg, k_pages, v_pages, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), table.astype(jnp.int32),
       item_seq, item_tile)
     # Rows past the last sequence's tokens are never stored: whatever they hold, they are dropped.
@@ -252,9 +244,3 @@ def _work_items(cu_q_lens, num_tokens: int, tokens: int) -> tuple:
     seq = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_seqs - 1).astype(jnp.int32)
     tile = jnp.where(index < ends[-1], index - (ends - tiles)[seq], num_tokens).astype(jnp.int32)
     return seq, tile
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
