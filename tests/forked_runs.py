@@ -25,10 +25,10 @@ for line in sys.stdin:
         sys.argv, code = ["experiments", *args], 0
         try:
             runpy.run_module("experiments", run_name="__main__", alter_sys=True)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-            if isinstance(exit.code, str):
-                print(exit.code, file=sys.stderr)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
             code = 1

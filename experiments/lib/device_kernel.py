@@ -66,19 +66,31 @@ def kernel_check() -> list[dict]:
         out = ragged_paged_attention(*args, scale=scale, window=case["window"], interpret=interpret)
         ref = reference(*(a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args), scale,
                         window=case["window"])
-        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-        error = float(np.abs(out - ref).max() / np.abs(ref).max())
-        tolerance = 5e-3 if case["dtype"] == "float32" else 3e-2  # tf32 / bf16 operands
-        rows.append({**case, "rel_error": error, "ok": bool(np.isfinite(error) and error < tolerance)})
+        rows.append(_checked(case, out, ref))
         if not interpret and case["dtype"] == "bfloat16" and case["head_dim"] % 64 == 0:  # its Mosaic GPU form
-            decode = case["mix"] == "decodes"
-            call = (*args[:5], None if decode else args[5])
-            out = np.asarray(ragged_paged_attention(*call, scale=scale, window=case["window"], form="mosaic"),
-                             np.float32)
-            error = float(np.abs(out - ref).max() / np.abs(ref).max())
-            rows.append({**case, "form": "mosaic", "rel_error": error,
-                         "ok": bool(np.isfinite(error) and error < tolerance)})
+            call = (*args[:5], None if case["mix"] == "decodes" else args[5])
+            out = ragged_paged_attention(*call, scale=scale, window=case["window"], form="mosaic")
+            rows.append(_checked({**case, "form": "mosaic"}, out, ref))
     return rows
+
+
+def _checked(case: dict, out, ref) -> dict:
+    """`case`'s row: the kernel's largest error against the reference, relative to the output."""
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    error = float(np.abs(out - ref).max() / np.abs(ref).max())
+    tolerance = 5e-3 if case["dtype"] == "float32" else 3e-2  # tf32 / bf16 operands
+    return {**case, "rel_error": error, "ok": bool(np.isfinite(error) and error < tolerance)}
+
+
+def _timed(variant: dict, fn, args, live: int, copy_GBps: float) -> dict:
+    """`variant`'s row: `fn(*args)` timed, the live KV bytes over that time (or the error)."""
+    try:
+        ms = timed_ms(fn, *args)
+    except Exception as e:  # a tile too large for this device's shared memory, a ptxas refusal
+        return {**variant, "error": str(e)[:200]}
+    return {**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps}
 
 
 def kernel_variants(group: int) -> list[tuple]:
@@ -98,7 +110,6 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     interpret = jax.default_backend() == "cpu"
@@ -124,38 +135,29 @@ def kernel_bandwidth(copy_GBps: float) -> list[dict]:
                                                interpret=interpret))
                 variant = {"batch": name, "page": page, "keys_per_step": keys or "auto", "block_q": block_q or "auto",
                            "num_stages": stages or "auto", "kv_splits": splits or 1}
-                try:
-                    ms = timed_ms(fn, *args)
-                except Exception as e:  # a tile too large for this device's shared memory, say
-                    rows.append({**variant, "error": str(e)[:200]})
-                    continue
-                rows.append({**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
+                rows.append(_timed(variant, fn, args, live, copy_GBps))
             if not interpret:  # Mosaic GPU (its interpreter is JAX >= 0.11's, and slow): the tuning's launches
-                rows += mosaic_rows(args, name, page, live, copy_GBps, attention_kernel)
+                rows += mosaic_rows(args, name, page, live, copy_GBps)
             del args
     return rows
 
 
-def mosaic_rows(args, name: str, page: int, live: int, copy_GBps: float, attention_kernel) -> list[dict]:
+def mosaic_rows(args, name: str, page: int, live: int, copy_GBps: float) -> list[dict]:
     """The Mosaic GPU launches the engine's tuning would time for this batch, each timed."""
     import jax
 
+    from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
+
     decode = not name.startswith("mixed")  # every sequence one row: a decode call
     call = (*args[:5], None if decode else args[5])
-    shape = attention_kernel.shape_of(args[0], args[1], args[4], 0, decode=decode)
     rows = []
-    for launch in attention_kernel.mosaic_candidates(shape):
+    for launch in attention_kernel.mosaic_candidates(attention_kernel.shape_of(args[0], args[1], args[4], 0, decode)):
         fn = jax.jit(functools.partial(attention_kernel.ragged_paged_attention, scale=0.1, form="mosaic",
                                        pages_per_block=launch.pages_per_block, num_stages=launch.num_stages,
                                        kv_splits=launch.kv_splits))
         variant = {"batch": name, "page": page, "form": "mosaic", "keys_per_step": launch.pages_per_block * page,
                    "block_q": "-", "num_stages": launch.num_stages, "kv_splits": launch.kv_splits}
-        try:
-            ms = timed_ms(fn, *call)
-        except Exception as e:  # a ptxas or shared-memory refusal on this device
-            rows.append({**variant, "error": str(e)[:200]})
-            continue
-        rows.append({**variant, "ms": ms, "GBps": live / ms / 1e6, "of_copy": live / ms / 1e6 / copy_GBps})
+        rows.append(_timed(variant, fn, call, live, copy_GBps))
     return rows
 
 
