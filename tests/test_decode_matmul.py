@@ -40,9 +40,9 @@ def random_weight(out_dim: int, in_dim: int, dtype, group: int | None, seed: int
     """`(values, scale)` of any format: 8-bit values over their whole range with a random scale
     per `group` inputs (0: per row), or a float weight and None. Drawn by numpy: a jax.random
     draw outside a jit compiles a program for every new shape."""
-    rng = np.random.default_rng(seed)
     if group is None:
-        return jnp.asarray(rng.normal(size=(out_dim, in_dim)) * 0.05, dtype), None
+        return normal((out_dim, in_dim), seed, dtype, std=0.05), None
+    rng = np.random.default_rng(seed)
     raw = rng.uniform(-127, 127, (out_dim, in_dim)).astype(np.float32)
     values = jnp.asarray(np.round(raw), dtype) if dtype == jnp.int8 else jnp.asarray(raw * (448 / 127), dtype)
     groups = in_dim // group if group else 1
