@@ -12,7 +12,8 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -38,10 +39,25 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # OLMoE normalizes the whole q and k projections ([heads * head_dim]), not each head.
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None
     # Per layer: the sliding-window size, or 0 for full attention.
     sliding_windows: tuple = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    # Mixture of experts (cbjax/models/moe.py); num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert beside the routed ones (0: none), with its sigmoid gate.
+    shared_expert_intermediate_size: int = 0
+    # Per layer: whether its MLP is the experts (True) or one dense MLP (False); () = all MoE.
+    moe_layers: tuple = ()
+    # Tokens an expert takes in one call: ceil(factor * tokens * top_k / experts), the rest dropped
+    # (their expert's share is zero). None: no token is ever dropped (the default).
+    expert_capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -63,10 +79,35 @@ class ModelConfig:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError("sliding_windows needs one entry per layer")
+        self._check_moe()
+
+    def _check_moe(self):
+        if not self.num_experts:
+            if self.moe_layers and any(self.moe_layers):
+                raise ValueError("moe_layers names expert layers but num_experts is 0")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
+            raise ValueError("moe_layers needs one entry per layer")
+        factor = self.expert_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"expert_capacity_factor must be > 0 (or None: drop no token), got {factor}")
 
     @property
     def is_gpt2(self) -> bool:
         return self.model_type == "gpt2"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts."""
+        return self.is_moe and (not self.moe_layers or bool(self.moe_layers[layer]))
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -90,6 +131,7 @@ class ModelConfig:
         d["rope_scaling"] = _freeze(d.get("rope_scaling") or {})
         d["sliding_windows"] = tuple(d.get("sliding_windows") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["moe_layers"] = tuple(d.get("moe_layers") or ())
         return cls(**d)
 
     @classmethod
@@ -145,7 +187,7 @@ def _sliding_windows(hf: dict, model_type: str, num_layers: int) -> tuple:
     layer_types = hf.get("layer_types")
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not hf.get("use_sliding_window", False):
             return ()
         max_window_layers = hf.get("max_window_layers", num_layers)
@@ -195,6 +237,7 @@ def _from_hf(hf: dict) -> ModelConfig:
     heads = hf["num_attention_heads"]
     num_layers = hf["num_hidden_layers"]
     attention_bias = bool(hf.get("attention_bias", False))
+    qwen2_like = model_type in ("qwen2", "qwen2_moe")
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
@@ -209,11 +252,34 @@ def _from_hf(hf: dict) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias or model_type == "qwen2",
+        qkv_bias=attention_bias or (qwen2_like and hf.get("qkv_bias", True)),
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_whole=model_type == "olmoe",
+        clip_qkv=hf.get("clip_qkv"),
         sliding_windows=_sliding_windows(hf, model_type, num_layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
+        **(_moe_fields(hf, model_type, num_layers) if model_type in MOE_MODEL_TYPES else {}),
     )
+
+
+def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
+    """The experts of a MoE config, under either spelling of the expert count (`num_experts`,
+    `num_local_experts`: the hub's files and current transformers differ by family)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise KeyError("num_experts")
+    if model_type == "mixtral":  # Mixtral: the experts' width is intermediate_size; top-k always renormalized
+        return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    width = hf.get("moe_intermediate_size") or hf["intermediate_size"]  # OLMoE: intermediate_size
+    sparse_step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense_only = set(hf.get("mlp_only_layers") or ())
+    moe_layers = tuple(i not in dense_only and (i + 1) % sparse_step == 0 for i in range(num_layers))
+    return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(width), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0,
+                moe_layers=() if all(moe_layers) else moe_layers)

@@ -39,6 +39,23 @@ _LLAMA_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "layers/b_down", _ID),
 ]
 
+# A mixture-of-experts layer: the router, each expert's three matrices (stacked into
+# `[experts, ...]` at load: the second group is the expert's index), Qwen2-MoE's shared expert,
+# and the fused `[experts, 2 * width, hidden]` gate/up layout of transformers v5's modules.
+_MOE_BLOCK = r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)"
+_MOE_NAMES = [
+    (_MOE_BLOCK + r"\.gate\.weight", "layers/router", _ID),
+    (_MOE_BLOCK + r"\.experts\.(\d+)\.(?:gate_proj|w1)\.weight", "layers/moe_w_gate", _ID),
+    (_MOE_BLOCK + r"\.experts\.(\d+)\.(?:up_proj|w3)\.weight", "layers/moe_w_up", _ID),
+    (_MOE_BLOCK + r"\.experts\.(\d+)\.(?:down_proj|w2)\.weight", "layers/moe_w_down", _ID),
+    (_MOE_BLOCK + r"\.experts\.gate_up_proj", "layers/moe_w_gate_up", _ID),
+    (_MOE_BLOCK + r"\.experts\.down_proj", "layers/moe_w_down", _ID),
+    (_MOE_BLOCK + r"\.shared_expert\.gate_proj\.weight", "layers/shared_w_gate", _ID),
+    (_MOE_BLOCK + r"\.shared_expert\.up_proj\.weight", "layers/shared_w_up", _ID),
+    (_MOE_BLOCK + r"\.shared_expert\.down_proj\.weight", "layers/shared_w_down", _ID),
+    (_MOE_BLOCK + r"\.shared_expert_gate\.weight", "layers/shared_expert_gate", _ID),
+]
+
 # GPT-2 uses Conv1D ([in, out]) and a fused c_attn that is split afterwards.
 _GPT2_NAMES = [
     (r"(?:transformer\.)?wte\.weight", "embed", _ID),
@@ -101,7 +118,7 @@ def load_hf_params(path: str, config: ModelConfig, dtype="float32") -> dict:
                 raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
         return load
 
-    names = _GPT2_NAMES if config.is_gpt2 else _LLAMA_NAMES
+    names = _GPT2_NAMES if config.is_gpt2 else _LLAMA_NAMES + (_MOE_NAMES if config.is_moe else [])
     try:
         return convert_tensors({n: loader(n) for n in files}, config, names, dtype, lambda n: files[n])
     finally:

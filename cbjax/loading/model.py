@@ -58,6 +58,31 @@ def _split_c_attn(flat: dict, config: ModelConfig) -> None:
                     flat[f"layers/{i}/{part}"] = x[j * d:(j + 1) * d]
 
 
+def _stack_experts(per_expert: dict, config: ModelConfig) -> dict:
+    """`{(ours, layer): {expert: [..]}}` -> `{ours: {layer: [experts, ..]}}`, every expert present."""
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for (ours, layer), experts in sorted(per_expert.items()):
+        missing = [e for e in range(config.num_experts) if e not in experts]
+        if missing or len(experts) != config.num_experts:
+            raise ValueError(f"checkpoint is missing expert(s) {missing or sorted(set(experts) - set(range(config.num_experts)))}"
+                             f" of {_layer_name(ours, layer)!r} (the config has {config.num_experts} experts; "
+                             f"the checkpoint has {sorted(experts)})")
+        shapes = {a.shape for a in experts.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"checkpoint's experts of {_layer_name(ours, layer)!r} differ in shape: {shapes}")
+        out.setdefault(ours, {})[layer] = np.stack([experts[e] for e in range(config.num_experts)])
+    return out
+
+
+def _split_gate_up(flat: dict, config: ModelConfig) -> None:
+    """transformers v5's fused `[experts, 2 * width, hidden]` into the gate (first half) and up."""
+    for i in range(config.num_layers):
+        fused = flat.pop(f"layers/{i}/moe_w_gate_up", None)
+        if fused is not None:
+            half = fused.shape[1] // 2
+            flat[f"layers/{i}/moe_w_gate"], flat[f"layers/{i}/moe_w_up"] = fused[:, :half], fused[:, half:]
+
+
 def convert_tensors(
     named_tensors: dict[str, Callable[[], np.ndarray]],
     config: ModelConfig,
@@ -72,6 +97,7 @@ def convert_tensors(
     """
     compiled = [(re.compile(p + r"$"), ours, fn) for p, ours, fn in names]
     per_layer: dict[str, dict[int, np.ndarray]] = {}
+    per_expert: dict[tuple, dict[int, np.ndarray]] = {}
     flat: dict[str, np.ndarray] = {}
     for name, load in named_tensors.items():
         for pattern, ours, fn in compiled:
@@ -91,22 +117,31 @@ def convert_tensors(
             if layer >= config.num_layers:
                 raise ValueError(f"{where(name)}: tensor {name!r} is for layer {layer}, "
                                  f"but the config has {config.num_layers} layers")
-            per_layer.setdefault(ours, {})[layer] = value
+            if len(m.groups()) == 2:  # one expert's matrix (cbjax/loading/huggingface.py, _MOE_NAMES)
+                per_expert.setdefault((ours, layer), {})[int(m.group(2))] = value
+            else:
+                per_layer.setdefault(ours, {})[layer] = value
         else:
             flat[ours] = value
 
     expected = flatten_shapes(param_shapes(config))
+    for ours, layers in _stack_experts(per_expert, config).items():
+        per_layer.setdefault(ours, {}).update(layers)
     for ours, layers in per_layer.items():
-        missing = [i for i in range(config.num_layers) if i not in layers]
+        holders = [i for i in range(config.num_layers)
+                   if _layer_name(ours, i) in expected or ours == "layers/moe_w_gate_up" and config.is_moe_layer(i)]
+        missing = [i for i in holders if i not in layers]
         if missing:
             raise ValueError(f"checkpoint is missing {ours!r} for layers {missing}")
         shapes = {layers[i].shape for i in layers}
         if len(shapes) != 1:
             raise ValueError(f"checkpoint tensor {ours!r} has different shapes across layers: {shapes}")
-        for i in range(config.num_layers):
-            flat[_layer_name(ours, i)] = layers[i]
+        for i, value in layers.items():
+            flat[_layer_name(ours, i)] = value
     if config.is_gpt2:
         _split_c_attn(flat, config)
+    if config.is_moe:
+        _split_gate_up(flat, config)
 
     for ours, shape in expected.items():
         if ours not in flat:

@@ -34,6 +34,18 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
                                                    "norm_eps": 1e-5},
                              position_embedding="learned", tie_embeddings=True, qkv_bias=True, o_bias=True,
                              mlp_bias=True),
+    # Mixtures of experts (cbjax/models/moe.py): Mixtral's top-2 of 8, Qwen2-MoE's shared expert
+    # and a dense layer, Qwen3-MoE's many experts with top-k renormalized, OLMoE's whole-projection
+    # q/k norms.
+    "tiny-mixtral": ModelConfig(model_type="mixtral", **_TINY, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=128, norm_topk_prob=True),
+    "tiny-qwen2-moe": ModelConfig(model_type="qwen2_moe", **_TINY, qkv_bias=True, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=96, moe_layers=(True, False)),
+    "tiny-qwen3-moe": ModelConfig(model_type="qwen3_moe", **_TINY, qk_norm=True, num_experts=16,
+                                  num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True),
+    "tiny-olmoe": ModelConfig(model_type="olmoe", **_TINY, qk_norm=True, qk_norm_whole=True, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=128),
     # Shaped like SmolLM2-135M (30 layers, d=576, GQA 9/3) with random weights: for
     # benchmarks that want realistic step costs without a tokenizer.
     "smollm2-135m-random": ModelConfig(

@@ -10,6 +10,11 @@ list with one dict per layer):
     layers/i/bq, bk, bv, bo                         (when the family has them)
     layers/i/q_norm, k_norm [hd]                    (qwen3)
     layers/i/w_gate?, w_up [inter, hidden], w_down [hidden, inter], b_* (mlp bias)
+  a mixture-of-experts layer instead of the MLP (cbjax/models/moe.py; E experts of width I):
+    layers/i/router [E, hidden]
+    layers/i/moe_w_gate, moe_w_up [E, I, hidden], moe_w_down [E, hidden, I]
+    layers/i/shared_w_gate, shared_w_up [S, hidden], shared_w_down [hidden, S],
+             shared_expert_gate [1, hidden]   (Qwen2-MoE's shared expert)
     final_norm/{scale, bias?}
     lm_head      [vocab, hidden]                    (untied only)
 
@@ -47,29 +52,36 @@ def param_shapes(config: ModelConfig) -> dict:
             s["bias"] = (d,)
         return s
 
-    layer = {
+    attention = {
         "attn_norm": norm_shape(),
         "mlp_norm": norm_shape(),
         "wq": (q_dim, d),
         "wk": (kv_dim, d),
         "wv": (kv_dim, d),
         "wo": (d, q_dim),
-        "w_up": (inter, d),
-        "w_down": (d, inter),
     }
-    if not c.is_gpt2:
-        layer["w_gate"] = (inter, d)
     if c.qkv_bias:
-        layer.update(bq=(q_dim,), bk=(kv_dim,), bv=(kv_dim,))
+        attention.update(bq=(q_dim,), bk=(kv_dim,), bv=(kv_dim,))
     if c.o_bias:
-        layer["bo"] = (d,)
-    if c.mlp_bias:
-        layer.update(b_up=(inter,), b_down=(d,))
-        if not c.is_gpt2:
-            layer["b_gate"] = (inter,)
+        attention["bo"] = (d,)
     if c.qk_norm:
-        layer.update(q_norm=(hd,), k_norm=(hd,))
-    shapes = {"embed": (c.vocab_size, d), "layers": [layer] * c.num_layers, "final_norm": norm_shape()}
+        attention.update(q_norm=(q_dim,), k_norm=(kv_dim,)) if c.qk_norm_whole else attention.update(
+            q_norm=(hd,), k_norm=(hd,))
+    dense = {"w_up": (inter, d), "w_down": (d, inter)}
+    if not c.is_gpt2:
+        dense["w_gate"] = (inter, d)
+    if c.mlp_bias:
+        dense.update(b_up=(inter,), b_down=(d,))
+        if not c.is_gpt2:
+            dense["b_gate"] = (inter,)
+    experts, width, shared = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    moe = {"router": (experts, d), "moe_w_gate": (experts, width, d), "moe_w_up": (experts, width, d),
+           "moe_w_down": (experts, d, width)}
+    if shared:
+        moe.update(shared_w_gate=(shared, d), shared_w_up=(shared, d), shared_w_down=(d, shared),
+                   shared_expert_gate=(1, d))
+    layers = [{**attention, **(moe if c.is_moe_layer(i) else dense)} for i in range(c.num_layers)]
+    shapes = {"embed": (c.vocab_size, d), "layers": layers, "final_norm": norm_shape()}
     if c.position_embedding == "learned":
         shapes["pos_embed"] = (c.max_position_embeddings, d)
     if not c.tie_embeddings:
@@ -133,14 +145,16 @@ def check_params(params: dict, config: ModelConfig, source: str = "params") -> N
 
 def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Seeded random params: normal(0, std) matrices, unit norms, small random biases.
-    Each per-layer tensor is drawn for all layers at once and then split, so a seed gives
-    the same model as when the layers were stored stacked."""
+    Each per-layer tensor is drawn for all the layers that have it at once and then split, so
+    a seed gives the same model as when the layers were stored stacked."""
     flat = flatten_shapes(param_shapes(config))
-    stacked = {}
+    stacked, holders = {}, {}
     for name, shape in flat.items():
         parts = name.split("/")
         if parts[0] == "layers":
-            stacked["/".join(["layers"] + parts[2:])] = (config.num_layers, *shape)
+            key = "/".join(["layers"] + parts[2:])
+            holders.setdefault(key, []).append(int(parts[1]))
+            stacked[key] = (len(holders[key]), *shape)
         else:
             stacked[name] = shape
     rng = np.random.default_rng(seed)
@@ -153,8 +167,8 @@ def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: floa
         else:
             value = rng.normal(0.0, std, shape).astype(np.float32)
         if name.startswith("layers/"):
-            for i in range(config.num_layers):
-                out[name.replace("layers/", f"layers/{i}/", 1)] = jnp.asarray(value[i], dtype)
+            for j, i in enumerate(holders[name]):
+                out[name.replace("layers/", f"layers/{i}/", 1)] = jnp.asarray(value[j], dtype)
         else:
             out[name] = jnp.asarray(value, dtype)
     return unflatten(out)

@@ -30,6 +30,7 @@ from cbjax.models.ops import XLA, Ops
 from cbjax.models.attention import attention_part, flat_self_part, merge_parts, visible
 from cbjax.models.kv_cache import KVCache, QuantizedKV, as_stored, rotate
 from cbjax.models.quant import activation_dtype, embedding_rows
+from cbjax.models.moe import moe_mlp
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
@@ -41,9 +42,13 @@ def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
         q, k, v = split_qkv(dense(h, p["wqkv"], p.get("bqkv"), ops), config)
     else:
         q, k, v = (dense(h, p[w], p.get(bias), ops) for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    if config.qk_norm_whole:  # OLMoE: over each token's whole projection, before the heads split
+        q, k = rms_norm(q, p["q_norm"], config.norm_eps), rms_norm(k, p["k_norm"], config.norm_eps)
+    if config.clip_qkv is not None:
+        q, k, v = (jnp.clip(a, -config.clip_qkv, config.clip_qkv) for a in (q, k, v))
     q = q.reshape(b, t, config.num_heads, hd)
     k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
-    if config.qk_norm:
+    if config.qk_norm and not config.qk_norm_whole:
         q = rms_norm(q, p["q_norm"], config.norm_eps)
         k = rms_norm(k, p["k_norm"], config.norm_eps)
     if config.position_embedding == "rope":
@@ -217,7 +222,8 @@ def forward(
         if rotated:
             out = rotate(out, config.head_dim, back=True)
         x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), ops)
-        x = x + mlp(norm(x, p["mlp_norm"], config), p, config, ops)
+        h = norm(x, p["mlp_norm"], config)
+        x = x + (moe_mlp(h, p, config, offsets < num_valid[:, None], ops)[0] if "router" in p else mlp(h, p, config, ops))
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         ks, vs = ([jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in kv] for kv in (ks, vs))

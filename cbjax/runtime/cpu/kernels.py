@@ -157,6 +157,7 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     if isinstance(p, LayerAt):
         return rows
     return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
+            and not config.qk_norm_whole and config.clip_qkv is None
             and "bias" not in p["attn_norm"] and "bias" not in p["mlp_norm"] and not any(n in p for n in _BIASES)
             and all(getattr(p[n], "dtype", None) == jnp.float32
                     for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
@@ -268,6 +269,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
     expected = {n.removesuffix("/scale"): shape for n, shape in layer_shapes.items()}
     required = set(LAYER_WEIGHTS) - {"q_norm", "k_norm"}
     if (not layers or not available() or config.position_embedding != "rope" or not required <= set(expected)
+            or config.qk_norm_whole or config.clip_qkv is not None
             or not set(expected) <= set(LAYER_WEIGHTS)):
         return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
     rows, all_blocks = [], True
