@@ -66,6 +66,12 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         start_cpu_kernel_build(args.cpu_kernels)  # a cold start's compiler run overlaps the load
     model = model if isinstance(model, Model) else load_model(model, dtype=args.dtype,
                                                               keep_gguf_blocks=args.quantization == "gguf")
+    if args.expert_capacity_factor is not None:
+        if not model.config.is_moe:
+            raise ValueError(f"expert_capacity_factor applies to a mixture of experts; {model.config.model_type!r} "
+                             "is dense")
+        model = dataclasses.replace(model, config=model.config.replace(
+            expert_capacity_factor=args.expert_capacity_factor))
     if args.quantization == "gguf" and simulate is None:
         if quant.quantization_of(model.params) != "gguf":
             raise ValueError("quantization='gguf' keeps a GGUF file's blocks: pass the .gguf path, not a model "

@@ -30,8 +30,9 @@ def _knob(default, help: str, choices=None, lower=None):
 
 
 @dataclasses.dataclass
-class EngineArgs:
-    # Scheduling (cbjax/scheduling/)
+class SchedulingKnobs:
+    """What the scheduler decides (cbjax/scheduling/): the policy, its knobs, the merge mode."""
+
     policy: str = _knob("continuous", "Batching policy: static, dynamic or continuous.", POLICIES)
     num_slots: int = _knob(8, "KV-cache slots: sequences decoded together.", lower=1)
     max_seq_len: int = _knob(512, "Prompt plus output tokens per request (the cache's length).", lower=2)
@@ -65,7 +66,12 @@ class EngineArgs:
                             "or chunked (Sarathi-Serve).", MERGE_MODES)
     max_num_batched_tokens: int = _knob(None, "Token budget of a mixed step (fused/chunked); default "
                                         "max(256, 2 x slots) chunked, max_seq_len + slots fused.", lower=1)
-    # Device (cbjax/runtime/)
+
+
+@dataclasses.dataclass
+class DeviceKnobs:
+    """How the device runs the steps (cbjax/runtime/): buckets, dtypes, the KV cache, the kernels."""
+
     prefill_floor: int = _knob(16, "Smallest token bucket of a step that holds prompt tokens.", lower=1)
     token_bucket_steps: int = _knob(1, "Token buckets per doubling from prefill_floor on (a power of two): 1 = "
                                     "powers of two; 2 adds 24, 48, 96, ...: a prompt pads to at most 1.33x its "
@@ -114,7 +120,16 @@ class EngineArgs:
     fuse_projections: str = _knob("auto", "One matmul for q/k/v and one for the MLP's gate/up (fused weights): auto "
                                   "(on a GPU or TPU without tensor parallelism), on or off.", FUSE_CHOICES)
     max_logprobs: int = _knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.", lower=0)
-    # Scale (cbjax/runtime/sharding.py, cbjax/runtime/pipeline.py)
+    expert_capacity_factor: float = _knob(None, "Mixture of experts: an expert takes at most ceil(factor x tokens "
+                                          "x top_k / experts) of a step's tokens, the rest dropped (their share of "
+                                          "that expert is zero); default none dropped.", lower=0.0)
+
+
+@dataclasses.dataclass
+class ScaleKnobs:
+    """Where the engine runs (cbjax/runtime/sharding.py, pipeline.py, cbjax/core/disaggregation.py,
+    cbjax/simulator/): several devices, several instances, or a simulated accelerator."""
+
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
     micro_batches: int = _knob(1, "Pipeline: decode the slots in this many groups.", lower=1)
@@ -132,7 +147,12 @@ class EngineArgs:
     weight_dtype: str = _knob(None, "Simulated weight dtype (default: dtype); fp8 runs on fp8 tensor cores, int8 "
                               "is weight-only.", SIM_WEIGHT_DTYPES)
     kv_dtype: str = _knob(None, "Simulated KV-cache dtype (default: the weight dtype).", SIM_KV_DTYPES)
-    # Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/speculative.py)
+
+
+@dataclasses.dataclass
+class SpeculationKnobs:
+    """Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/speculative.py)."""
+
     speculative_method: str = _knob("none", "Speculative decoding: none, ngram (prompt lookup: the tokens that "
                                     "followed the latest earlier occurrence of a request's last n tokens) or draft "
                                     "(a smaller model's greedy tokens: speculative_model).", ("none", "ngram", "draft"))
@@ -146,6 +166,12 @@ class EngineArgs:
     speculative_ngram_max: int = _knob(4, "ngram speculation: the longest suffix matched.", lower=1)
     simulated_acceptance: float = _knob(0.7, "Simulated speculation: the probability that each proposed token is "
                                         "accepted (the simulator has no real tokens to compare).", lower=0.0)
+
+
+@dataclasses.dataclass
+class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
+    """Every knob (the groups above, by job), checked once here; the scheduler's and the
+    engine's own configs derived from them."""
 
     def __post_init__(self):
         if self.merge_mode in ("fused", "chunked") and self.max_num_batched_tokens is None:
@@ -166,6 +192,9 @@ class EngineArgs:
         self.seed = checks.integer("seed", self.seed, 0, 2 ** 63 - 1)
         for name in ("tensor_parallel", "pipeline_stages", "micro_batches"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        if self.expert_capacity_factor is not None:
+            self.expert_capacity_factor = checks.real("expert_capacity_factor", self.expert_capacity_factor,
+                                                      0.0, low_open=True)
         if self.length_predictor is not None:
             if not isinstance(self.length_predictor, (str, os.PathLike)):
                 raise ValueError(f"length_predictor must be a checkpoint directory, got {self.length_predictor!r}")

@@ -13,9 +13,13 @@ all-reduce after `wo` and one after `w_down`.
   query heads next to the keys they read. vLLM instead replicates each KV head over
   `tp / kv_heads` devices; under GSPMD full replication is the simple, correct rule.
 - `w_gate`/`w_up`/`b_gate`/`b_up` by the MLP width, `w_down` by its input columns.
+- A mixture of experts' layer (cbjax/models/moe.py) the same way inside each expert: every device
+  holds every expert, `moe_w_gate`/`moe_w_up` split by the expert's width and `moe_w_down` by its
+  input columns, so routing needs no exchange and the layer one all-reduce; the router is
+  replicated. Qwen2-MoE's shared expert is split like a dense MLP.
 - Embeddings, norms, the LM head and every small per-slot array are replicated.
 
-The query head count and the MLP width must be divisible by the tensor-parallel size.
+The query head count and the MLP widths must be divisible by the tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from cbjax.models.quant import QuantizedWeight
 AXIS = "tp"
 
 # The split axis of each per-layer tensor; absent ones are replicated.
-_COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up")  # split the output axis (axis 0 of [out, in])
-_ROW = ("wo", "w_down")  # split the input axis (axis 1 of [out, in])
+_COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up", "shared_w_gate", "shared_w_up")  # the output axis
+_ROW = ("wo", "w_down", "shared_w_down", "moe_w_down")  # the input axis (the last of [(experts,) out, in])
+_EXPERT_COLUMN = ("moe_w_gate", "moe_w_up")  # [experts, width, hidden]: the width
 _KV = ("wk", "wv", "bk", "bv")  # the output axis, when KV heads are split
 
 
@@ -53,7 +58,9 @@ def tp_size(mesh: Mesh | None) -> int:
 
 def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
     n = tp_size(mesh)
-    for name, size in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+    for name, size in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size),
+                       ("moe_intermediate_size", config.moe_intermediate_size),
+                       ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)):
         if size % n:
             raise ValueError(f"tensor_parallel={n} must divide the model's {name} ({size})")
 
@@ -73,6 +80,8 @@ def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
             axes[0] = AXIS
         elif name in _ROW:
             axes[-1] = AXIS
+        elif name in _EXPERT_COLUMN:
+            axes[1] = AXIS
         if isinstance(leaf, QuantizedWeight):  # scales [out, groups]: split as the rows and inputs are
             return QuantizedWeight(P(*axes), P(*axes))
         return P(*axes)
