@@ -270,7 +270,7 @@ def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
     `num_local_experts`: the hub's files and current transformers differ by family)."""
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if not experts:
-        raise KeyError("num_experts")
+        raise ValueError(f"a {model_type} config needs num_experts (or num_local_experts) > 0, got {experts!r}")
     if model_type == "mixtral":  # Mixtral: the experts' width is intermediate_size; top-k always renormalized
         return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)

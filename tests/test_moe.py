@@ -1,0 +1,216 @@
+"""Mixtures of experts (cbjax/models/moe.py): every MoE family's greedy tokens equal transformers'
+through the engine in both cache layouts, all three merge modes and under tensor parallelism; the
+two ways of computing the experts agree; the capacity factor drops what it says; bad input is
+refused by name."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbjax import LLM, EngineArgs, SamplingParams
+from cbjax.config import ModelConfig
+from cbjax.loading import load_hf_dir, load_model
+from cbjax.models import moe
+from cbjax.runtime.engine import Engine
+from tests.hf_models import MOE_FAMILIES, make_hf_model, save_hf_model
+from tests.test_engine_parity import MAX_SEQ_LEN, hf_greedy, workload
+from tests.tiers import sweep
+
+NUM_PROMPTS = 8
+LAYOUTS = {"slots": dict(), "paged": dict(kv_cache="paged", page_size=8, num_pages=24)}
+MERGE_MODES = {"prefill_first": dict(), "fused": dict(merge_mode="fused"),
+               "chunked": dict(merge_mode="chunked", max_num_batched_tokens=13)}
+FAMILIES = sorted(MOE_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def family_setup(tmp_path_factory):
+    """Per family, built once: the loaded model, a workload and transformers' greedy tokens."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            hf = make_hf_model(family, seed=11, eos_token_id=2, bos_token_id=1)
+            model = load_hf_dir(save_hf_model(hf, str(tmp_path_factory.mktemp(family))), with_tokenizer=False)
+            prompts, max_tokens = workload(model.config.vocab_size)
+            prompts, max_tokens = prompts[-NUM_PROMPTS:], max_tokens[-NUM_PROMPTS:]
+            made[family] = model, prompts, max_tokens, [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+        return made[family]
+
+    return get
+
+
+def _generate(model, prompts, max_tokens, **options):
+    llm = LLM(model, num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
+    return llm, [o.token_ids for o in outputs]
+
+
+PARITY = [(f, layout, mode) for f in FAMILIES for layout in LAYOUTS for mode in MERGE_MODES]
+
+
+@pytest.mark.parametrize("family,layout,mode", sweep(PARITY, quick={
+    ("mixtral", "slots", "prefill_first"), ("qwen2_moe", "paged", "chunked"), ("qwen3_moe", "paged", "fused"),
+    ("olmoe", "slots", "chunked")}))
+def test_greedy_tokens_equal_transformers(family_setup, family, layout, mode):
+    model, prompts, max_tokens, expected = family_setup(family)
+    _, tokens = _generate(model, prompts, max_tokens, **LAYOUTS[layout], **MERGE_MODES[mode])
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("family,tensor_parallel", sweep(
+    [(f, tp) for f in FAMILIES for tp in (2, 4)], quick={("qwen2_moe", 2)}))
+def test_tensor_parallel_equals_transformers(family_setup, family, tensor_parallel):
+    """Each expert split by its width over the devices (and Qwen2-MoE's shared expert like a dense MLP)."""
+    model, prompts, max_tokens, expected = family_setup(family)
+    _, tokens = _generate(model, prompts, max_tokens, tensor_parallel=tensor_parallel, merge_mode="chunked",
+                          max_num_batched_tokens=13)
+    assert tokens == expected
+
+
+DENSE_FEATURES = {
+    "prefix-preempt-recompute": dict(kv_cache="paged", page_size=8, num_pages=10, enable_prefix_caching=True,
+                                     merge_mode="chunked", max_num_batched_tokens=13),
+    "preempt-swap": dict(preemption_mode="swap", host_kv_cache_bytes=1 << 24, kv_cache="paged", page_size=8,
+                         num_pages=10),
+    "ngram-speculation": dict(speculative_method="ngram", speculative_length="fixed"),
+}
+
+
+@pytest.mark.parametrize("name", sweep(sorted(DENSE_FEATURES), quick={"prefix-preempt-recompute"}))
+def test_what_dense_models_have_works_here_too(family_setup, name):
+    """Preemption (recompute and swap) under page pressure, prefix caching and speculation."""
+    options = DENSE_FEATURES[name]
+    model, prompts, max_tokens, expected = family_setup("mixtral")
+    llm, tokens = _generate(model, prompts, max_tokens, **options)
+    assert tokens == expected
+    if "num_pages" in options:
+        assert llm.scheduler.num_preemptions > 0
+
+
+def test_routing_changes_compile_nothing():
+    """Routing is data: after warm-up, other prompts (other experts) run the same programs."""
+    llm = LLM("tiny-mixtral", num_slots=4, max_seq_len=MAX_SEQ_LEN, merge_mode="chunked", max_num_batched_tokens=16)
+    llm.warmup()
+    compiled = Engine.num_backend_compilations()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, size=int(n)).tolist() for n in rng.integers(1, 30, size=12)]
+    llm.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
+    assert Engine.num_backend_compilations() == compiled
+
+
+def _random_layer(config: ModelConfig, seed: int):
+    rng = np.random.default_rng(seed)
+    e, w, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    p = {"router": rng.normal(0, 0.5, (e, d)), "moe_w_gate": rng.normal(0, 0.1, (e, w, d)),
+         "moe_w_up": rng.normal(0, 0.1, (e, w, d)), "moe_w_down": rng.normal(0, 0.1, (e, d, w))}
+    return {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+
+
+def _numpy_experts(h, p, config, keep=None):
+    """Each token through its top-k experts one at a time, in numpy."""
+    h, p = np.asarray(h, np.float64), {k: np.asarray(v, np.float64) for k, v in p.items()}
+    logits = h @ p["router"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for i, row in enumerate(probs):
+        top = np.argsort(-row, kind="stable")[:config.num_experts_per_tok]
+        weights = row[top] / (row[top].sum() if config.norm_topk_prob else 1.0)
+        for j, (e, wgt) in enumerate(zip(top, weights)):
+            if keep is not None and not keep[i, j]:
+                continue
+            g, u = p["moe_w_gate"][e] @ h[i], p["moe_w_up"][e] @ h[i]
+            out[i] += wgt * (p["moe_w_down"][e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 24])
+def test_gathered_and_grouped_experts_equal_the_numpy_layer(tokens):
+    """Few pairs take the gathered path, many the grouped one: both equal the per-token loop."""
+    config = load_model("tiny-qwen3-moe").config
+    p = _random_layer(config, 0)
+    h = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size))
+    weights, experts = moe.route(h, p["router"], config)
+    for compute in (moe._gathered, moe._grouped):
+        out = jax.jit(compute)(h, experts, weights, p)
+        np.testing.assert_allclose(out, _numpy_experts(h, p, config), rtol=2e-4, atol=2e-5)
+    out, counts = moe.moe_mlp(h[None], p, config, jnp.ones((1, tokens), bool))
+    np.testing.assert_allclose(out[0], _numpy_experts(h, p, config), rtol=2e-4, atol=2e-5)
+    assert int(counts.sum()) == tokens * config.num_experts_per_tok
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.5, 1.0, 1.5])
+def test_capacity_keeps_each_experts_first_tokens(factor):
+    """An expert keeps its first ceil(factor x valid tokens x k / E) valid tokens in the call's
+    order; padding tokens take no place; the dropped pairs contribute nothing."""
+    config = load_model("tiny-mixtral").config.replace(expert_capacity_factor=factor)
+    p = _random_layer(config, 1)
+    n = 40
+    h = jax.random.normal(jax.random.key(1), (n, config.hidden_size))
+    valid = np.arange(n) % 5 != 4
+    _, experts = moe.route(h, p["router"], config)
+    keep = np.asarray(moe.kept_pairs(experts, jnp.asarray(valid), config))
+    capacity = int(np.ceil(factor * valid.sum() * config.num_experts_per_tok / config.num_experts))
+    taken = np.zeros(config.num_experts, int)
+    expected = np.zeros_like(keep)
+    for i, row in enumerate(np.asarray(experts)):
+        for j, e in enumerate(row):
+            if valid[i] and taken[e] < capacity:
+                expected[i, j], taken[e] = True, taken[e] + 1
+    np.testing.assert_array_equal(keep, expected)
+    out, counts = moe.moe_mlp(h[None], p, config, jnp.asarray(valid)[None])
+    np.testing.assert_array_equal(counts, taken)
+    reference = _numpy_experts(h, p, config, keep=expected)
+    np.testing.assert_allclose(out[0][valid], reference[valid], rtol=2e-4, atol=2e-5)
+
+
+def test_an_ample_capacity_changes_no_token(family_setup):
+    model, prompts, max_tokens, expected = family_setup("mixtral")
+    _, tokens = _generate(model, prompts, max_tokens, expert_capacity_factor=float(model.config.num_experts))
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "x"])
+def test_a_capacity_factor_at_or_below_zero_is_refused(bad):
+    with pytest.raises(ValueError, match="expert_capacity_factor"):
+        EngineArgs(expert_capacity_factor=bad)
+    with pytest.raises(ValueError, match="expert_capacity_factor"):
+        load_model("tiny-mixtral").config.replace(expert_capacity_factor=bad if bad != "x" else -2)
+
+
+def test_a_capacity_factor_on_a_dense_model_is_refused():
+    with pytest.raises(ValueError, match="expert_capacity_factor.*dense"):
+        LLM("tiny-llama", expert_capacity_factor=1.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_missing_an_experts_tensor_names_it(family, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = save_hf_model(make_hf_model(family), str(tmp_path / "ok"))
+    bad = shutil.copytree(path, tmp_path / "bad")
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = next(n for n in sorted(tensors) if ".experts.1." in n and "up" in n.replace("w3", "up"))
+    del tensors[name]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing expert\(s\) \[1\] of 'layers/0/moe_w_up'"):
+        load_hf_dir(str(bad))
+
+
+def test_config_keys_of_both_spellings_and_dense_layers():
+    """The expert count as `num_experts` or `num_local_experts`; Qwen's dense layers by
+    `mlp_only_layers` and `decoder_sparse_step`."""
+    base = dict(model_type="qwen2_moe", vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                intermediate_size=32, moe_intermediate_size=8, num_experts_per_tok=2)
+    a = ModelConfig.from_hf_dict({**base, "num_experts": 4, "decoder_sparse_step": 2})
+    b = ModelConfig.from_hf_dict({**base, "num_local_experts": 4, "mlp_only_layers": [0, 2]})
+    assert a.num_experts == b.num_experts == 4
+    assert [a.is_moe_layer(i) for i in range(4)] == [b.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_hf_dict({**base, "num_experts": 0})
