@@ -214,3 +214,27 @@ def test_config_keys_of_both_spellings_and_dense_layers():
     assert [a.is_moe_layer(i) for i in range(4)] == [b.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     with pytest.raises(ValueError, match="num_experts"):
         ModelConfig.from_hf_dict({**base, "num_experts": 0})
+
+
+@pytest.mark.parametrize("pairs,experts", [(1, 8), (6, 4), (40, 8), (33, 16)])
+def test_the_cpu_expert_kernel_equals_the_gathered_product(pairs, experts):
+    """The C++ kernel (experts.h): each pair's row times its expert, experts chosen by several
+    pairs, by none, and out-of-order; widths that are not multiples of the vector lanes."""
+    from cbjax.runtime.cpu import kernels
+
+    if not kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {kernels.build_error()}")
+    rng = np.random.default_rng(pairs)
+    x = jnp.asarray(rng.normal(size=(pairs, 37)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(experts, 70, 37)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, experts, pairs), jnp.int32)
+    got = jax.jit(kernels.expert_matmul_nt)(x, w, ids)
+    np.testing.assert_allclose(got, jnp.einsum("pk,pnk->pn", x, w[ids]), rtol=1e-5, atol=1e-5)
+    assert kernels.CPU_KERNELS.expert_dense(x, w.astype(jnp.bfloat16), ids) is None  # bf16: XLA's way
+
+
+def test_the_engine_with_and_without_the_cpu_kernels_agrees(family_setup):
+    model, prompts, max_tokens, expected = family_setup("qwen3_moe")
+    for choice in ("auto", "off"):
+        _, tokens = _generate(model, prompts, max_tokens, cpu_kernels=choice)
+        assert tokens == expected, choice

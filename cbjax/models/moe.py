@@ -3,7 +3,9 @@ is a gated-SiLU MLP, and a token's output is its experts' outputs weighted by th
 
 Inside the one ragged step every token of the call (prefill chunks and decodes alike) is
 routed at once; routing is data, never part of a program's key. The experts are computed one
-of two ways, chosen by the call's static size:
+by the backend's own kernel where it has one (`Ops.expert_dense`: on a CPU the C++ kernel reads
+each chosen expert in place, once for all the pairs that chose it), else one of two ways,
+chosen by the call's static size:
 
 - `gathered`: few (token, expert) pairs (at most `E`, a decode step of a small batch): each
   pair's expert matrices are gathered and applied to its token, so the step reads only the
@@ -89,6 +91,19 @@ def _grouped(h, experts, weights, p):
     return jnp.zeros_like(h).at[token].add(y)
 
 
+def _by_ops(h, experts, weights, p, ops):
+    """The pairs' products by the backend's expert kernel (`Ops.expert_dense`), or None."""
+    k = experts.shape[1]
+    ids = experts.reshape(-1)
+    x = jnp.repeat(h, k, axis=0)
+    gate = ops.expert_dense(x, p["moe_w_gate"], ids)
+    if gate is None:
+        return None
+    act = jax.nn.silu(gate) * ops.expert_dense(x, p["moe_w_up"], ids)
+    y = ops.expert_dense(act, p["moe_w_down"], ids) * weights.reshape(-1, 1).astype(h.dtype)
+    return jnp.sum(y.reshape(h.shape[0], k, -1), axis=1)
+
+
 def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, valid: jax.Array, ops: Ops = XLA):
     """The layer's experts (and shared expert) over `x [B, T, hidden]`; `valid [B, T]` marks the
     real tokens. Returns `(out [B, T, hidden], tokens_per_expert [E])`."""
@@ -99,8 +114,9 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, valid: jax.Array, ops: O
     weights = jnp.where(keep, weights, 0.0)
     # A pair's expert costs a copy of its matrices when gathered, so gathering pays only
     # while the pairs are fewer than the experts (each then read at most once).
-    compute = _gathered if experts.size <= config.num_experts else _grouped
-    out = compute(h, experts, weights, p)
+    out = _by_ops(h, experts, weights, p, ops)
+    if out is None:
+        out = (_gathered if experts.size <= config.num_experts else _grouped)(h, experts, weights, p)
     if "shared_w_gate" in p:  # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
         shared = ops.dense(jax.nn.silu(ops.dense(h, p["shared_w_gate"])) * ops.dense(h, p["shared_w_up"]),
                            p["shared_w_down"])

@@ -46,6 +46,12 @@ class Ops:
             return gguf_blocks.dense(x, w)
         return jnp.einsum("...d,od->...o", x, w)
 
+    def expert_dense(self, x: jax.Array, w, experts: jax.Array) -> jax.Array | None:
+        """`x[p] @ w[experts[p]].T` for pairs' rows `x [P, K]` and stacked experts `w [E, N, K]`,
+        or None to leave it to the mixture-of-experts layer's own ways (cbjax/models/moe.py)."""
+        del x, w, experts
+        return None
+
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
         """`attention_part` of one query token per row over cached positions [lo, hi) of each
         row's slot, or None to leave it to the reference read (cbjax/models/transformer.py)."""

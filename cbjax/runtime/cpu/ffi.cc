@@ -15,6 +15,7 @@
 // kernels share their chunks out over (`Pooled`, pool.h).
 #include "attention.h"
 #include "blocks.h"
+#include "experts.h"
 #include "int8.h"
 #include "layer.h"
 #include "matmul.h"
@@ -26,6 +27,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_nt, Pooled<&MatmulNT>::call,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_expert_matmul_nt, Pooled<&ExpertMatmulNT>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_matmul_blocks, Pooled<&MatmulBlocks>::call,

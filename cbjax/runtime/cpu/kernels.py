@@ -73,6 +73,20 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call("cbjax_matmul_nt", out, vmap_method="sequential")(x, w)
 
 
+def experts_fit(x: jax.Array, w) -> bool:
+    """Whether the pairs' product with stacked experts `w [E, N, K]` is the kernel's: f32 rows, f32 experts."""
+    return (isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3 and x.ndim == 2
+            and x.dtype == jnp.float32 and x.shape[0] > 0 and available())
+
+
+def expert_matmul_nt(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
+    """`x[p] @ w[experts[p]].T` for x `[P, K]`, w `[E, N, K]` and experts `[P]`, each expert read in place
+    once for the pairs that chose it (experts.h)."""
+    _require()
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    return jax.ffi.ffi_call("cbjax_expert_matmul_nt", out, vmap_method="sequential")(x, w, experts.astype(jnp.int32))
+
+
 def argmax(x: jax.Array) -> jax.Array:
     """`Ops.argmax` (the first maximum of the last axis, the first NaN where there is one) by the
     kernel, for f32 `x [..., n]`, n > 0."""
@@ -303,6 +317,9 @@ class CpuKernelOps(Ops):
         if int8_fits(x, w):
             return matmul_int8(x, w)
         return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
+
+    def expert_dense(self, x, w, experts):
+        return expert_matmul_nt(x, w, experts) if experts_fit(x, w) else super().expert_dense(x, w, experts)
 
     def argmax(self, x):
         if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 0 and available():

@@ -20,7 +20,8 @@ import jax
 
 from cbjax.compile_cache import cache_root
 
-TARGETS = ("cbjax_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8", "cbjax_history_attention",
+TARGETS = ("cbjax_matmul_nt", "cbjax_expert_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8",
+           "cbjax_history_attention",
            "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_argmax")
 SOURCES = Path(__file__).parent
 MAIN = SOURCES / "ffi.cc"

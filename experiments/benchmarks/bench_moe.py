@@ -1,0 +1,164 @@
+"""A mixture of experts' decode step against dense models, over the batch size.
+
+Three random-init models of one shape but their MLPs, each decoded by the engine at batch sizes
+1..64 (one engine per model, merge_mode chunked so a step computes only its active rows):
+
+- `moe`: `--experts` experts of width `--expert_width`, top `--top_k` (Mixtral's proportions by
+  default: the experts hold most of the weights);
+- `dense_active`: one MLP as wide as the experts a token uses (`top_k x width`): the same active
+  parameters;
+- `dense_all`: one MLP as wide as every expert together (`experts x width`): what computing every
+  expert costs.
+
+A MoE step reads only the experts its tokens route to, so its cost starts near `dense_active` at
+one sequence and climbs towards `dense_all` as the batch touches more experts (about
+E (1 - (1 - k/E)^B) of them under uniform routing). Prints ms per step, tokens per second and the
+ratios measured side by side in one run; writes JSON and a plot.
+
+    python -m experiments bench_moe
+    python -m experiments bench_moe --batches=1,8,64 --hidden=256 --layers=2
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags
+
+from experiments.lib import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64"], "Sequences decoding together.")
+flags.DEFINE_integer("hidden", 512, "Hidden size of the three models.", lower_bound=16)
+flags.DEFINE_integer("layers", 4, "Decoder layers.", lower_bound=1)
+flags.DEFINE_integer("experts", 8, "Experts per MoE layer.", lower_bound=2)
+flags.DEFINE_integer("top_k", 2, "Experts per token.", lower_bound=1)
+flags.DEFINE_integer("expert_width", 1792, "Each expert's intermediate size (Mixtral: 3.5 x hidden).", lower_bound=1)
+flags.DEFINE_integer("vocab", 8192, "Vocabulary (small, so that the experts dominate the weights as in Mixtral).",
+                     lower_bound=16)
+flags.DEFINE_integer("prompt_len", 16, "Prompt tokens of each sequence.", lower_bound=1)
+flags.DEFINE_integer("steps", 16, "Timed decode steps per measurement.", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "Measurements per cell; the best is kept.", lower_bound=1)
+flags.DEFINE_string("output_json", "results/bench_moe.json", "Where the results go (a PNG beside it).")
+common.validate_list("batches", int, 1, "positive integers")
+
+
+def configs():
+    """The three models' configs: (name, ModelConfig)."""
+    from cbjax.config import ModelConfig
+
+    heads = max(1, FLAGS.hidden // 64)
+    shape = dict(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden, num_layers=FLAGS.layers, num_heads=heads,
+                 num_kv_heads=max(1, heads // 4), head_dim=FLAGS.hidden // heads, max_position_embeddings=4096,
+                 norm_eps=1e-5, eos_token_ids=(2,), bos_token_id=1)
+    width, experts, k = FLAGS.expert_width, FLAGS.experts, FLAGS.top_k
+    if k > experts:
+        raise app.UsageError(f"--top_k={k} exceeds --experts={experts}")
+    return [("moe", ModelConfig(model_type="mixtral", intermediate_size=width, num_experts=experts,
+                                num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=True, **shape)),
+            ("dense_active", ModelConfig(model_type="llama", intermediate_size=k * width, **shape)),
+            ("dense_all", ModelConfig(model_type="llama", intermediate_size=experts * width, **shape))]
+
+
+def weight_bytes(params) -> int:
+    import jax
+
+    return sum(a.nbytes for a in jax.tree.leaves(params))
+
+
+def time_steps(model, batches: list[int], progress) -> dict[int, float]:
+    """Seconds per decode step with B sequences decoding, for each B, on one engine."""
+    import numpy as np
+
+    from cbjax import LLM, SamplingParams
+
+    most = max(batches)
+    llm = LLM(model, num_slots=most, max_seq_len=FLAGS.prompt_len + FLAGS.steps * FLAGS.repeats + 32,
+              merge_mode="chunked", max_num_batched_tokens=max(2 * most, FLAGS.prompt_len * most))
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in batches:
+        best = float("inf")
+        for _ in range(FLAGS.repeats):
+            for _ in range(b):
+                llm.add_request(rng.integers(3, model.config.vocab_size, size=FLAGS.prompt_len).tolist(),
+                                SamplingParams(max_tokens=FLAGS.steps + 4, ignore_eos=True))
+            for _ in range(3):  # the prefill, then steps until every program in use has compiled
+                llm.step()
+            t0 = time.perf_counter()
+            for _ in range(FLAGS.steps):
+                llm.step()
+            best = min(best, (time.perf_counter() - t0) / FLAGS.steps)
+            llm.run_until_done()
+        out[b] = best
+        progress.update(1)
+    return out
+
+
+def expected_experts(batch: int) -> float:
+    """Experts a layer reads at `batch` tokens under uniform routing."""
+    e, k = FLAGS.experts, FLAGS.top_k
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def plot(rows: dict, batches: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, times in rows.items():
+        left.plot(batches, [1000 * times[b] for b in batches], marker="o", label=name)
+        right.plot(batches, [b / times[b] for b in batches], marker="o", label=name)
+    for ax, label in ((left, "ms per decode step"), (right, "tokens per second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences decoding")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    left.legend()
+    fig.suptitle(f"MoE ({FLAGS.experts} experts, top {FLAGS.top_k}) against dense models, "
+                 f"{FLAGS.layers} layers of {FLAGS.hidden}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    from tqdm import tqdm
+
+    from cbjax.loading import Model
+    from cbjax.metrics import write_json
+    from cbjax.models.params import init_params
+
+    batches = sorted(int(b) for b in FLAGS.batches)
+    rows, sizes = {}, {}
+    with tqdm(total=3 * len(batches), desc="bench_moe", unit="cell") as progress:
+        for name, config in configs():
+            model = Model(config, init_params(config, seed=0), None, source=f"bench_moe:{name}")
+            sizes[name] = weight_bytes(model.params)
+            rows[name] = time_steps(model, batches, progress)
+    lines = [f"{'batch':>6}{'experts read':>14}" + "".join(f"{f'{n} ms':>16}" for n in rows)
+             + "".join(f"{f'{n} tok/s':>18}" for n in rows) + f"{'moe/active':>12}{'all/moe':>10}"]
+    for b in batches:
+        t = {n: rows[n][b] for n in rows}
+        lines.append(f"{b:>6}{expected_experts(b):>14.1f}" + "".join(f"{1000 * t[n]:>16.2f}" for n in rows)
+                     + "".join(f"{b / t[n]:>18.0f}" for n in rows)
+                     + f"{t['moe'] / t['dense_active']:>11.2f}x{t['dense_all'] / t['moe']:>9.2f}x")
+    table = "\n".join(lines)
+    mb = ", ".join(f"{n} {sizes[n] / 1e6:.0f} MB" for n in sizes)
+    print(f"\nweights: {mb}\n{table}")
+    first = batches[0]
+    print(f"\nat {first} sequence(s): moe / dense_active {rows['moe'][first] / rows['dense_active'][first]:.2f}x, "
+          f"dense_all / moe {rows['dense_all'][first] / rows['moe'][first]:.2f}x")
+    os.makedirs(os.path.dirname(FLAGS.output_json) or ".", exist_ok=True)
+    write_json(FLAGS.output_json, {"flags": common.script_flags(), "weight_bytes": sizes,
+                                   "seconds_per_step": rows, "table": table})
+    png = os.path.splitext(FLAGS.output_json)[0] + ".png"
+    plot(rows, batches, png)
+    print(f"wrote {FLAGS.output_json} and {png}")
+
+
+if __name__ == "__main__":
+    app.run(main)
