@@ -222,6 +222,8 @@ def forked():
     ("merge_modes.py", "--modes=prefill_first,eager"),
     ("merge_modes.py", "--long_prompt_len=600"),
     ("bench_decode_slots.py", "--slots=0,4"),
+    ("bench_moe.py", "--batches=1,0"),
+    ("bench_moe.py", "--experts=4 --top_k=6"),
     ("soak.py", "--num_requests=0"),
     ("serve_bench.py", "--qps=1,0"),
     ("serve_bench.py", "--num_slots=0"),
@@ -364,6 +366,17 @@ def test_bench_decode_slots_smoke(tmp_path):
                "--prompt_len=4", "--max_seq_len=32", f"--output_json={out}")
     result = json.loads(out.read_text())
     assert set(result["seconds_per_step"]) == {"prefill_first", "chunked"}
+
+
+@slow
+def test_bench_moe_smoke(tmp_path):
+    out = tmp_path / "moe.json"
+    run_script("bench_moe.py", "--batches=1,4", "--hidden=64", "--layers=1", "--expert_width=32", "--vocab=64",
+               "--steps=2", "--repeats=1", "--prompt_len=4", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert set(result["seconds_per_step"]) == {"moe", "dense_active", "dense_all"}
+    assert all(set(times) == {"1", "4"} for times in result["seconds_per_step"].values())
+    assert (tmp_path / "moe.png").stat().st_size > 0
 
 
 @slow

@@ -42,6 +42,8 @@ flags.DEFINE_integer("steps", 16, "Timed decode steps per measurement.", lower_b
 flags.DEFINE_integer("repeats", 3, "Measurements per cell; the best is kept.", lower_bound=1)
 flags.DEFINE_string("output_json", "results/bench_moe.json", "Where the results go (a PNG beside it).")
 common.validate_list("batches", int, 1, "positive integers")
+flags.register_multi_flags_validator(["top_k", "experts"], lambda f: f["top_k"] <= f["experts"],
+                                     "--top_k must not exceed --experts")
 
 
 def configs():
@@ -50,11 +52,9 @@ def configs():
 
     heads = max(1, FLAGS.hidden // 64)
     shape = dict(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden, num_layers=FLAGS.layers, num_heads=heads,
-                 num_kv_heads=max(1, heads // 4), head_dim=FLAGS.hidden // heads, max_position_embeddings=4096,
+                 num_kv_heads=heads // 4 if heads % 4 == 0 else heads, head_dim=FLAGS.hidden // heads, max_position_embeddings=4096,
                  norm_eps=1e-5, eos_token_ids=(2,), bos_token_id=1)
     width, experts, k = FLAGS.expert_width, FLAGS.experts, FLAGS.top_k
-    if k > experts:
-        raise app.UsageError(f"--top_k={k} exceeds --experts={experts}")
     return [("moe", ModelConfig(model_type="mixtral", intermediate_size=width, num_experts=experts,
                                 num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=True, **shape)),
             ("dense_active", ModelConfig(model_type="llama", intermediate_size=k * width, **shape)),
@@ -140,11 +140,11 @@ def main(argv):
             sizes[name] = weight_bytes(model.params)
             rows[name] = time_steps(model, batches, progress)
     lines = [f"{'batch':>6}{'experts read':>14}" + "".join(f"{f'{n} ms':>16}" for n in rows)
-             + "".join(f"{f'{n} tok/s':>18}" for n in rows) + f"{'moe/active':>12}{'all/moe':>10}"]
+             + "".join(f"{f'{n} tok/s':>20}" for n in rows) + f"{'moe/active':>12}{'all/moe':>10}"]
     for b in batches:
         t = {n: rows[n][b] for n in rows}
         lines.append(f"{b:>6}{expected_experts(b):>14.1f}" + "".join(f"{1000 * t[n]:>16.2f}" for n in rows)
-                     + "".join(f"{b / t[n]:>18.0f}" for n in rows)
+                     + "".join(f"{b / t[n]:>20.0f}" for n in rows)
                      + f"{t['moe'] / t['dense_active']:>11.2f}x{t['dense_all'] / t['moe']:>9.2f}x")
     table = "\n".join(lines)
     mb = ", ".join(f"{n} {sizes[n] / 1e6:.0f} MB" for n in sizes)
