@@ -238,3 +238,20 @@ def test_the_engine_with_and_without_the_cpu_kernels_agrees(family_setup):
     for choice in ("auto", "off"):
         _, tokens = _generate(model, prompts, max_tokens, cpu_kernels=choice)
         assert tokens == expected, choice
+
+
+def test_the_simulator_refuses_a_mixture_of_experts_by_name():
+    with pytest.raises(ValueError, match="mixture of experts"):
+        LLM("tiny-mixtral", simulate="h100")
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-olmoe"])
+def test_orbax_round_trip_keeps_the_experts_and_the_dense_layers(preset, tmp_path):
+    from cbjax.loading import save_orbax
+
+    model = load_model(preset, seed=3)
+    save_orbax(model, str(tmp_path / "ckpt"))
+    restored = load_model(str(tmp_path / "ckpt"))
+    assert restored.config == model.config
+    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(model.params), jax.tree.leaves_with_path(restored.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))

@@ -63,10 +63,12 @@ def _stack_experts(per_expert: dict, config: ModelConfig) -> dict:
     out: dict[str, dict[int, np.ndarray]] = {}
     for (ours, layer), experts in sorted(per_expert.items()):
         missing = [e for e in range(config.num_experts) if e not in experts]
-        if missing or len(experts) != config.num_experts:
-            raise ValueError(f"checkpoint is missing expert(s) {missing or sorted(set(experts) - set(range(config.num_experts)))}"
-                             f" of {_layer_name(ours, layer)!r} (the config has {config.num_experts} experts; "
-                             f"the checkpoint has {sorted(experts)})")
+        if missing:
+            raise ValueError(f"checkpoint is missing expert(s) {missing} of {_layer_name(ours, layer)!r} (the config "
+                             f"has {config.num_experts} experts; the checkpoint has {sorted(experts)})")
+        if len(experts) != config.num_experts:
+            raise ValueError(f"checkpoint has experts {sorted(set(experts) - set(range(config.num_experts)))} of "
+                             f"{_layer_name(ours, layer)!r}, beyond the config's {config.num_experts}")
         shapes = {a.shape for a in experts.values()}
         if len(shapes) != 1:
             raise ValueError(f"checkpoint's experts of {_layer_name(ours, layer)!r} differ in shape: {shapes}")

@@ -193,6 +193,9 @@ def load_cost_model(spec: str, config: ModelConfig, dtype_bytes: int = 2, tensor
                     weight_dtype: str | None = None, kv_dtype: str | None = None):
     """`spec` is an accelerator name (roofline) or a calibration JSON file (measured on
     one device of this machine: no tensor parallelism, no other dtypes)."""
+    if config.is_moe:  # its weights read per step depend on the batch's routing (docs/moe.md)
+        raise ValueError(f"the simulator does not price a mixture of experts yet ({config.model_type!r}): "
+                         "simulate a dense model, or run it")
     if spec.endswith(".json"):
         if tensor_parallel > 1 or weight_dtype or kv_dtype:
             raise ValueError(f"{spec} was calibrated on one device at its own dtype: simulate an accelerator "

@@ -13,7 +13,6 @@ side by side in one run; writes JSON.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import app, flags
 
@@ -36,26 +35,14 @@ def time_decode(model, num_slots: int, merge_mode: str) -> float:
     """Seconds per decode step with `--active` sequences running in `num_slots` slots."""
     import numpy as np
 
-    from cbjax import LLM, SamplingParams
+    from cbjax import LLM
 
     budget = {"max_num_batched_tokens": max(2 * num_slots + 8, FLAGS.prompt_len * FLAGS.active + num_slots)} \
         if merge_mode != "prefill_first" else {}
     llm = LLM(model, num_slots=num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
               merge_mode=merge_mode, **budget)
-    rng = np.random.default_rng(0)
-    best = float("inf")
-    for _ in range(FLAGS.repeats):
-        for _ in range(FLAGS.active):
-            llm.add_request(rng.integers(3, model.config.vocab_size, size=FLAGS.prompt_len).tolist(),
-                            SamplingParams(max_tokens=FLAGS.steps + 8, ignore_eos=True))
-        for _ in range(4):  # prefill, then a few steps so every program in use is compiled
-            llm.step()
-        t0 = time.perf_counter()
-        for _ in range(FLAGS.steps):
-            llm.step()
-        best = min(best, (time.perf_counter() - t0) / FLAGS.steps)
-        llm.run_until_done()
-    return best
+    return common.seconds_per_decode_step(llm, model.config.vocab_size, FLAGS.active, FLAGS.prompt_len, FLAGS.steps,
+                                          FLAGS.repeats, np.random.default_rng(0))
 
 
 def main(argv):

@@ -22,7 +22,6 @@ ratios measured side by side in one run; writes JSON and a plot.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import app, flags
 
@@ -71,7 +70,7 @@ def time_steps(model, batches: list[int], progress) -> dict[int, float]:
     """Seconds per decode step with B sequences decoding, for each B, on one engine."""
     import numpy as np
 
-    from cbjax import LLM, SamplingParams
+    from cbjax import LLM
 
     most = max(batches)
     llm = LLM(model, num_slots=most, max_seq_len=FLAGS.prompt_len + FLAGS.steps * FLAGS.repeats + 32,
@@ -79,19 +78,8 @@ def time_steps(model, batches: list[int], progress) -> dict[int, float]:
     rng = np.random.default_rng(0)
     out = {}
     for b in batches:
-        best = float("inf")
-        for _ in range(FLAGS.repeats):
-            for _ in range(b):
-                llm.add_request(rng.integers(3, model.config.vocab_size, size=FLAGS.prompt_len).tolist(),
-                                SamplingParams(max_tokens=FLAGS.steps + 4, ignore_eos=True))
-            for _ in range(3):  # the prefill, then steps until every program in use has compiled
-                llm.step()
-            t0 = time.perf_counter()
-            for _ in range(FLAGS.steps):
-                llm.step()
-            best = min(best, (time.perf_counter() - t0) / FLAGS.steps)
-            llm.run_until_done()
-        out[b] = best
+        out[b] = common.seconds_per_decode_step(llm, model.config.vocab_size, b, FLAGS.prompt_len, FLAGS.steps,
+                                                FLAGS.repeats, rng)
         progress.update(1)
     return out
 

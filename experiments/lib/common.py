@@ -205,6 +205,28 @@ def llm_over_core(model, simulate=None, **engine_args):
     return LLM(model, args, core=core), core
 
 
+def seconds_per_decode_step(llm, vocab: int, rows: int, prompt_len: int, steps: int, repeats: int, rng) -> float:
+    """The best of `repeats` measurements of `steps` decode steps with `rows` sequences of
+    `prompt_len` random tokens decoding in `llm` (each measurement's requests run to the end)."""
+    import time
+
+    from cbjax import SamplingParams
+
+    best = float("inf")
+    for _ in range(repeats):
+        for _ in range(rows):
+            llm.add_request(rng.integers(3, vocab, size=prompt_len).tolist(),
+                            SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        for _ in range(4):  # the prefill, then steps until every program in use has compiled
+            llm.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        best = min(best, (time.perf_counter() - t0) / steps)
+        llm.run_until_done()
+    return best
+
+
 def llm_options() -> dict:
     """Extra `LLM(...)` arguments the common flags ask for."""
     return {"simulate": FLAGS.simulate} if "simulate" in FLAGS and FLAGS.simulate else {}
