@@ -39,6 +39,10 @@ SHAPES = {
                                              sliding_windows=(4096,) * 32),
     "window-layers-qwen2-7b": dataclasses.replace(LLAMA3_8B, model_type="qwen2", hidden_size=3584, num_heads=28,
                                                   num_kv_heads=4, vocab_size=152064, sliding_windows=(0,) * 31 + (4096,)),
+    # A mixture of experts: every token's top 2 of 8 experts by the grouped matmul (cbjax/models/moe.py).
+    "moe-mixtral-8x7b": dataclasses.replace(LLAMA3_8B, model_type="mixtral", vocab_size=32000, rope_theta=1e6,
+                                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+                                            norm_topk_prob=True),
 }
 KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 KERNEL_NAMES = {"cuda": "cbjax_ragged_paged_attention", "tpu": "cbjax_ragged_paged_attention_tpu"}
