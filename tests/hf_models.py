@@ -41,19 +41,19 @@ FAMILIES = {
              dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=160)),
 }
 
-# Mixtures of experts (cbjax/models/moe.py): top-2 of 4 (Mixtral, OLMoE), a shared expert and a
+# Mixtures of experts (cbjax/models/moe.py): top-2 of 8 (Mixtral, OLMoE), a shared expert and a
 # dense layer (Qwen2-MoE's mlp_only_layers), many experts with top-k renormalized (Qwen3-MoE).
 MOE_FAMILIES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
-                dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2)),
+                dict(_LLAMA_LIKE, num_local_experts=8, num_experts_per_tok=2)),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
-                  dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                  dict(_LLAMA_LIKE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                        shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(_LLAMA_LIKE, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=32,
                        norm_topk_prob=True)),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
-              dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+              dict(_LLAMA_LIKE, num_experts=8, num_experts_per_tok=2, pad_token_id=0)),
 }
 FAMILIES.update(MOE_FAMILIES)
 

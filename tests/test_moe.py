@@ -73,6 +73,47 @@ def test_tensor_parallel_equals_transformers(family_setup, family, tensor_parall
     assert tokens == expected
 
 
+EXPERT_PARALLEL = [(f, ep, 1) for f in FAMILIES for ep in (2, 4, 8)] + [(f, 2, 2) for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family,expert_parallel,tensor_parallel", sweep(
+    EXPERT_PARALLEL, quick={("mixtral", 2, 1), ("qwen3_moe", 8, 1), ("qwen2_moe", 2, 2)}))
+def test_expert_parallel_equals_transformers(family_setup, family, expert_parallel, tensor_parallel):
+    """The experts spread over devices, tokens moved to them and back by all-to-all
+    (cbjax/runtime/expert_parallel.py), beside tensor parallelism; chunked and paged (the layout
+    and mode the sweep above checks on one device) alternate with the case."""
+    model, prompts, max_tokens, expected = family_setup(family)
+    layout = LAYOUTS["paged" if expert_parallel % 4 else "slots"]
+    llm, tokens = _generate(model, prompts, max_tokens, expert_parallel=expert_parallel,
+                            tensor_parallel=tensor_parallel, **layout, **MERGE_MODES["chunked"])
+    assert llm.engine_info.ops.startswith(f"ExpertParallelOps(ep={expert_parallel}, tp={tensor_parallel}")
+    assert llm.engine_info.num_devices == expert_parallel * tensor_parallel
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(model="tiny-qwen2-moe", expert_parallel=3), "expert_parallel=3 must divide the model's num_experts"),
+    (dict(model="tiny-mixtral", expert_parallel=4, tensor_parallel=4), "needs 16 devices"),
+    (dict(model="tiny-llama", expert_parallel=2), "expert_parallel=2 spreads a mixture of experts"),
+    (dict(model="tiny-mixtral", expert_parallel=2, pipeline_stages=2), "expert_parallel does not combine"),
+    (dict(model="tiny-mixtral", expert_parallel=2, speculative_method="draft", speculative_model="tiny-mixtral"),
+     "expert_parallel"),
+    (dict(model="tiny-mixtral", expert_parallel=0), "expert_parallel"),
+])
+def test_bad_expert_parallel_settings_are_refused_by_name(options, match):
+    options = dict(options)
+    with pytest.raises(ValueError, match=match):
+        LLM(options.pop("model"), num_slots=2, max_seq_len=32, **options)
+
+
+def test_the_link_bytes_per_layer():
+    from cbjax.runtime.expert_parallel import link_bytes_per_layer
+
+    assert link_bytes_per_layer(64, 2, 4096, 1, 2) == 0
+    # ep 4: 16 tokens a device, 32 pairs; two exchanges of 4 x 32 rows, 3/4 leaving; a gather of 3 x 16 rows.
+    assert link_bytes_per_layer(64, 2, 4096, 4, 2) == (2 * 4 * 32 * 4096 * 3 // 4 + 3 * 16 * 4096) * 2
+
+
 DENSE_FEATURES = {
     "prefix-preempt-recompute": dict(kv_cache="paged", page_size=8, num_pages=10, enable_prefix_caching=True,
                                      merge_mode="chunked", max_num_batched_tokens=13),

@@ -36,8 +36,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if args.pipeline_stages > 1 and mesh is not None:
         raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
     if (simulate is None and mesh is None and args.pipeline_stages == 1
-            and (args.tensor_parallel > 1 or devices is not None)):
-        mesh = sharding.tensor_parallel_mesh(args.tensor_parallel, devices)
+            and (args.tensor_parallel > 1 or args.expert_parallel > 1 or devices is not None)):
+        mesh = sharding.tensor_parallel_mesh(args.tensor_parallel, devices, args.expert_parallel)
     if simulate is not None and args.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} runs on a device: a simulation models KV bytes "
                          "with kv_dtype (fp8 for one byte)")

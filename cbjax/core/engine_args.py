@@ -131,6 +131,10 @@ class ScaleKnobs:
     cbjax/simulator/): several devices, several instances, or a simulated accelerator."""
 
     tensor_parallel: int = _knob(1, "Shard params and KV cache over this many devices.", lower=1)
+    expert_parallel: int = _knob(1, "Mixture of experts: spread the experts over this many devices (each holding "
+                                 "num_experts / expert_parallel of them; tokens move by all-to-all); the engine "
+                                 "spans expert_parallel x tensor_parallel devices, attention replicated across the "
+                                 "expert-parallel ones (docs/moe.md).", lower=1)
     pipeline_stages: int = _knob(1, "Split the layers over this many devices instead.", lower=1)
     micro_batches: int = _knob(1, "Pipeline: decode the slots in this many groups.", lower=1)
     # Prefill/decode disaggregation (cbjax/core/disaggregation.py)
@@ -190,7 +194,7 @@ class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
         if self.kv_cache_bytes is not None:
             self.kv_cache_bytes = checks.integer("kv_cache_bytes", self.kv_cache_bytes, 1, 2 ** 62)
         self.seed = checks.integer("seed", self.seed, 0, 2 ** 63 - 1)
-        for name in ("tensor_parallel", "pipeline_stages", "micro_batches"):
+        for name in ("tensor_parallel", "expert_parallel", "pipeline_stages", "micro_batches"):
             setattr(self, name, checks.integer(name, getattr(self, name), 1))
         if self.expert_capacity_factor is not None:
             self.expert_capacity_factor = checks.real("expert_capacity_factor", self.expert_capacity_factor,
@@ -203,6 +207,8 @@ class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
         check_disaggregation(self)
+        if self.expert_parallel > 1 and (self.pipeline_stages > 1 or self.prefill_instances):
+            raise ValueError("expert_parallel does not combine with pipeline stages or disaggregated instances yet")
         check_host_tier(self)
         check_speculation(self)
         for name, allowed in (("weight_dtype", SIM_WEIGHT_DTYPES), ("kv_dtype", SIM_KV_DTYPES), ("kv_link", LINKS)):
@@ -328,5 +334,6 @@ def check_speculation(args: EngineArgs) -> None:
     if args.speculative_model and args.speculative_method != "draft":
         raise ValueError(f"speculative_model is the draft of speculative_method='draft' (got "
                          f"{args.speculative_method!r})")
-    if args.speculative_method == "draft" and args.tensor_parallel > 1:
-        raise ValueError("speculative_method='draft' runs its draft on one device: not with tensor_parallel yet")
+    if args.speculative_method == "draft" and (args.tensor_parallel > 1 or args.expert_parallel > 1):
+        raise ValueError("speculative_method='draft' runs its draft on one device: not with tensor_parallel or "
+                         "expert_parallel yet")

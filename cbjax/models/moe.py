@@ -76,7 +76,7 @@ def _gathered(h, experts, weights, p):
 
 def _grouped(h, experts, weights, p):
     """The pairs sorted by expert, one grouped matmul per matrix, scattered back by token."""
-    k, num_experts = experts.shape[1], p["router"].shape[0]
+    k, num_experts = experts.shape[1], p["moe_w_gate"].shape[0]
     ids = experts.reshape(-1)
     order = jnp.argsort(ids, stable=True)
     token = order // k
@@ -104,6 +104,18 @@ def _by_ops(h, experts, weights, p, ops):
     return jnp.sum(y.reshape(h.shape[0], k, -1), axis=1)
 
 
+def apply_experts(h: jax.Array, experts: jax.Array, weights: jax.Array, p: dict, ops: Ops = XLA) -> jax.Array:
+    """`[N, hidden]`: each token's experts (`experts [N, k]` indexes `p`'s stacked matrices)
+    weighted by `weights [N, k]` and summed: by the backend's expert kernel, else gathered
+    while the pairs are no more than the experts, else grouped."""
+    out = _by_ops(h, experts, weights, p, ops)
+    if out is not None:
+        return out
+    # A pair's expert costs a copy of its matrices when gathered, so gathering pays only
+    # while the pairs are fewer than the experts (each then read at most once).
+    return (_gathered if experts.size <= p["moe_w_gate"].shape[0] else _grouped)(h, experts, weights, p)
+
+
 def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, valid: jax.Array, ops: Ops = XLA):
     """The layer's experts (and shared expert) over `x [B, T, hidden]`; `valid [B, T]` marks the
     real tokens. Returns `(out [B, T, hidden], tokens_per_expert [E])`."""
@@ -112,11 +124,9 @@ def moe_mlp(x: jax.Array, p: dict, config: ModelConfig, valid: jax.Array, ops: O
     weights, experts = route(h, p["router"], config, ops)
     keep = kept_pairs(experts, valid.reshape(-1), config)
     weights = jnp.where(keep, weights, 0.0)
-    # A pair's expert costs a copy of its matrices when gathered, so gathering pays only
-    # while the pairs are fewer than the experts (each then read at most once).
-    out = _by_ops(h, experts, weights, p, ops)
+    out = ops.routed_experts(h, experts, weights, p)  # the experts spread over devices (expert parallel)
     if out is None:
-        out = (_gathered if experts.size <= config.num_experts else _grouped)(h, experts, weights, p)
+        out = apply_experts(h, experts, weights, p, ops)
     if "shared_w_gate" in p:  # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
         shared = ops.dense(jax.nn.silu(ops.dense(h, p["shared_w_gate"])) * ops.dense(h, p["shared_w_up"]),
                            p["shared_w_down"])

@@ -46,6 +46,13 @@ class Ops:
             return gguf_blocks.dense(x, w)
         return jnp.einsum("...d,od->...o", x, w)
 
+    def routed_experts(self, h: jax.Array, experts: jax.Array, weights: jax.Array, p: dict) -> jax.Array | None:
+        """A mixture-of-experts layer's experts for tokens `h [N, hidden]` routed to `experts [N, k]`
+        with `weights [N, k]` (cbjax/models/moe.py), where a backend spreads them over devices
+        (cbjax/runtime/expert_parallel.py), or None: `moe.apply_experts` on this device."""
+        del h, experts, weights, p
+        return None
+
     def expert_dense(self, x: jax.Array, w, experts: jax.Array) -> jax.Array | None:
         """`x[p] @ w[experts[p]].T` for pairs' rows `x [P, K]` and stacked experts `w [E, N, K]`,
         or None to leave it to the mixture-of-experts layer's own ways (cbjax/models/moe.py)."""

@@ -10,7 +10,9 @@ import numpy as np
 
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
+from cbjax.runtime import sharding
 from cbjax.runtime.cpu import kernels as cpu_kernels
+from cbjax.runtime.expert_parallel import expert_parallel_ops
 from pallas_kernels.decode_matmul import decode_matmul, note, tuned, unsupported
 
 
@@ -100,6 +102,8 @@ def engine_ops(config, params, mesh) -> Ops:
     """The engine's operations for its config's `cpu_kernels` and `quantized_matmul` choices, on
     `mesh`'s devices (None: the default device)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if sharding.ep_size(mesh) > 1:
+        return expert_parallel_ops(mesh)
     if quant.quantization_of(params) in ("int8", "fp8") and config.quantized_matmul != "auto":
         # How the 8-bit weights multiply, asked for by name, wins over the CPU kernels' "auto".
         if config.cpu_kernels == "on":

@@ -33,6 +33,7 @@ from cbjax.config import ModelConfig
 from cbjax.models.quant import QuantizedWeight
 
 AXIS = "tp"
+EXPERT_AXIS = "ep"  # expert parallelism (cbjax/runtime/expert_parallel.py): a mesh of ep x tp devices
 
 # The split axis of each per-layer tensor; absent ones are replicated.
 _COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up", "shared_w_gate", "shared_w_up")  # the output axis
@@ -41,19 +42,29 @@ _EXPERT_COLUMN = ("moe_w_gate", "moe_w_up")  # [experts, width, hidden]: the wid
 _KV = ("wk", "wv", "bk", "bv")  # the output axis, when KV heads are split
 
 
-def tensor_parallel_mesh(tensor_parallel: int, devices=None) -> Mesh:
+def tensor_parallel_mesh(tensor_parallel: int, devices=None, expert_parallel: int = 1) -> Mesh:
     """A one-axis ("tp") mesh over the first `tensor_parallel` of `devices` (default: every
-    device of every process, as `jax.devices()` lists them)."""
+    device of every process, as `jax.devices()` lists them); with `expert_parallel` > 1, a
+    two-axis ("ep", "tp") mesh of `expert_parallel x tensor_parallel` devices, each "tp" group
+    neighbouring devices."""
     devices = list(jax.devices() if devices is None else devices)
     tensor_parallel = checks.integer("tensor_parallel", tensor_parallel, 1)
-    if tensor_parallel > len(devices):
-        raise ValueError(f"tensor_parallel={tensor_parallel} needs {tensor_parallel} devices, "
-                         f"{len(devices)} are available")
-    return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+    expert_parallel = checks.integer("expert_parallel", expert_parallel, 1)
+    needed = tensor_parallel * expert_parallel
+    if needed > len(devices):
+        raise ValueError(f"tensor_parallel={tensor_parallel} x expert_parallel={expert_parallel} needs {needed} "
+                         f"devices, {len(devices)} are available")
+    if expert_parallel == 1:
+        return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+    return Mesh(np.array(devices[:needed]).reshape(expert_parallel, tensor_parallel), (EXPERT_AXIS, AXIS))
 
 
 def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[AXIS]
+
+
+def ep_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
 
 
 def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
@@ -63,6 +74,11 @@ def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
                        ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)):
         if size % n:
             raise ValueError(f"tensor_parallel={n} must divide the model's {name} ({size})")
+    ep = ep_size(mesh)
+    if ep > 1 and not config.is_moe:
+        raise ValueError(f"expert_parallel={ep} spreads a mixture of experts; {config.model_type!r} is dense")
+    if ep > 1 and config.num_experts % ep:
+        raise ValueError(f"expert_parallel={ep} must divide the model's num_experts ({config.num_experts})")
 
 
 def kv_heads_split(config: ModelConfig, mesh: Mesh | None) -> bool:
@@ -73,9 +89,12 @@ def kv_heads_split(config: ModelConfig, mesh: Mesh | None) -> bool:
 def param_specs(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     """A PartitionSpec per leaf of `params` (the layout in cbjax/models/params.py)."""
     split_kv = kv_heads_split(config, mesh)
+    by_expert = ep_size(mesh) > 1
 
     def spec(name: str, leaf):
         axes = [None] * leaf.ndim
+        if by_expert and name.startswith("moe_w_"):
+            axes[0] = EXPERT_AXIS
         if name in _COLUMN or (split_kv and name in _KV):
             axes[0] = AXIS
         elif name in _ROW:
