@@ -224,6 +224,8 @@ def forked():
     ("bench_decode_slots.py", "--slots=0,4"),
     ("bench_moe.py", "--batches=1,0"),
     ("bench_moe.py", "--experts=4 --top_k=6"),
+    ("moe_batching.py", "--sections=cpu,gpu"),
+    ("moe_batching.py", "--accelerator=gtx-480"),
     ("soak.py", "--num_requests=0"),
     ("serve_bench.py", "--qps=1,0"),
     ("serve_bench.py", "--num_slots=0"),
@@ -377,6 +379,19 @@ def test_bench_moe_smoke(tmp_path):
     assert set(result["seconds_per_step"]) == {"moe", "dense_active", "dense_all"}
     assert all(set(times) == {"1", "4"} for times in result["seconds_per_step"].values())
     assert (tmp_path / "moe.png").stat().st_size > 0
+
+
+@slow
+def test_moe_batching_smoke(tmp_path):
+    run_script("moe_batching.py", "--sections=cpu,simulated,ep,policies", "--cpu_batches=1,4", "--hidden=64",
+               "--layers=1", "--expert_width=32", "--vocab=64", "--steps=2", "--repeats=1", "--batches=1,8,64",
+               "--max_gen_lens=16", "--num_requests=40", "--prompt_len=32", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "moe_batching.json").read_text())
+    assert set(result["cpu"]["seconds_per_step"]) == {"moe", "dense_active"}
+    assert set(result["simulated"]) == {"mixtral-8x7b", "qwen3-30b-a3b"}
+    assert set(result["ep"]["seconds_per_step"]) == {"ep1 (h200)", "ep2 (h100)", "ep4 (h100)", "ep8 (h100)"}
+    assert set(result["policies"]) == {"mixtral-8x7b", "dense-12.9b"}
+    assert (tmp_path / "moe_batching.png").stat().st_size > 0
 
 
 @slow

@@ -281,9 +281,14 @@ def test_the_engine_with_and_without_the_cpu_kernels_agrees(family_setup):
         assert tokens == expected, choice
 
 
-def test_the_simulator_refuses_a_mixture_of_experts_by_name():
+def test_a_calibration_of_a_dense_model_is_refused_for_a_mixture_of_experts(tmp_path):
+    from cbjax.simulator import CalibratedCost, load_cost_model
+
+    path = str(tmp_path / "cal.json")
+    CalibratedCost({k: {f: 1e-3 for f in ("steps", "tokens", "attended", "kv_read", "rows")}
+                    for k in ("prefill", "decode", "mixed")}).save(path)
     with pytest.raises(ValueError, match="mixture of experts"):
-        LLM("tiny-mixtral", simulate="h100")
+        load_cost_model(path, load_model("tiny-mixtral").config)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-olmoe"])
@@ -296,3 +301,43 @@ def test_orbax_round_trip_keeps_the_experts_and_the_dense_layers(preset, tmp_pat
     assert restored.config == model.config
     for (path, a), (_, b) in zip(jax.tree.leaves_with_path(model.params), jax.tree.leaves_with_path(restored.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_the_simulator_prices_the_experts_a_batch_reads():
+    """Mixtral-8x7B's published sizes; the experts read grow with the batch as E(1 - (1 - k/E)^B) under
+    uniform routing, and with a skewed measured routing fewer are read; a decode step of one
+    sequence costs about what the dense model of its active parameters does; expert parallelism
+    splits the experts' bytes and adds the link."""
+    from cbjax.simulator import Call, RooflineCost
+    from cbjax.simulator.hardware import ACCELERATORS, MODEL_SHAPES, matmul_params, weight_bytes
+
+    mixtral, dense = MODEL_SHAPES["mixtral-8x7b"], MODEL_SHAPES["dense-12.9b"]
+    assert 46.5e9 < weight_bytes(mixtral, 1) < 46.9e9 and 12.6e9 < matmul_params(mixtral) < 13.0e9
+    h100 = ACCELERATORS["h100"]
+    cost = RooflineCost(h100, mixtral, 1, weight_dtype="fp8")
+    for b in (1, 2, 8, 64):
+        assert cost.experts_read(b) == pytest.approx(8 * (1 - (1 - 2 / 8) ** b))
+    skewed = RooflineCost(h100, mixtral, 1, weight_dtype="fp8", routing=[8, 4, 2, 1, 1, 1, 1, 1])
+    assert skewed.experts_read(8) < cost.experts_read(8)
+
+    def step(c, b):
+        return c.seconds(Call("decode", tokens=b, attended=b * 512, kv_read=b * 512, rows=b))
+
+    same_active = RooflineCost(h100, dense, 1, weight_dtype="fp8")
+    assert step(cost, 1) == pytest.approx(step(same_active, 1), rel=0.05)
+    assert step(cost, 64) > 1.5 * step(same_active, 64)
+    ep = [RooflineCost(h100, mixtral, 2, expert_parallel=n) for n in (2, 8)]
+    assert step(ep[1], 64) < step(ep[0], 64)
+    with pytest.raises(ValueError, match="expert_parallel=3 must divide"):
+        RooflineCost(h100, mixtral, 2, expert_parallel=3)
+    with pytest.raises(ValueError, match="routing"):
+        RooflineCost(h100, mixtral, 2, routing=[1, 2])
+
+
+def test_a_simulated_engine_runs_a_mixture_of_experts_with_expert_parallel():
+    from cbjax.simulator import model_for_simulation
+
+    llm = LLM(model_for_simulation("mixtral-8x7b"), simulate="h100", expert_parallel=2, num_slots=8,
+              max_seq_len=256)
+    outs = llm.generate([[1] * 100] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [16] * 8 and llm.clock() > 0

@@ -55,7 +55,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         accelerator = simulate if isinstance(simulate, str) and not simulate.endswith(".json") else None
         if isinstance(simulate, str):
             simulate = simulator.load_cost_model(simulate, model.config, 2 if args.dtype != "float32" else 4,
-                                                 args.tensor_parallel, args.weight_dtype, args.kv_dtype)
+                                                 args.tensor_parallel, args.weight_dtype, args.kv_dtype,
+                                                 args.expert_parallel)
         elif args.tensor_parallel > 1 and getattr(simulate, "tensor_parallel", 1) != args.tensor_parallel:
             raise ValueError(f"tensor_parallel={args.tensor_parallel} but the cost model given to simulate "
                              f"models {getattr(simulate, 'tensor_parallel', 1)} device(s)")

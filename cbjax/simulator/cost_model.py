@@ -15,8 +15,9 @@ import json
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, Link, gemm_inner_dim,
-                                      kv_bytes_per_token, matmul_params, weight_bytes)
+from cbjax.runtime.expert_parallel import link_bytes_per_layer
+from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, Link, expert_params,
+                                      gemm_inner_dim, kv_bytes_per_token, matmul_params, moe_layers, weight_bytes)
 
 KINDS = ("prefill", "decode", "mixed")
 FEATURES = ("steps", "tokens", "attended", "kv_read", "rows")
@@ -44,15 +45,24 @@ class RooflineCost:
         memory  = (weights x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
         device  = max(compute, memory) + (1 - overlap) x min(compute, memory)
         comm    = steps x 2 x layers x (ring all-reduce(M x hidden x 2 bytes) + all-reduce overhead)
+                  (+ steps x MoE layers x (link bytes of expert parallelism + 3 collective overheads))
         host    = steps x (pass overhead + rows x request overhead) + call overhead
                   (+ prefill overhead for a call that prefills)
 
     FLOPs: 2 x matmul weights per query token, plus 4 x layers x heads x head_dim per
     attended query-key pair (the engine reports causal pairs where its kernels skip the
-    masked half, the padded square where they do not)."""
+    masked half, the padded square where they do not).
+
+    A mixture of experts (docs/moe.md) reads, per forward pass of M tokens, its dense weights and
+    the experts its tokens touch: sum over experts of 1 - (1 - p_e)^M of each layer's experts, p_e
+    the chance that a token routes to expert e (`routing`: tokens per expert measured, else uniform,
+    p_e = k / E). Under `expert_parallel` each device holds E / ep experts and computes their share
+    of the expert FLOPs; attention is replicated over ep; the all-to-alls' bytes
+    (runtime/expert_parallel.py) cross the accelerator's link."""
 
     def __init__(self, accelerator: Accelerator, config: ModelConfig, dtype_bytes: float = 2,
-                 tensor_parallel: int = 1, weight_dtype: str | None = None, kv_dtype: str | None = None):
+                 tensor_parallel: int = 1, weight_dtype: str | None = None, kv_dtype: str | None = None,
+                 expert_parallel: int = 1, routing=None):
         if tensor_parallel < 1 or config.num_kv_heads % tensor_parallel and tensor_parallel % config.num_kv_heads:
             raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {config.num_kv_heads} KV heads")
         default = {4: "float32", 2: "bfloat16", 1: "fp8"}.get(dtype_bytes, "bfloat16")
@@ -72,24 +82,58 @@ class RooflineCost:
         self._weight_bytes = float(weight_bytes(config, DTYPE_BYTES[self.weight_dtype]))
         self._kv_bytes = float(kv_bytes_per_token(config, DTYPE_BYTES[self.kv_dtype]))
         self._peak = accelerator.peak_for(self.weight_dtype)
+        self._moe(config, expert_parallel, routing)
+
+    def _moe(self, config: ModelConfig, expert_parallel: int, routing) -> None:
+        """The mixture of experts' terms (none for a dense model): the routed experts' bytes and
+        FLOPs per token, each expert's chance of a token, the expert-parallel degree."""
+        self.expert_parallel = expert_parallel
+        if not config.is_moe:
+            if expert_parallel != 1:
+                raise ValueError(f"expert_parallel={expert_parallel} spreads a mixture of experts; "
+                                 f"{config.model_type!r} is dense")
+            self._expert_bytes, self._expert_flops_per_token, self._route = 0.0, 0.0, None
+            return
+        if config.num_experts % expert_parallel:
+            raise ValueError(f"expert_parallel={expert_parallel} must divide the model's num_experts "
+                             f"({config.num_experts})")
+        self._expert_bytes = expert_params(config) * DTYPE_BYTES[self.weight_dtype]
+        self._expert_flops_per_token = 2.0 * expert_params(config, config.num_experts_per_tok)
+        share = np.full(config.num_experts, 1.0 / config.num_experts) if routing is None else np.asarray(routing, float)
+        if share.shape != (config.num_experts,) or (share < 0).any() or not share.sum() > 0:
+            raise ValueError(f"routing must give {config.num_experts} non-negative token counts, one per expert")
+        self._route = np.minimum(config.num_experts_per_tok * share / share.sum(), 1.0)
+
+    def experts_read(self, tokens: float) -> float:
+        """Experts of one layer that `tokens` tokens touch, in expectation."""
+        return float(np.sum(1.0 - (1.0 - self._route) ** tokens)) if self._route is not None else 0.0
 
     def seconds(self, call: Call) -> float:
         a, e, tp = self.accelerator, self.accelerator.efficiency, self.tensor_parallel
+        ep = self.expert_parallel
         inner = self._inner_dim / (self._inner_dim + e.half_inner)
-        flops = self._matmul_flops_per_token * call.tokens / inner + self._attention_flops_per_pair * call.attended
+        expert_flops = self._expert_flops_per_token * call.tokens / inner
+        flops = ((self._matmul_flops_per_token * call.tokens / inner - expert_flops) + expert_flops / ep
+                 + self._attention_flops_per_pair * call.attended)
         rows_per_pass = call.tokens / max(call.steps, 1)
         efficiency = e.compute * rows_per_pass / (rows_per_pass + e.half_tokens)
         compute = flops / (tp * self._peak * efficiency) if flops else 0.0
         kv_bytes = self._kv_bytes * call.kv_read
         if call.kind != "prefill":
             kv_bytes *= min(e.gqa_kv_reads, self.config.num_heads / self.config.num_kv_heads)
-        memory = (self._weight_bytes * call.steps + kv_bytes) / (
+        experts = self._expert_bytes * self.experts_read(rows_per_pass) / max(self.config.num_experts, 1) / ep
+        memory = ((self._weight_bytes - self._expert_bytes + experts) * call.steps + kv_bytes) / (
             tp * a.hbm_bytes_per_s * e.bandwidth)
         device = max(compute, memory) + (1.0 - e.overlap) * min(compute, memory)
         comm = 0.0
         if tp > 1:
             one = self.link.all_reduce_seconds(rows_per_pass * self.config.hidden_size * 2.0, tp)
             comm = call.steps * 2 * self.config.num_layers * (one + e.all_reduce_overhead_s)
+        if ep > 1:
+            exchange = link_bytes_per_layer(round(rows_per_pass), self.config.num_experts_per_tok,
+                                            self.config.hidden_size, ep, DTYPE_BYTES[self.weight_dtype])
+            comm += call.steps * moe_layers(self.config) * (
+                self.link.transfer_seconds(exchange) + 3 * e.all_reduce_overhead_s)
         host = call.steps * (e.pass_overhead_s + call.rows * e.request_overhead_s) + e.call_overhead_s
         if call.kind == "prefill" or call.tokens > call.rows:  # the call prefills something
             host += e.prefill_overhead_s
@@ -98,6 +142,7 @@ class RooflineCost:
     def describe(self) -> dict:
         return {"cost_model": "roofline", "accelerator": dataclasses.asdict(self.accelerator),
                 "link": dataclasses.asdict(self.link), "tensor_parallel": self.tensor_parallel,
+                "expert_parallel": self.expert_parallel,
                 "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype}
 
 
@@ -190,18 +235,19 @@ def kv_transfer_cost(cost, config: ModelConfig, dtype: str, parallel: int = 1, l
 
 
 def load_cost_model(spec: str, config: ModelConfig, dtype_bytes: int = 2, tensor_parallel: int = 1,
-                    weight_dtype: str | None = None, kv_dtype: str | None = None):
+                    weight_dtype: str | None = None, kv_dtype: str | None = None, expert_parallel: int = 1):
     """`spec` is an accelerator name (roofline) or a calibration JSON file (measured on
     one device of this machine: no tensor parallelism, no other dtypes)."""
-    if config.is_moe:  # its weights read per step depend on the batch's routing (docs/moe.md)
-        raise ValueError(f"the simulator does not price a mixture of experts yet ({config.model_type!r}): "
-                         "simulate a dense model, or run it")
+    if spec.endswith(".json") and config.is_moe:  # a fitted line has no term for the experts a batch touches
+        raise ValueError(f"{spec}: a calibration fitted on a dense model does not price a mixture of experts "
+                         f"({config.model_type!r}): simulate an accelerator")
     if spec.endswith(".json"):
-        if tensor_parallel > 1 or weight_dtype or kv_dtype:
+        if tensor_parallel > 1 or expert_parallel > 1 or weight_dtype or kv_dtype:
             raise ValueError(f"{spec} was calibrated on one device at its own dtype: simulate an accelerator "
-                             "for tensor_parallel, weight_dtype or kv_dtype")
+                             "for tensor_parallel, expert_parallel, weight_dtype or kv_dtype")
         return CalibratedCost.load(spec)
     if spec.lower() in ACCELERATORS:
-        return RooflineCost(ACCELERATORS[spec.lower()], config, dtype_bytes, tensor_parallel, weight_dtype, kv_dtype)
+        return RooflineCost(ACCELERATORS[spec.lower()], config, dtype_bytes, tensor_parallel, weight_dtype, kv_dtype,
+                            expert_parallel)
     raise ValueError(f"--simulate must be an accelerator ({', '.join(ACCELERATORS)}) or a calibration .json file, "
                      f"got {spec!r}")

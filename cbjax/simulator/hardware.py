@@ -159,36 +159,82 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
                          head_dim=128, intermediate_size=28672, max_position_embeddings=8192),
     "llama3.2-1b": _llama(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           head_dim=64, intermediate_size=8192, tie_embeddings=True),
+    # Mixtures of experts (docs/moe.md) and the dense shapes they are compared with.
+    # Mixtral-8x7B: 46.7B weights, 12.9B active (8 experts of 14336, top 2).
+    "mixtral-8x7b": ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                                max_position_embeddings=32768, norm_eps=1e-5, rope_theta=1e6, bos_token_id=1,
+                                eos_token_ids=(2,), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+                                norm_topk_prob=True),
+    # A dense model of Mixtral's active parameters (its MLP as wide as two experts).
+    "dense-12.9b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                          head_dim=128, intermediate_size=2 * 14336, max_position_embeddings=32768),
+    # Qwen3-30B-A3B: 30.5B weights, 3.3B active (128 experts of 768, top 8).
+    "qwen3-30b-a3b": ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48,
+                                 num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                                 max_position_embeddings=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                                 bos_token_id=None, eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
+    # Qwen2.5-3B's shape (3.1B), the dense model of about Qwen3-30B-A3B's active parameters.
+    "qwen2.5-3b": ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16,
+                              num_kv_heads=2, head_dim=128, intermediate_size=11008, max_position_embeddings=32768,
+                              norm_eps=1e-6, rope_theta=1e6, qkv_bias=True, tie_embeddings=True, bos_token_id=None,
+                              eos_token_ids=(151645,)),
 }
+
+
+def moe_layers(config: ModelConfig) -> int:
+    """Layers whose MLP is the routed experts."""
+    return sum(config.is_moe_layer(i) for i in range(config.num_layers))
+
+
+def expert_params(config: ModelConfig, experts: float | None = None) -> float:
+    """The routed experts' weights over every MoE layer: all of them (or `experts` per layer)."""
+    per_layer = config.num_experts if experts is None else experts
+    return 3 * config.hidden_size * config.moe_intermediate_size * per_layer * moe_layers(config)
+
+
+def mlp_active_width(config: ModelConfig) -> float:
+    """The MLP width a token multiplies through, averaged over the layers (a MoE layer: its top-k
+    experts and its shared expert)."""
+    if not config.is_moe:
+        return config.intermediate_size
+    routed = moe_layers(config)
+    moe = config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
+    return (routed * moe + (config.num_layers - routed) * config.intermediate_size) / config.num_layers
 
 
 def matmul_params(config: ModelConfig) -> int:
     """Weights every token multiplies through: the layers and the LM head (the embedding
-    lookup reads one row)."""
+    lookup reads one row); of a mixture of experts, its active ones."""
     h, d = config.hidden_size, config.head_dim
     attention = h * d * (config.num_heads * 2 + config.num_kv_heads * 2)
     mlp_matrices = 2 if config.model_type == "gpt2" else 3
-    per_layer = attention + mlp_matrices * h * config.intermediate_size
-    return config.num_layers * per_layer + config.vocab_size * h
+    per_layer = attention + mlp_matrices * h * mlp_active_width(config)
+    return int(config.num_layers * per_layer + config.vocab_size * h)
 
 
 def gemm_inner_dim(config: ModelConfig, tensor_parallel: int = 1) -> float:
     """The inner (reduction) dimension K of a layer's matmuls on one device, averaged as their
     time would be (harmonic, weighted by weights): Megatron's column-parallel q/k/v, gate/up
     and LM head keep K = hidden; the row-parallel attention output and MLP down projection
-    see K / tensor_parallel."""
+    see K / tensor_parallel (a MoE layer: each expert's width)."""
     h, d, tp = config.hidden_size, config.head_dim, tensor_parallel
+    width = mlp_active_width(config)
+    down_k = config.moe_intermediate_size if config.is_moe else config.intermediate_size
     mlp_in = 1 if config.model_type == "gpt2" else 2  # fc, or gate and up
-    at_hidden_k = h * d * (config.num_heads + config.num_kv_heads * 2) + mlp_in * h * config.intermediate_size
-    attention_out, down = h * d * config.num_heads, h * config.intermediate_size
+    at_hidden_k = h * d * (config.num_heads + config.num_kv_heads * 2) + mlp_in * h * width
+    attention_out, down = h * d * config.num_heads, h * width
     weights_over_k = config.num_layers * (at_hidden_k / h + attention_out / (config.num_heads * d / tp)
-                                          + down / (config.intermediate_size / tp)) + config.vocab_size
+                                          + down / (down_k / tp)) + config.vocab_size
     return matmul_params(config) / weights_over_k
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: float) -> int:
+    """Every weight: of a mixture of experts, every expert (not only the active ones)."""
     embeddings = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
-    return int((matmul_params(config) + embeddings) * dtype_bytes)
+    idle_experts = expert_params(config) - expert_params(config, config.num_experts_per_tok) if config.is_moe else 0
+    return int((matmul_params(config) + embeddings + idle_experts) * dtype_bytes)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: float) -> int:

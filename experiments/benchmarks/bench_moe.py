@@ -25,69 +25,16 @@ import os
 
 from absl import app, flags
 
-from experiments.lib import common
+from experiments.lib import common, moe_models
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64"], "Sequences decoding together.")
-flags.DEFINE_integer("hidden", 512, "Hidden size of the three models.", lower_bound=16)
-flags.DEFINE_integer("layers", 4, "Decoder layers.", lower_bound=1)
-flags.DEFINE_integer("experts", 8, "Experts per MoE layer.", lower_bound=2)
-flags.DEFINE_integer("top_k", 2, "Experts per token.", lower_bound=1)
-flags.DEFINE_integer("expert_width", 1792, "Each expert's intermediate size (Mixtral: 3.5 x hidden).", lower_bound=1)
-flags.DEFINE_integer("vocab", 8192, "Vocabulary (small, so that the experts dominate the weights as in Mixtral).",
-                     lower_bound=16)
+moe_models.define_flags(flags)
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens of each sequence.", lower_bound=1)
 flags.DEFINE_integer("steps", 16, "Timed decode steps per measurement.", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "Measurements per cell; the best is kept.", lower_bound=1)
 flags.DEFINE_string("output_json", "results/bench_moe.json", "Where the results go (a PNG beside it).")
 common.validate_list("batches", int, 1, "positive integers")
-flags.register_multi_flags_validator(["top_k", "experts"], lambda f: f["top_k"] <= f["experts"],
-                                     "--top_k must not exceed --experts")
-
-
-def configs():
-    """The three models' configs: (name, ModelConfig)."""
-    from cbjax.config import ModelConfig
-
-    heads = max(1, FLAGS.hidden // 64)
-    shape = dict(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden, num_layers=FLAGS.layers, num_heads=heads,
-                 num_kv_heads=heads // 4 if heads % 4 == 0 else heads, head_dim=FLAGS.hidden // heads, max_position_embeddings=4096,
-                 norm_eps=1e-5, eos_token_ids=(2,), bos_token_id=1)
-    width, experts, k = FLAGS.expert_width, FLAGS.experts, FLAGS.top_k
-    return [("moe", ModelConfig(model_type="mixtral", intermediate_size=width, num_experts=experts,
-                                num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=True, **shape)),
-            ("dense_active", ModelConfig(model_type="llama", intermediate_size=k * width, **shape)),
-            ("dense_all", ModelConfig(model_type="llama", intermediate_size=experts * width, **shape))]
-
-
-def weight_bytes(params) -> int:
-    import jax
-
-    return sum(a.nbytes for a in jax.tree.leaves(params))
-
-
-def time_steps(model, batches: list[int], progress) -> dict[int, float]:
-    """Seconds per decode step with B sequences decoding, for each B, on one engine."""
-    import numpy as np
-
-    from cbjax import LLM
-
-    most = max(batches)
-    llm = LLM(model, num_slots=most, max_seq_len=FLAGS.prompt_len + FLAGS.steps * FLAGS.repeats + 32,
-              merge_mode="chunked", max_num_batched_tokens=max(2 * most, FLAGS.prompt_len * most))
-    rng = np.random.default_rng(0)
-    out = {}
-    for b in batches:
-        out[b] = common.seconds_per_decode_step(llm, model.config.vocab_size, b, FLAGS.prompt_len, FLAGS.steps,
-                                                FLAGS.repeats, rng)
-        progress.update(1)
-    return out
-
-
-def expected_experts(batch: int) -> float:
-    """Experts a layer reads at `batch` tokens under uniform routing."""
-    e, k = FLAGS.experts, FLAGS.top_k
-    return e * (1 - (1 - k / e) ** batch)
 
 
 def plot(rows: dict, batches: list[int], path: str) -> None:
@@ -116,22 +63,21 @@ def main(argv):
     del argv
     from tqdm import tqdm
 
-    from cbjax.loading import Model
     from cbjax.metrics import write_json
-    from cbjax.models.params import init_params
+    from cbjax.simulator.hardware import weight_bytes
 
     batches = sorted(int(b) for b in FLAGS.batches)
     rows, sizes = {}, {}
     with tqdm(total=3 * len(batches), desc="bench_moe", unit="cell") as progress:
-        for name, config in configs():
-            model = Model(config, init_params(config, seed=0), None, source=f"bench_moe:{name}")
-            sizes[name] = weight_bytes(model.params)
-            rows[name] = time_steps(model, batches, progress)
+        for name, config in moe_models.configs(FLAGS):
+            sizes[name] = weight_bytes(config, 4)
+            rows[name] = moe_models.seconds_per_step(config, batches, FLAGS.prompt_len, FLAGS.steps, FLAGS.repeats,
+                                                     progress)
     lines = [f"{'batch':>6}{'experts read':>14}" + "".join(f"{f'{n} ms':>16}" for n in rows)
              + "".join(f"{f'{n} tok/s':>20}" for n in rows) + f"{'moe/active':>12}{'all/moe':>10}"]
     for b in batches:
         t = {n: rows[n][b] for n in rows}
-        lines.append(f"{b:>6}{expected_experts(b):>14.1f}" + "".join(f"{1000 * t[n]:>16.2f}" for n in rows)
+        lines.append(f"{b:>6}{moe_models.expected_experts(FLAGS.experts, FLAGS.top_k, b):>14.1f}" + "".join(f"{1000 * t[n]:>16.2f}" for n in rows)
                      + "".join(f"{b / t[n]:>20.0f}" for n in rows)
                      + f"{t['moe'] / t['dense_active']:>11.2f}x{t['dense_all'] / t['moe']:>9.2f}x")
     table = "\n".join(lines)
