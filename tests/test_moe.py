@@ -341,3 +341,33 @@ def test_a_simulated_engine_runs_a_mixture_of_experts_with_expert_parallel():
               max_seq_len=256)
     outs = llm.generate([[1] * 100] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [16] * 8 and llm.clock() > 0
+
+
+ROUTING_COUNTED = {"slots": dict(), "decode-steps-3": dict(decode_steps=3),
+                   "paged-chunked": dict(kv_cache="paged", page_size=8, merge_mode="chunked", max_num_batched_tokens=13)}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTING_COUNTED))
+def test_tokens_per_expert_are_counted_in_the_stats_and_on_metrics(name):
+    """Every token the model computes (prompt tokens, and each decode step's input) sends top_k
+    pairs through every MoE layer: the stats count exactly those, padding none; the imbalance is
+    the busiest expert over the mean; /metrics shows both."""
+    from cbjax.serve.prometheus import ServerMetrics
+
+    llm = LLM("tiny-mixtral", num_slots=4, max_seq_len=64, **ROUTING_COUNTED[name])
+    prompts = [[5, 6, 7, 8]] * 3 + [list(range(3, 13))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    tokens = sum(len(p) for p in prompts) + sum(len(o.token_ids) - 1 for o in outs)
+    counts = llm.stats.expert_tokens
+    assert counts.shape == (2, 8) and counts.sum(axis=1).tolist() == [2 * tokens] * 2
+    mean = counts.mean(axis=1)
+    assert llm.load().expert_imbalance == pytest.approx(float(np.mean(counts.max(axis=1) / mean)))
+    text = ServerMetrics("m").render(llm.load()).decode()
+    assert f'cbjax:moe_expert_tokens{{expert="0",layer="1",model_name="m"}} {float(counts[1, 0])}' in text
+    assert "cbjax:moe_expert_imbalance" in text
+
+
+def test_a_dense_model_counts_no_experts():
+    llm = LLM("tiny-llama", num_slots=2, max_seq_len=32)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.stats.expert_tokens is None and llm.load().expert_imbalance == 0.0

@@ -129,7 +129,7 @@ class EngineCore:
     in_flight = property(lambda self: self._ahead is not None)
 
     def load(self) -> Load:
-        return Load.of(self.scheduler, self.pages, self.speculator)
+        return Load.of(self.scheduler, self.pages, self.speculator, self.stats.expert_tokens)
 
     @contextlib.contextmanager
     def engine_swapped(self, engine):
@@ -207,11 +207,13 @@ class EngineCore:
         this round is running when its decode tokens are recorded)."""
         stats = self.stats
         t2 = time.perf_counter()
-        host = to_host([[out for out, _ in dispatched] for dispatched, _ in calls], self.engine.platform)
+        host, expert_tokens = to_host(([[out for out, _ in dispatched] for dispatched, _ in calls],
+                                       self.engine.take_expert_tokens()), self.engine.platform)
         now = self.clock()
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
+        stats.count_expert_tokens(expert_tokens)
         record_round(self.scheduler, stats, self.engine.num_slots, self.speculator, calls, host, now, touched)
         return t3
 

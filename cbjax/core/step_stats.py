@@ -4,6 +4,9 @@ and what its engine holds after its latest round (`Load`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import numpy as np
 
 from cbjax.scheduling import BlockManager, Scheduler
 
@@ -22,6 +25,17 @@ class StepStats:
     process_s: float = 0.0  # recording tokens, stop checks, building outputs
     active_slot_steps: int = 0  # sum over decode steps of slots that produced a token
     ahead_calls: int = 0  # decode calls dispatched before the previous one was recorded (overlap)
+    # A mixture of experts: tokens each MoE layer sent to each expert, `[MoE layers, experts]`
+    # (a new array each round, so a `Load` holding one keeps its snapshot); None for a dense model.
+    expert_tokens: Any = None
+
+    def count_expert_tokens(self, rounds: list) -> None:
+        for counts in rounds:
+            self.expert_tokens = np.asarray(counts, np.int64) + (0 if self.expert_tokens is None else self.expert_tokens)
+
+    @property
+    def expert_imbalance(self) -> float:
+        return expert_imbalance(self.expert_tokens)
 
     @property
     def mean_running(self) -> float:
@@ -35,6 +49,15 @@ class StepStats:
 
     def host_ms_per_decode_step(self) -> float:
         return 1000 * self.host_s / max(self.decode_steps, 1)
+
+
+def expert_imbalance(tokens) -> float:
+    """The busiest expert's tokens over the mean expert's, averaged over the MoE layers (1: balanced);
+    0 before any token."""
+    if tokens is None or not np.size(tokens) or not np.sum(tokens):
+        return 0.0
+    tokens = np.asarray(tokens, np.float64)
+    return float(np.mean(tokens.max(axis=1) / np.maximum(tokens.mean(axis=1), 1e-9)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,22 +81,32 @@ class Load:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # A mixture of experts since the start: tokens each MoE layer sent to each expert (StepStats's).
+    expert_tokens: Any = dataclasses.field(default=None, compare=False)
+
+    @property
+    def expert_imbalance(self) -> float:
+        return expert_imbalance(self.expert_tokens)
 
     @staticmethod
-    def of(sched: Scheduler, pages: BlockManager | None, speculator=None) -> "Load":
-        """What `sched` holds now (and what `speculator`, the core's or None, did so far)."""
+    def of(sched: Scheduler, pages: BlockManager | None, speculator=None, expert_tokens=None) -> "Load":
+        """What `sched` holds now (and what `speculator`, the core's or None, did so far, and the
+        experts' tokens, `StepStats.expert_tokens`)."""
         running = sum(r is not None for r in sched.slots)
         usage = 1.0 - pages.num_free / pages.num_pages if pages is not None else running / len(sched.slots)
         spec = {} if speculator is None else dict(spec_drafts=speculator.verify_rows,
                                                   spec_draft_tokens=speculator.proposed,
                                                   spec_accepted_tokens=speculator.accepted)
         return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(pages, sched.host),
-                    **spec)
+                    **spec, expert_tokens=expert_tokens)
 
     @staticmethod
     def combine(loads: list["Load"]) -> "Load":
         """Several engines' loads as one: counts summed, usages averaged."""
-        fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)}
+        fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)
+                  if f.name != "expert_tokens"}
+        routed = [x.expert_tokens for x in loads if x.expert_tokens is not None]
+        fields["expert_tokens"] = sum(routed[1:], routed[0]) if routed else None
         for name in ("kv_cache_usage", "host_kv_cache_usage"):
             fields[name] /= max(len(loads), 1)
         return Load(**fields)

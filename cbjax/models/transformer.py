@@ -159,12 +159,14 @@ def forward(
     first_layer: int = 0,  # static: the model layer that params["layers"][0] is (pipeline stages)
     ops: Ops = XLA,  # static: the backend's operations (cbjax/models/ops.py)
     history_block: int | None = None,  # static: read the history in blocks up to the longest (not kv_len)
+    routing: bool = False,  # static: also return the tokens each MoE layer sent to each expert
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
     `lengths[slot_ids] = starts + num_valid`. A pipeline stage runs only its layers
     (`params["layers"]` and `cache` hold just those): `embed`/`head` say whether it
-    starts from token ids and ends in logits."""
+    starts from token ids and ends in logits. `routing`: `(logits, cache, tokens per expert)`,
+    the last `[MoE layers, experts]` int32 over the valid tokens (cbjax/models/moe.py)."""
     b, t = tokens.shape[:2]
     max_len = cache.max_len
     kv_len = max_len if kv_len is None else kv_len
@@ -189,6 +191,7 @@ def forward(
     cos, sin = rope_tables(positions, rope_inv_freq(config))
     history_end = starts if history_end is None else history_end
     ks, vs = list(cache.k), list(cache.v)
+    expert_tokens = []
     # The layers are a Python loop over per-layer weight and cache arrays, not a lax.scan over
     # stacked ones: the scan compiles faster and runs about as fast on XLA:CPU with XLA's
     # matmuls (experiments/benchmarks/bench_layer_loop.py; docs/engine.md, "The step's figures").
@@ -223,7 +226,12 @@ def forward(
             out = rotate(out, config.head_dim, back=True)
         x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), ops)
         h = norm(x, p["mlp_norm"], config)
-        x = x + (moe_mlp(h, p, config, offsets < num_valid[:, None], ops)[0] if "router" in p else mlp(h, p, config, ops))
+        if "router" in p:
+            out, counts = moe_mlp(h, p, config, offsets < num_valid[:, None], ops)
+            x = x + out
+            expert_tokens.append(counts)
+        else:
+            x = x + mlp(h, p, config, ops)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         ks, vs = ([jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in kv] for kv in (ks, vs))
@@ -232,8 +240,17 @@ def forward(
     touched = jnp.where(num_valid > 0, slot_ids, cache.num_slots)
     lengths = cache.lengths.at[touched].set(starts + num_valid, mode="drop")
     cache = dataclasses.replace(cache, k=tuple(ks), v=tuple(vs), lengths=lengths)
+    output = _output(x, params, config, b, head, logits_rows, logits_index, ops)
+    if routing:
+        return output, cache, (jnp.stack(expert_tokens) if expert_tokens
+                               else jnp.zeros((0, max(config.num_experts, 1)), jnp.int32))
+    return output, cache
+
+
+def _output(x, params, config, b, head, logits_rows, logits_index, ops):
+    """The hidden states (`head` False) or the logits (float32) of the rows asked for."""
     if not head:
-        return x, cache
+        return x
     if logits_rows is not None:
         x = x[logits_rows, 0]
     elif logits_index is not None:
@@ -242,4 +259,4 @@ def forward(
     # Contract against the rows of `[vocab, hidden]`: `x @ embed.T` made XLA:CPU copy the whole
     # transposed embedding (113 MB for SmolLM2) in every decode step.
     logits = dense(x, params["embed"] if config.tie_embeddings else params["lm_head"], ops=ops)
-    return logits.astype(jnp.float32), cache
+    return logits.astype(jnp.float32)

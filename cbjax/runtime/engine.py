@@ -55,6 +55,12 @@ class EngineBase:
     mesh = None  # a tensor-parallel mesh, or None
     takes_sampler_variants = False
 
+    def take_expert_tokens(self) -> list:
+        """The tokens each MoE layer sent to each expert (`[MoE layers, experts]` device arrays) in
+        the calls run since the last take; none for a dense model or an engine that computes nothing."""
+        taken, self._expert_tokens = self._expert_tokens, []
+        return taken
+
     def _configure(self, model, config: EngineConfig, tensor_parallel: int = 1) -> None:
         """What every engine kind sets up, the simulated one included: the model, the config
         (checked against the model), the attention it runs and the length buckets."""
@@ -65,6 +71,7 @@ class EngineBase:
         self.samplers = SamplerVariants(config.num_slots, self.platform, self.takes_sampler_variants)
         self.model = model
         self.config = config
+        self._expert_tokens = []  # a MoE engine's tokens per expert of the calls not yet recorded (device arrays)
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -239,7 +246,11 @@ class Engine(EngineBase):
 
     def run_program(self, args: tuple, static: dict) -> jax.Array:
         """Run the step program of these arguments (`_step_arguments`): the cache and state advance."""
-        out, self.cache, self.state = self._program(args, static)(*args)
+        out, self.cache, self.state, *expert_tokens = self._program(args, static)(*args)
+        if expert_tokens:  # a mixture of experts: its routing, left on the device until a round records
+            self._expert_tokens.append(expert_tokens[0])
+            if len(self._expert_tokens) > 64:  # nothing recorded them (the engine driven directly): fold
+                self._expert_tokens = [sum(self._expert_tokens[1:], self._expert_tokens[0])]
         return out
 
     def _program(self, args: tuple, static: dict, wait: bool = False):

@@ -227,25 +227,28 @@ def copy_pairs(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- device side: the step
 def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention_kernel=False, history_block=None,
-               first_layer=0, embed=True, head=True, ops=XLA, verify=0):
+               first_layer=0, embed=True, head=True, ops=XLA, verify=0, routing=False):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
     `head=False`, the hidden states of every token), and the cache with the keys written.
-    `verify`: logits `[R * verify, vocab]` at each position of verify rows (speculative.py)."""
+    `verify`: logits `[R * verify, vocab]` at each position of verify rows (speculative.py).
+    `routing`: a third result, the tokens each MoE layer sent to each expert (`forward`)."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
     last_token = (speculative.logits_rows(batch, verify) if verify
                   else jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1))
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
         if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
-    out, cache = forward(params, config, cache, x, batch.token_pos, num_valid=batch.valid.astype(jnp.int32),
+    out, cache, *expert_tokens = forward(params, config, cache, x, batch.token_pos,
+                                         num_valid=batch.valid.astype(jnp.int32),
                          slot_ids=batch.token_slot, kv_len=cache.max_len, logits_rows=last_token,
                          attention_kernel=attention_kernel, ragged=ragged, flat_rows=batch.token_row,
                          history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
-                         history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops)
+                         history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops,
+                         routing=routing)
     # Several tokens of one slot set its length in any order; one write per row settles it.
     lengths = cache.lengths.at[jnp.where(batch.q_len > 0, batch.slot, cache.num_slots)].set(
         batch.start + batch.q_len, mode="drop")
-    return out, dataclasses.replace(cache, lengths=lengths)
+    return (out, dataclasses.replace(cache, lengths=lengths), *expert_tokens)
 
 
 def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, max_logprobs, mask=None, ops=XLA,
@@ -271,7 +274,8 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
                 attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
-    logprob columns when `max_logprobs`, the cache and the state. `mask [R, words]`: the
+    logprob columns when `max_logprobs`, the cache and the state (and, for a mixture of experts,
+    the tokens each MoE layer sent to each expert, `[MoE layers, experts]`). `mask [R, words]`: the
     rows' structured-output bitmasks (`steps` 1); None compiles a program without one.
     `sampler`: the parts of sampling the rows need (`Sampler`; ALL serves any row).
     `verify > 0` (`steps` 1): the program of calls with speculating rows of up to `verify`
@@ -282,29 +286,32 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify)] += 1
     if verify:
         batch = resolve(state, cache.lengths, flat, ints)
-        logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
-                                   history_block=history_block, ops=ops, verify=verify)
+        logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
+                                                   history_block=history_block, ops=ops, verify=verify,
+                                                   routing=config.is_moe)
         out, logprobs, state, held = speculative.sample_positions(
             state, logits, batch, flat, ints, floats, positions=verify, max_len=max_len, max_logprobs=max_logprobs,
             mask=mask, ops=ops, sampler=sampler)
-        return (out if logprobs is None else (out, logprobs)), speculative.settle_lengths(cache, batch, held), state
+        return ((out if logprobs is None else (out, logprobs)), speculative.settle_lengths(cache, batch, held), state,
+                *expert_tokens)
 
     def one_step(carry, _):
         cache, state = carry
         batch = resolve(state, cache.lengths, flat, ints)
-        logits, cache = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
-                                   history_block=history_block, ops=ops)
+        logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
+                                                   history_block=history_block, ops=ops, routing=config.is_moe)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
                                            max_logprobs=max_logprobs, mask=mask, ops=ops, sampler=sampler)
-        return (cache, state), (out, logprobs)
+        return (cache, state), (out, logprobs, expert_tokens)
 
     if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)
         (cache, state), out = one_step((cache, state), None)
         out = jax.tree.map(lambda a: a[None], out)
     else:
         (cache, state), out = jax.lax.scan(one_step, (cache, state), None, length=steps)
-    out, logprobs = out
-    return (out if logprobs is None else (out, logprobs)), cache, state
+    out, logprobs, expert_tokens = out
+    # A mixture of experts' tokens per expert and layer, summed over the steps: a fourth result.
+    return ((out if logprobs is None else (out, logprobs)), cache, state, *(jnp.sum(a, axis=0) for a in expert_tokens))
 
 
 def to_host(tree, platform: str):

@@ -50,6 +50,10 @@ class ServerMetrics:
         self.spec_rate = gauge("cbjax:spec_decode_acceptance_rate", "Accepted / proposed tokens, 0 to 1.")
         self.spec_length = gauge("cbjax:spec_decode_mean_accepted_length",
                                  "Tokens a verified row makes, on average: 1 + accepted / rows.")
+        self.expert_tokens = Gauge("cbjax:moe_expert_tokens", "Mixture of experts: tokens each MoE layer sent to "
+                                   "each expert since the server started.", labels + ["layer", "expert"], registry=r)
+        self.expert_imbalance = gauge("cbjax:moe_expert_imbalance", "Mixture of experts: the busiest expert's tokens "
+                                      "over the mean expert's, averaged over the MoE layers (1: balanced).")
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests started.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
@@ -108,6 +112,11 @@ class ServerMetrics:
         self.spec_accepted.set(load.spec_accepted_tokens)
         self.spec_rate.set(load.spec_accepted_tokens / load.spec_draft_tokens if load.spec_draft_tokens else 0.0)
         self.spec_length.set(1 + load.spec_accepted_tokens / load.spec_drafts if load.spec_drafts else 0.0)
+        if load.expert_tokens is not None:
+            for layer, row in enumerate(load.expert_tokens):
+                for expert, count in enumerate(row):
+                    self.expert_tokens.labels(self.model_name, str(layer), str(expert)).set(int(count))
+            self.expert_imbalance.set(load.expert_imbalance)
 
     def render(self, load: Load) -> bytes:
         self.set_load(load)
