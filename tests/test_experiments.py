@@ -133,7 +133,10 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     result = json.loads(out.read_text())
     assert not [k for k in result if k.endswith("_error")], result
     assert set(result["sections"]) == {"copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer", "quant_8b",
-                                       "quant_matmul"}
+                                       "quant_matmul", "moe"}
+    moe = result["moe"]
+    assert set(moe) == {"moe", "dense_active"} and moe["moe"]["expert_imbalance"] >= 1.0
+    assert all(set(r["steps"]) == {"1", "4"} and all(s["ms"] > 0 for s in r["steps"].values()) for r in moe.values())
     quant_rows = {r["engine"]: r for r in result["quant_8b"]["rows"]}
     assert "fp8 dots" in quant_rows["fp8"]["refused"]  # this CPU has none
     assert quant_rows["int8"]["weights_GB"] < quant_rows["none"]["weights_GB"]
