@@ -120,14 +120,22 @@ DENSE_FEATURES = {
     "preempt-swap": dict(preemption_mode="swap", host_kv_cache_bytes=1 << 24, kv_cache="paged", page_size=8,
                          num_pages=10),
     "ngram-speculation": dict(speculative_method="ngram", speculative_length="fixed"),
+    "pipeline-stages-2": dict(pipeline_stages=2),
+    "disaggregated-1p1d": dict(prefill_instances=1, decode_instances=1),
+    "bfloat16-reference": dict(dtype="bfloat16"),
 }
 
 
 @pytest.mark.parametrize("name", sweep(sorted(DENSE_FEATURES), quick={"prefix-preempt-recompute"}))
 def test_what_dense_models_have_works_here_too(family_setup, name):
-    """Preemption (recompute and swap) under page pressure, prefix caching and speculation."""
+    """Preemption (recompute and swap) under page pressure, prefix caching, speculation, pipeline
+    stages and disaggregated prefill/decode give transformers' tokens; in bf16 a batch gives each
+    prompt the tokens it gets alone."""
     options = DENSE_FEATURES[name]
     model, prompts, max_tokens, expected = family_setup("mixtral")
+    if options.get("dtype") == "bfloat16":  # its own reference: the same bf16 model, each prompt alone
+        model = load_model(model.source, dtype="bfloat16")
+        expected = [_generate(model, [p], [m])[1][0] for p, m in zip(prompts, max_tokens)]
     llm, tokens = _generate(model, prompts, max_tokens, **options)
     assert tokens == expected
     if "num_pages" in options:
@@ -371,3 +379,33 @@ def test_a_dense_model_counts_no_experts():
     llm = LLM("tiny-llama", num_slots=2, max_seq_len=32)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.stats.expert_tokens is None and llm.load().expert_imbalance == 0.0
+
+
+def test_the_server_streams_a_mixture_of_experts_and_shows_its_experts(tmp_path):
+    """Through `python -m cbjax.serve`'s server and the openai client: streamed completions of a
+    MoE equal `LLM.generate`, and /metrics counts the experts' tokens."""
+    import concurrent.futures
+    import urllib.request
+
+    import openai
+
+    from cbjax.serve import Server
+    from tests.hf_models import save_chat_model
+
+    llm = LLM(save_chat_model(str(tmp_path / "moe"), family="qwen3_moe"), num_slots=4, max_seq_len=96)
+    prompts = ["Hello, world!", "Continuous batching", "Paged attention", "The lazy dog"]
+    expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0),
+                                             use_tqdm=False)]
+    with Server(llm, "moe", port=0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def stream(prompt):
+            chunks = client.completions.create(model="moe", prompt=prompt, max_tokens=10, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(stream, prompts)) == expected
+        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    counted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("cbjax:moe_expert_tokens{")]
+    assert len(counted) == 2 * 16 and sum(counted) > 0
