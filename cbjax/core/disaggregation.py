@@ -84,11 +84,7 @@ class DisaggregatedCore:
 
     @property
     def stats(self) -> StepStats:
-        total = StepStats()
-        for c in self.cores:
-            for f in dataclasses.fields(StepStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(c.stats, f.name))
-        return total
+        return sum((c.stats for c in self.cores), StepStats())
 
     @stats.setter
     def stats(self, value: StepStats) -> None:

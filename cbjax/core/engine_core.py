@@ -213,7 +213,8 @@ class EngineCore:
         t3 = time.perf_counter()
         stats.dispatch_s += t2 - t_dispatch
         stats.device_wait_s += t3 - t2
-        stats.count_expert_tokens(expert_tokens)
+        if expert_tokens:  # a mixture of experts' routing, copied with the tokens
+            stats.count_expert_tokens(expert_tokens)
         record_round(self.scheduler, stats, self.engine.num_slots, self.speculator, calls, host, now, touched)
         return t3
 

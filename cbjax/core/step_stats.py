@@ -4,6 +4,7 @@ and what its engine holds after its latest round (`Load`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,14 @@ class StepStats:
 
     def count_expert_tokens(self, rounds: list) -> None:
         for counts in rounds:
-            self.expert_tokens = np.asarray(counts, np.int64) + (0 if self.expert_tokens is None else self.expert_tokens)
+            self.expert_tokens = summed_counts(self.expert_tokens, np.asarray(counts, np.int64))
+
+    def __add__(self, other: "StepStats") -> "StepStats":
+        """Two cores' stats as one (a disaggregated core's instances)."""
+        out = StepStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                           for f in dataclasses.fields(StepStats) if f.name != "expert_tokens"})
+        out.expert_tokens = summed_counts(self.expert_tokens, other.expert_tokens)
+        return out
 
     @property
     def expert_imbalance(self) -> float:
@@ -49,6 +57,11 @@ class StepStats:
 
     def host_ms_per_decode_step(self) -> float:
         return 1000 * self.host_s / max(self.decode_steps, 1)
+
+
+def summed_counts(a, b):
+    """Two tokens-per-expert arrays (or None) summed: a new array, so a `Load` holding one keeps it."""
+    return b if a is None else a if b is None else a + b
 
 
 def expert_imbalance(tokens) -> float:
@@ -105,8 +118,7 @@ class Load:
         """Several engines' loads as one: counts summed, usages averaged."""
         fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)
                   if f.name != "expert_tokens"}
-        routed = [x.expert_tokens for x in loads if x.expert_tokens is not None]
-        fields["expert_tokens"] = sum(routed[1:], routed[0]) if routed else None
+        fields["expert_tokens"] = functools.reduce(summed_counts, (x.expert_tokens for x in loads), None)
         for name in ("kv_cache_usage", "host_kv_cache_usage"):
             fields[name] /= max(len(loads), 1)
         return Load(**fields)

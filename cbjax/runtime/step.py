@@ -238,13 +238,11 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
         if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
-    out, cache, *expert_tokens = forward(params, config, cache, x, batch.token_pos,
-                                         num_valid=batch.valid.astype(jnp.int32),
-                         slot_ids=batch.token_slot, kv_len=cache.max_len, logits_rows=last_token,
-                         attention_kernel=attention_kernel, ragged=ragged, flat_rows=batch.token_row,
-                         history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
-                         history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops,
-                         routing=routing)
+    out, cache, *expert_tokens = forward(
+        params, config, cache, x, batch.token_pos, num_valid=batch.valid.astype(jnp.int32), slot_ids=batch.token_slot,
+        kv_len=cache.max_len, logits_rows=last_token, attention_kernel=attention_kernel, ragged=ragged,
+        flat_rows=batch.token_row, history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
+        history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops, routing=routing)
     # Several tokens of one slot set its length in any order; one write per row settles it.
     lengths = cache.lengths.at[jnp.where(batch.q_len > 0, batch.slot, cache.num_slots)].set(
         batch.start + batch.q_len, mode="drop")
