@@ -19,7 +19,7 @@ from cbjax.models import moe
 from cbjax.runtime.engine import Engine
 from tests.hf_models import MOE_FAMILIES, make_hf_model, save_hf_model
 from tests.test_engine_parity import MAX_SEQ_LEN, hf_greedy, workload
-from tests.tiers import sweep
+from tests.tiers import slow, sweep
 
 NUM_PROMPTS = 8
 LAYOUTS = {"slots": dict(), "paged": dict(kv_cache="paged", page_size=8, num_pages=24)}
@@ -282,6 +282,7 @@ def test_the_cpu_expert_kernel_equals_the_gathered_product(pairs, experts):
     assert kernels.CPU_KERNELS.expert_dense(x, w.astype(jnp.bfloat16), ids) is None  # bf16: XLA's way
 
 
+@slow  # the quick run's parity cases already run the expert kernel (cpu_kernels auto); here it is off too
 def test_the_engine_with_and_without_the_cpu_kernels_agrees(family_setup):
     model, prompts, max_tokens, expected = family_setup("qwen3_moe")
     for choice in ("auto", "off"):
