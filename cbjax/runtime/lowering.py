@@ -19,7 +19,12 @@ def lowering_target(platform: str):
     if platform != "cuda":
         return contextlib.nullcontext()
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
+    # Auto axes, as JAX 0.10 and 0.11 default to: from 0.12 an abstract mesh's axes default to
+    # Explicit, under which `ragged_dot_general` (a mixture of experts' grouped matmul) asks for
+    # an out_sharding that nothing here is sharded by.
+    mesh = jax.sharding.AbstractMesh((1,), ("lowering",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def lower_programs(engine, platforms: tuple[str, ...], samplers: tuple | None = None,
