@@ -59,6 +59,10 @@ class StepEngine(Protocol):
     def run(self, rows: list[Row], steps: int = 1) -> list:
         """Dispatch a round's rows; each call's `[steps, rows, 2]` result stays on the device."""
 
+    def take_expert_tokens(self) -> list:
+        """A mixture of experts' tokens per expert and layer in the calls since the last take
+        (device arrays, copied with the round's tokens); empty for a dense model."""
+
     def deactivate(self, slot: int) -> None: ...
 
     def copy_kv(self, copies: Sequence[tuple[int, int]]) -> None: ...
