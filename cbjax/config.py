@@ -105,6 +105,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def check_expert_parallel(self, expert_parallel: int) -> None:
+        """Refuse (ValueError) spreading this model's experts over `expert_parallel` devices where
+        it is dense or the count does not divide its experts."""
+        if expert_parallel > 1 and not self.is_moe:
+            raise ValueError(f"expert_parallel={expert_parallel} spreads a mixture of experts; "
+                             f"{self.model_type!r} is dense")
+        if self.is_moe and self.num_experts % expert_parallel:
+            raise ValueError(f"expert_parallel={expert_parallel} must divide the model's num_experts "
+                             f"({self.num_experts})")
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the routed experts."""
         return self.is_moe and (not self.moe_layers or bool(self.moe_layers[layer]))

@@ -42,6 +42,15 @@ def route(h: jax.Array, router: jax.Array, config: ModelConfig, ops: Ops = XLA) 
     return top, experts.astype(jnp.int32)
 
 
+def place_in_group(groups: jax.Array, num_groups: int, counted: jax.Array | None = None) -> jax.Array:
+    """For items `[P]` in `groups` (ints below `num_groups`): each item's place among the earlier
+    items of its group (0 for the first), counting only the `counted` ones (0 for the others)."""
+    hits = jax.nn.one_hot(groups, num_groups, dtype=jnp.int32)
+    if counted is not None:
+        hits = hits * counted[:, None]
+    return jnp.sum((jnp.cumsum(hits, axis=0) - 1) * hits, axis=-1)
+
+
 def kept_pairs(experts: jax.Array, valid: jax.Array, config: ModelConfig) -> jax.Array:
     """`[N, k]` bool: the pairs their expert computes. Padding tokens route nowhere; under a
     capacity factor an expert keeps its first `capacity` valid tokens in the call's order."""
@@ -50,8 +59,7 @@ def kept_pairs(experts: jax.Array, valid: jax.Array, config: ModelConfig) -> jax
     if factor is None:
         return keep
     num_experts = config.num_experts
-    hits = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32) * keep.reshape(-1, 1)
-    rank = jnp.sum((jnp.cumsum(hits, axis=0) - 1) * hits, axis=-1).reshape(experts.shape)
+    rank = place_in_group(experts.reshape(-1), num_experts, keep.reshape(-1)).reshape(experts.shape)
     tokens = jnp.sum(valid.astype(jnp.int32))
     capacity = jnp.ceil(factor * tokens * config.num_experts_per_tok / num_experts).astype(jnp.int32)
     return keep & (rank < capacity)

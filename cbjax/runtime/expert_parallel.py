@@ -57,8 +57,7 @@ def _dispatch_and_combine(h, experts, weights, w_gate, w_up, w_down):
     pair_weights = jax.lax.dynamic_slice_in_dim(weights, me * share, share)
     pairs = ids.shape[0]
     dest, local_id = ids // local_experts, ids % local_experts
-    hits = jax.nn.one_hot(dest, ep, dtype=jnp.int32)
-    slot = jnp.sum((jnp.cumsum(hits, axis=0) - 1) * hits, axis=-1)  # the pair's place in its destination's rows
+    slot = moe.place_in_group(dest, ep)  # the pair's place in its destination's rows
     send = jnp.zeros((ep, pairs, hidden), h.dtype).at[dest, slot].set(jnp.repeat(mine, k, axis=0))
     send_ids = jnp.full((ep, pairs), -1, jnp.int32).at[dest, slot].set(local_id)
     rows = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0).reshape(ep * pairs, hidden)

@@ -74,11 +74,7 @@ def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
                        ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)):
         if size % n:
             raise ValueError(f"tensor_parallel={n} must divide the model's {name} ({size})")
-    ep = ep_size(mesh)
-    if ep > 1 and not config.is_moe:
-        raise ValueError(f"expert_parallel={ep} spreads a mixture of experts; {config.model_type!r} is dense")
-    if ep > 1 and config.num_experts % ep:
-        raise ValueError(f"expert_parallel={ep} must divide the model's num_experts ({config.num_experts})")
+    config.check_expert_parallel(ep_size(mesh))
 
 
 def kv_heads_split(config: ModelConfig, mesh: Mesh | None) -> bool:

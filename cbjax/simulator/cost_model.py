@@ -87,16 +87,11 @@ class RooflineCost:
     def _moe(self, config: ModelConfig, expert_parallel: int, routing) -> None:
         """The mixture of experts' terms (none for a dense model): the routed experts' bytes and
         FLOPs per token, each expert's chance of a token, the expert-parallel degree."""
+        config.check_expert_parallel(expert_parallel)
         self.expert_parallel = expert_parallel
         if not config.is_moe:
-            if expert_parallel != 1:
-                raise ValueError(f"expert_parallel={expert_parallel} spreads a mixture of experts; "
-                                 f"{config.model_type!r} is dense")
             self._expert_bytes, self._expert_flops_per_token, self._route = 0.0, 0.0, None
             return
-        if config.num_experts % expert_parallel:
-            raise ValueError(f"expert_parallel={expert_parallel} must divide the model's num_experts "
-                             f"({config.num_experts})")
         self._expert_bytes = expert_params(config) * DTYPE_BYTES[self.weight_dtype]
         self._expert_flops_per_token = 2.0 * expert_params(config, config.num_experts_per_tok)
         share = np.full(config.num_experts, 1.0 / config.num_experts) if routing is None else np.asarray(routing, float)
