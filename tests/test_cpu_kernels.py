@@ -282,9 +282,12 @@ def test_decoder_layer_equals_the_layer_op_by_op(layout, family, cache_dtype):
     real = np.asarray(num_valid) > 0
     real[-1] = False  # the dropped token attends to nothing written; only its cache write is checked
     np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real], rtol=2e-4, atol=2e-4)
+    # Values within 2e-4 before they are written may round to neighbouring f16 values: one
+    # step of the cache's dtype more (seen on JAX 0.12, whose XLA fuses the layer differently).
+    rtol = 2e-4 + float(jnp.finfo(cache_dtype).eps)
     for g, w in zip(got.k + got.v, want.k + want.v):
         assert g.dtype == w.dtype == cache_dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=rtol, atol=2e-5)
 
 
 def _quantized_matrix(w, kind: str):

@@ -44,6 +44,20 @@ def test_a_second_engine_reads_its_programs_and_makes_the_same_tokens(store):
     assert second == first
 
 
+
+def test_a_new_program_traces_over_what_a_loaded_program_returned(store):
+    """A warm start reads some programs and compiles others: the arrays a loaded program
+    returns must type-check in the next trace. JAX 0.12's output types carry its `AutoLayout`
+    singleton, which a plain pickle duplicated, and a scan over such an array failed ("the
+    layouts do not match"): an engine of `decode_steps=3` behind stored prefill programs."""
+    add_one = jax.jit(lambda x: x + 1)
+    path = store / "add_one"
+    executables.store(path, add_one.lower(jax.numpy.zeros((4, 8))).compile())
+    loaded = executables.load(path)
+    assert loaded is not None
+    carried = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0])
+    assert float(carried(loaded(jax.numpy.zeros((4, 8))))[0, 0]) == 8.0
+
 def test_what_the_trace_depends_on_changes_the_key(store, monkeypatch):
     _generate()
     stored = set(store.iterdir())

@@ -14,6 +14,7 @@ and off with it.
 from __future__ import annotations
 
 import collections
+import copyreg
 import functools
 import hashlib
 import importlib
@@ -26,6 +27,7 @@ from pathlib import Path
 import jax
 import jaxlib
 from jax._src import config as jax_config  # a thread's own override of the cache's threshold
+from jax._src import layout as jax_layout
 from jax.experimental import serialize_executable
 
 from pallas_kernels import tuning
@@ -88,6 +90,19 @@ def key(name: str, args: tuple, static: dict) -> str:
              tuning.choices_digest(),  # the tuned launches the kernels read when traced
              repr(tree), sorted((k, repr(v)) for k, v in static.items()), [_leaf_signature(x) for x in leaves])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _pickle_auto_layout_by_name() -> None:
+    """From JAX 0.12 a compiled program's output types carry JAX's `AutoLayout`, a singleton
+    compared by identity. Pickled as an object it loads as a second instance, so an array a
+    loaded program returns fails the type check of the next program traced over it (a scan's
+    carry: "the layouts do not match"). Pickled by name it loads as the one instance."""
+    auto = getattr(jax_layout, "AutoLayout", None)
+    if auto is not None:
+        copyreg.pickle(type(auto), lambda _: "AutoLayout")
+
+
+_pickle_auto_layout_by_name()
 
 
 def load(path: Path):

@@ -28,8 +28,8 @@ class PrefillScheduler(Scheduler):
     def _should_decode(self, prefills: list[Row]) -> bool:
         return False
 
-    def reserve_decode_pages(self, prefills: list[Row]) -> None:
-        pass  # the decode instance reserves its own
+    def decode_reach(self, config) -> int:
+        return 0  # pages for prompts only: nothing decodes here, the decode instance reserves its own
 
     def prefilled(self) -> list[Request]:
         """Requests with their first token, held for the move to a decode instance."""

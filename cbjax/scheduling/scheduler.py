@@ -31,8 +31,7 @@ class Scheduler:
         self.host = host  # the KV cache's host tier (swapped-out requests, prefix pages), or None
         if config.preemption_mode == "swap" and host is None:
             raise ValueError("preemption_mode='swap' needs a host tier (host_kv_cache_bytes > 0)")
-        # The positions a decode call (or a speculating request's verification) writes ahead.
-        reach = max(config.decode_steps, 1 + config.num_speculative_tokens)
+        reach = self.decode_reach(config)
         self.reservations = None if pages is None else PageReservations(pages, reach, max_seq_len)
         self.num_preemptions = 0
         self.tokens = TokenRecorder(stop_tokens, max_seq_len, pages)
@@ -92,6 +91,10 @@ class Scheduler:
     def lowest_holder(self) -> Request:
         """The least important request holding a slot: the first to preempt."""
         return max(self.running, key=self.order_key)
+
+    def decode_reach(self, config: SchedulerConfig) -> int:
+        """The positions a decode call (or a speculating request's verification) writes ahead."""
+        return max(config.decode_steps, 1 + config.num_speculative_tokens)
 
     # ---------------------------------------------------------- schedule
     def schedule(self, now: float, draft_len: int = 0) -> Plan:

@@ -241,6 +241,9 @@ def _work_items(cu_q_lens, num_tokens: int, tokens: int) -> tuple:
     tiles = (cu_q_lens[1:] - cu_q_lens[:-1] + tokens - 1) // tokens
     ends = jnp.cumsum(tiles)
     index = jnp.arange(items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_seqs - 1).astype(jnp.int32)
+    # "compare_all": an [items, S] comparison, no loop. The default method is a binary search
+    # in a `while` of log2(S) steps, whose bound JAX 0.12 wraps in a sharding constraint.
+    seq = jnp.minimum(jnp.searchsorted(ends, index, side="right", method="compare_all"),
+                      num_seqs - 1).astype(jnp.int32)
     tile = jnp.where(index < ends[-1], index - (ends - tiles)[seq], num_tokens).astype(jnp.int32)
     return seq, tile
