@@ -71,7 +71,7 @@ class DisaggregatedCore:
     pages = property(lambda self: self.prefill[0].pages)
     idle = property(lambda self: self._idle)
     wake_time = None  # continuous instances only: nothing wakes without an arrival
-    arrivals_pending = None  # its rounds never run ahead of the front
+    arrivals_pending: Callable[[], bool] | None = None  # its rounds never run ahead of the front
 
     @property
     def predict_len(self):

@@ -12,6 +12,7 @@ import copy
 
 import jax
 import jax.numpy as jnp
+from typing_extensions import override
 
 from cbjax.models import gguf_blocks, quant
 
@@ -83,6 +84,7 @@ class Ops:
     # One instance per backend (module singletons), so identity is equality: a jit hashes
     # this static argument on every call, and object's own hash costs no Python frame.
 
+    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}({'' if self.platform is None else f'platform={self.platform!r}'})"
 

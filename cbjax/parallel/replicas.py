@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 
@@ -54,6 +54,7 @@ class Replicas:
         self.routing = routing
         self.affinity_tokens = checks.integer("affinity_tokens", affinity_tokens, 1)
         self.simulated = simulate is not None
+        self.clock: Callable[[], float]
         if self.simulated:
             from cbjax import simulator
 

@@ -16,7 +16,7 @@ one per bucket of decode rows when `decode_steps > 1`: their number does not gro
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -314,7 +314,7 @@ class Engine(EngineBase):
             return jax.device_put(host)  # not jnp.asarray: without a dtype it compiles a copy per shape
         return sharding.place(host, sharding.replicated(self.mesh))
 
-    def copy_kv(self, copies: list[tuple[int, int]]) -> None:
+    def copy_kv(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy KV (source, destination): pages of a paged cache, whole slots of the slot cache
         (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
         src, dst = step.copy_pairs(copies)

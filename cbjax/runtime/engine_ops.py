@@ -7,6 +7,7 @@ import threading
 
 import jax
 import numpy as np
+from typing_extensions import override
 
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
@@ -28,6 +29,7 @@ class DecodeMatmulOps(Ops):
     def __init__(self, interpret: bool, everywhere: bool = False):
         self.interpret, self.everywhere = interpret, everywhere
 
+    @override
     def dense(self, x, w):
         quantized = isinstance(w, quant.QuantizedWeight)
         values = w.values if quantized else w
@@ -42,6 +44,7 @@ class DecodeMatmulOps(Ops):
                 note(x, values, scale)  # XLA's dot while untuned: a tuner still learns the shape
         return super().dense(x, w)
 
+    @override
     def __repr__(self) -> str:
         on = "" if self.platform is None else f", platform={self.platform!r}"
         return f"DecodeMatmulOps(interpret={self.interpret}, everywhere={self.everywhere}{on})"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
+from typing_extensions import override
 
 from cbjax.models import moe
 from cbjax.models.ops import Ops
@@ -77,6 +78,7 @@ class ExpertParallelOps(Ops):
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
 
+    @override
     def routed_experts(self, h, experts, weights, p):
         replicated, by_width, by_input = P(), P(EXPERT_AXIS, AXIS, None), P(EXPERT_AXIS, None, AXIS)
         run = jax.shard_map(_dispatch_and_combine, mesh=self.mesh, check_vma=False,
@@ -84,6 +86,7 @@ class ExpertParallelOps(Ops):
                             out_specs=replicated)
         return run(h, experts, weights, p["moe_w_gate"], p["moe_w_up"], p["moe_w_down"])
 
+    @override
     def __repr__(self) -> str:
         on = "" if self.platform is None else f", platform={self.platform!r}"
         return f"ExpertParallelOps(ep={ep_size(self.mesh)}, tp={tp_size(self.mesh)}{on})"

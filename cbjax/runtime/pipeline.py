@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing_extensions import override
 
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
@@ -136,6 +137,7 @@ class PipelineEngine(Engine):
         return dataclasses.replace(self.model.config, num_layers=self.bounds[s + 1] - self.bounds[s],
                                    sliding_windows=self.model.config.sliding_windows[self.bounds[s]:self.bounds[s + 1]])
 
+    @override
     def reset(self) -> None:
         dtype = kv_dtype(self.model, self.config)
         c = self.config
@@ -147,9 +149,11 @@ class PipelineEngine(Engine):
         self.call_log: list[list[StageCall]] = []
 
     @property
+    @override
     def cache(self):  # the last stage's (its lengths are every stage's)
         return self.caches[-1]
 
+    @override
     def copy_kv(self, copies) -> None:
         src, dst = step.copy_pairs(copies)
         for s, d in enumerate(self.devices):  # each stage holds its own layers of every slot
@@ -163,6 +167,7 @@ class PipelineEngine(Engine):
             self._new_round()
         self.call_log[-1].append(StageCall(stage, chain, kind, rows, tokens, kv_len))
 
+    @override
     def run(self, rows: list[Row], steps: int = 1) -> list:
         """As `Engine.run`. Prompt rows go through the stages un-split; decode rows are run for
         every slot (whichever `rows` name: the micro-batches are fixed), micro-batch by
@@ -176,6 +181,7 @@ class PipelineEngine(Engine):
         self._new_round()
         return super().run(rows, steps)
 
+    @override
     def _dispatch(self, packed, steps: int, sampler=None, verify: int = 0) -> jax.Array:
         """A call of prompt rows through the stages (logged with the longest row's end as its
         attended length); `sampler` is always ALL here (`takes_sampler_variants`)."""
@@ -220,12 +226,14 @@ class PipelineEngine(Engine):
         self._log(last, chain, kind, rows, tokens // rows, attended)
         return out
 
+    @override
     def programs(self, only: str | None = None) -> list[tuple]:
         """Each token bucket's pass through the stages, and the decode micro-batch's."""
         per_group = self.num_slots // self.micro_batches
         progs = [("stages", n, 1) for n in self.token_buckets()] if only != "decode" else []
         return progs + ([("stages", per_group, 1)] if ("stages", per_group, 1) not in progs else [])
 
+    @override
     def compile_programs(self, progs: list[tuple], meanwhile: Callable[[], None] | None = None) -> None:
         """A padding pass per program, in turn (after `meanwhile`): its programs are per stage and
         device, and each pass updates the stages' caches."""

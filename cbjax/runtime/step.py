@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -216,7 +217,7 @@ def history_tokens(row: Row, buckets: list[int]) -> np.ndarray:
     return tokens
 
 
-def copy_pairs(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+def copy_pairs(copies: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """(source, destination) ids padded to a power of two (destinations out of range: dropped)."""
     size = 1 << (len(copies) - 1).bit_length()
     src = np.zeros(size, np.int32)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from typing_extensions import override
+
 from cbjax.request import Request, RequestState
 from cbjax.scheduling import forks
 from cbjax.scheduling.plan import Row
@@ -148,6 +150,7 @@ class BatchAdmission(AdmissionPolicy):
         self.batch: set[str] = set()  # ids of the batch in flight
         self.requeued: set[str] = set()  # its members preempted and waiting again
 
+    @override
     def _admit(self, view: SchedulerView, ordered: Sequence[Request], now: float) -> Admission:
         cfg = self.config
         if self.batch:  # batches never mix; preempted members come back
@@ -178,21 +181,26 @@ class BatchAdmission(AdmissionPolicy):
         rest = sorted(ordered[1:], key=lambda r: (abs(r.expected_len - head.expected_len), view.order_key(r)))
         return [head] + rest[:size - 1]
 
+    @override
     def decodes(self, view: SchedulerView, finishing: set[str]) -> bool:
         """Once every member of the batch holds its whole prompt."""
         holders = view.holders()
         return bool(holders) and all(self._past_prompt(r, finishing) for r in holders)
 
+    @override
     def on_placed(self, r: Request) -> None:
         self.requeued.discard(r.request_id)
 
+    @override
     def on_preempted(self, r: Request) -> None:
         self.requeued.add(r.request_id)
 
+    @override
     def on_left(self, r: Request) -> None:
         self.batch.discard(r.request_id)
         self.requeued.discard(r.request_id)
 
+    @override
     def not_placed(self, requests: Sequence[Request]) -> None:
         self.batch -= {r.request_id for r in requests if r.state == RequestState.WAITING}
 
@@ -205,6 +213,7 @@ class ContinuousAdmission(AdmissionPolicy):
         self.steps_since_refill = 0  # decode steps since the running batch was last refilled
         self.waiting_steps = 0  # decode steps run while requests waited
 
+    @override
     def _admit(self, view: SchedulerView, ordered: Sequence[Request], now: float) -> Admission:
         cfg = self.config
         decoding = view.decoding()
@@ -236,6 +245,7 @@ class ContinuousAdmission(AdmissionPolicy):
                 break
         return victims
 
+    @override
     def fill(self, view: SchedulerView) -> Admission:
         """The startable requests for the free slots, while the round's prefill budget lasts
         (the last one may be chunked)."""
@@ -256,6 +266,7 @@ class ContinuousAdmission(AdmissionPolicy):
             budget -= 1 if r.swapped else r.prefill_len
         return Admission(taken)
 
+    @override
     def on_decode(self, steps: int, waiting: bool) -> None:
         self.steps_since_refill += steps
         if waiting:

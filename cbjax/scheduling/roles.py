@@ -12,6 +12,8 @@ each request from the first to the second with its KV.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from cbjax.request import FinishReason, Request, RequestState
 from cbjax.scheduling.policies import admission_policy
 from cbjax.scheduling.plan import Row
@@ -25,9 +27,11 @@ class PrefillScheduler(Scheduler):
         # steps) must not hold admission back.
         self.admission = admission_policy(config, refill_interval=0)
 
+    @override
     def _should_decode(self, prefills: list[Row]) -> bool:
         return False
 
+    @override
     def decode_reach(self, config) -> int:
         return 0  # pages for prompts only: nothing decodes here, the decode instance reserves its own
 
@@ -50,9 +54,11 @@ class DecodeScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.evicted: list[Request] = []
 
+    @override
     def add(self, request: Request) -> None:
         raise RuntimeError("a decode instance takes prefilled requests (insert), never a waiting one")
 
+    @override
     def _enqueue(self, request: Request) -> None:
         self.evicted.append(request)  # preempted: back to the front, to recompute on a prefill instance
 

@@ -19,6 +19,7 @@ import resource
 import time
 
 from aiohttp import web
+from typing_extensions import override
 
 log = logging.getLogger("cbjax.serve")
 
@@ -89,6 +90,7 @@ class _Guarded(asyncio.Protocol):
         self._tail = b""
         self._deadline = None
 
+    @override
     def connection_made(self, transport) -> None:
         guard = self.guard
         if guard.open >= guard.max_connections:
@@ -109,6 +111,7 @@ class _Guarded(asyncio.Protocol):
             self.guard._timeouts.note(f"{self.guard.header_timeout_s:g} s")
             self.transport.abort()
 
+    @override
     def data_received(self, data: bytes) -> None:
         if not self.head_seen:
             seen = self._tail + data[:65536]
@@ -119,9 +122,11 @@ class _Guarded(asyncio.Protocol):
         if self.inner is not None:
             self.inner.data_received(data)
 
+    @override
     def eof_received(self):
         return self.inner.eof_received() if self.inner is not None else None
 
+    @override
     def connection_lost(self, exc) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
@@ -130,10 +135,12 @@ class _Guarded(asyncio.Protocol):
             self.inner.connection_lost(exc)
             self.inner = None
 
+    @override
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
 
+    @override
     def resume_writing(self) -> None:
         if self.inner is not None:
             self.inner.resume_writing()
@@ -147,9 +154,11 @@ class GuardedSite(web.BaseSite):
         self._host, self._port, self.guard = host, port, guard
 
     @property
+    @override
     def name(self) -> str:
         return f"http://{self._host}:{self._port}"
 
+    @override
     async def start(self) -> None:
         await super().start()
         server = self._runner.server

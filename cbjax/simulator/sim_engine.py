@@ -11,6 +11,7 @@ the context (the workloads ignore EOS), exactly where the real engine's would.
 from __future__ import annotations
 
 import numpy as np
+from typing_extensions import override
 
 from cbjax.runtime.engine import Engine, EngineConfig
 from cbjax.runtime.step import row_bucket
@@ -83,9 +84,11 @@ class SimulatedEngine(Engine):
         self.swapped: dict[object, tuple] = {}  # swapped-out sequences' slot counters
         self.reset()
 
+    @override
     def wait_for_compiles(self) -> int:
         return 0
 
+    @override
     def reset(self) -> None:
         s = self.config.num_slots
         self.active = np.zeros(s, bool)
@@ -94,6 +97,7 @@ class SimulatedEngine(Engine):
         self.max_tokens = np.zeros(s, np.int64)
         self.filler = np.zeros(s, np.int64)
 
+    @override
     def move_kv(self, ops) -> None:
         """The host tier's moves: no data, a swapped sequence's slot counters kept aside, and
         the bytes (its cached positions, a prefix page's) charged over the host link."""
@@ -120,9 +124,11 @@ class SimulatedEngine(Engine):
             self.busy_s += seconds
             self.clock.advance(seconds)
 
+    @override
     def copy_kv(self, copies) -> None:
         pass  # a fork's copy is a few pages: not charged
 
+    @override
     def record_histories(self, rows) -> None:
         pass  # no logits, so no penalties to keep a history for
 
@@ -217,9 +223,11 @@ class SimulatedEngine(Engine):
         self.length[slot] = start + kept
         return start + kept
 
+    @override
     def run(self, rows: list[Row], steps: int = 1) -> list:
         return [(self._call([r for _, r in members], steps), [i for i, _ in members]) for members in self.split(rows)]
 
+    @override
     def deactivate(self, slot: int) -> None:
         self.active[slot] = False
 
@@ -232,5 +240,6 @@ class SimulatedEngine(Engine):
         self.max_tokens[slot] = sampling.max_tokens
         self.filler[slot] = self._filler(sampling)
 
+    @override
     def warmup(self, only: str | None = None) -> int:
         return 0  # nothing to compile

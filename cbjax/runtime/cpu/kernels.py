@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing_extensions import override
 
 from cbjax.models.gguf_blocks import GGUFWeight
 from cbjax.models.quant import QuantizedWeight, is_quantized
@@ -311,6 +312,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
 class CpuKernelOps(Ops):
     """The model's operations with the C++ kernels where they fit, XLA's elsewhere."""
 
+    @override
     def dense(self, x, w):
         if blocks_fit(x, w):
             return matmul_blocks(x, w)
@@ -318,19 +320,23 @@ class CpuKernelOps(Ops):
             return matmul_int8(x, w)
         return matmul_nt(x, w) if fits(x, w) else super().dense(x, w)
 
+    @override
     def expert_dense(self, x, w, experts):
         return expert_matmul_nt(x, w, experts) if experts_fit(x, w) else super().expert_dense(x, w, experts)
 
+    @override
     def argmax(self, x):
         if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 0 and available():
             return argmax(x)
         return super().argmax(x)
 
+    @override
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
         if not attends(q, layer_k):
             return None
         return history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi)
 
+    @override
     def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
         if not layer_fits(x, p, config, layer_k):
             if isinstance(p, LayerAt):  # the weights exist only as addresses: nothing else can run them
