@@ -88,16 +88,17 @@ def test_chat_workload_from_chitchat(smollm2):
 
 
 def test_shipped_length_predictor_loads_for_smollm2_and_reproduces_its_held_out_tau(smollm2):
-    """configs/length_predictor_smollm2 was made for this model: it loads, reproduces the
+    """The shipped predictor (cbjax/data/length_predictors/smollm2-135m) was made for this model: it loads, reproduces the
     predictions it recorded for its 300 held-out prompts, and ranks their true lengths with
-    Kendall's tau above 0.5 (the number its report.json states)."""
+    Kendall's tau above 0.5 (the number its report, docs/length_predictor_smollm2.json, states)."""
     import json
 
     from cbjax.models import length_predictor as lp
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                        "length_predictor_smollm2")
-    predictor = lp.LengthPredictor.load(root, smollm2)
+    from cbjax.shipped_predictors import predictor_dir
+
+    root = predictor_dir("smollm2-135m")
+    predictor = lp.LengthPredictor.load("smollm2-135m", smollm2)
     with open(os.path.join(root, "held_out.json")) as f:
         held_out = json.load(f)
     with open(os.path.join(root, held_out["data"])) as f:
@@ -106,7 +107,8 @@ def test_shipped_length_predictor_loads_for_smollm2_and_reproduces_its_held_out_
     predicted = predictor.predict_many(prompts)
     assert np.allclose(predicted, held_out["predicted"], rtol=1e-3)
     tau = lp.kendall_tau(predicted, [pairs[i]["output_len"] for i in held_out["indices"]])
-    with open(os.path.join(root, "report.json")) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "length_predictor_smollm2.json")) as f:
         assert tau == pytest.approx(json.load(f)["held_out_kendall_tau"], abs=1e-6)
     assert tau > 0.5
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from cbjax import checks
+from cbjax import checks, shipped_predictors
 from cbjax.models.fusion import FUSE_CHOICES
 from cbjax.models.kv_cache import KV_DTYPES
 from cbjax.models.quant import QUANTIZATIONS
@@ -53,8 +53,9 @@ class SchedulingKnobs:
     score_short: float = _knob(0.5, "ordering=score: weight of 1 / predicted remaining output tokens.", lower=0.0)
     score_priority: float = _knob(2.0, "ordering=score: weight of the priority (lower values rank higher).",
                                   lower=0.0)
-    length_predictor: str = _knob(None, "Output-length predictor checkpoint for ordering=sjf/score "
-                                  "(experiments/studies/train_length_predictor.py; made for this model). Default: "
+    length_predictor: str = _knob(None, "Output-length predictor for ordering=sjf/score: a checkpoint "
+                                  "directory, or the name of one cbjax ships (smollm2-135m), made for this model "
+                                  "(experiments/studies/train_length_predictor.py). Default: "
                                   "requests' max_tokens.")
     priority_preemption: bool = _knob(True, "ordering=priority/score, continuous: a waiting request that outranks "
                                       "a running one takes its slot when none is free (recompute).")
@@ -202,8 +203,9 @@ class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
         if self.length_predictor is not None:
             if not isinstance(self.length_predictor, (str, os.PathLike)):
                 raise ValueError(f"length_predictor must be a checkpoint directory, got {self.length_predictor!r}")
-            if not os.path.isdir(self.length_predictor):
-                raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r}")
+            if not os.path.isdir(shipped_predictors.predictor_dir(self.length_predictor)):
+                raise FileNotFoundError(f"length_predictor: no checkpoint directory at {self.length_predictor!r} "
+                                        f"(shipped: {', '.join(shipped_predictors.shipped())})")
         if self.pipeline_stages > 1 and self.tensor_parallel > 1:
             raise ValueError("pipeline stages and tensor parallelism do not combine yet: choose one")
         check_disaggregation(self)

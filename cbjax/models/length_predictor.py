@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbjax import shipped_predictors
 from cbjax.models.quant import QuantizedWeight
 
 META_FILE = "length_predictor.json"
@@ -154,8 +155,9 @@ class LengthPredictor:
 
     @classmethod
     def load(cls, path: str, model) -> "LengthPredictor":
-        """The predictor saved at `path`, checked against the serving `model`."""
-        path = os.path.abspath(path)  # orbax restores from absolute paths only
+        """The predictor saved at `path` (or shipped under that name: cbjax/shipped_predictors.py),
+        checked against the serving `model`."""
+        path = os.path.abspath(shipped_predictors.predictor_dir(path))  # orbax restores from absolute paths only
         meta_path = os.path.join(path, META_FILE)
         try:
             with open(meta_path) as f:

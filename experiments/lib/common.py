@@ -101,8 +101,9 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
                        "chitchat-dataset package (pip install 'cbjax[chat]'), chat-templated, generating until "
                        "EOS or --output_cap; 'held_out': the prompts a length predictor (--trace) held out, "
                        "each generating the length its model gave it; ")
-    flags.DEFINE_string("trace", "configs/length_predictor_smollm2", "--workload=held_out: the length predictor "
-                        "checkpoint whose held-out prompts to replay (experiments/studies/train_length_predictor.py).")
+    flags.DEFINE_string("trace", "smollm2-135m", "--workload=held_out: the length predictor (a checkpoint "
+                        "directory or a shipped one's name) whose held-out prompts to replay "
+                        "(experiments/studies/train_length_predictor.py).")
     flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
@@ -237,6 +238,9 @@ HELD_OUT_FILE = "held_out.json"
 
 def held_out_trace(predictor_dir: str) -> tuple[list[dict], list[float]]:
     """The prompt/length pairs a length predictor held out, and its predictions of them."""
+    from cbjax.shipped_predictors import predictor_dir as find
+
+    predictor_dir = find(predictor_dir)
     with open(os.path.join(predictor_dir, HELD_OUT_FILE)) as f:
         held_out = json.load(f)
     with open(os.path.join(predictor_dir, held_out["data"])) as f:

@@ -7,8 +7,8 @@
    held-out fraction; Kendall's tau between predicted and true lengths on the held-out
    prompts is printed and recorded; the predictor is saved with orbax to `--output_dir`.
 
-    python -m experiments train_length_predictor            # SmolLM2: configs/length_predictor_smollm2
-    python -m cbjax.serve --ordering=sjf --length_predictor=configs/length_predictor_smollm2
+    python -m experiments train_length_predictor            # SmolLM2: cbjax/data/length_predictors/smollm2-135m
+    python -m cbjax.serve --ordering=sjf --length_predictor=smollm2-135m
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .g
 flags.DEFINE_integer("num_prompts", 1500, "Prompts to generate answers for.", lower_bound=20)
 flags.DEFINE_integer("max_tokens", 256, "Output cap while generating the data.", lower_bound=1)
 flags.DEFINE_integer("num_slots", 32, "Sequences generated together.", lower_bound=1)
-flags.DEFINE_string("data", "configs/length_predictor_smollm2/data.json", "The (prompt, output length) pairs: "
+flags.DEFINE_string("data", "cbjax/data/length_predictors/smollm2-135m/data.json", "The (prompt, output length) pairs: "
                     "made here when missing (or with --regenerate), else read.")
 flags.DEFINE_bool("regenerate", False, "Generate the data again even if --data exists.")
-flags.DEFINE_string("output_dir", "configs/length_predictor_smollm2", "Where the predictor checkpoint goes.")
+flags.DEFINE_string("output_dir", "cbjax/data/length_predictors/smollm2-135m", "Where the predictor checkpoint "
+                    "and its held-out prompts go.")
+flags.DEFINE_string("report", "docs/length_predictor_smollm2.json", "Where the report goes (JSON).")
+flags.DEFINE_string("plot", "docs/length_predictor_held_out.png", "Where the held-out plot goes.")
 flags.DEFINE_float("holdout", 0.2, "Fraction of the prompts held out for Kendall's tau.", lower_bound=0.05,
                    upper_bound=0.5)
 flags.DEFINE_list("epochs", ["25", "50", "100", "200", "300"], "Training epochs to choose among on the validation "
@@ -127,8 +130,8 @@ def main(argv):
         json.dump({"data": os.path.relpath(os.path.abspath(FLAGS.data), os.path.abspath(FLAGS.output_dir)),
                    "indices": test.tolist(), "predicted": [float(v) for v in predicted]}, f)
     common.write_json({"flags": common.script_flags(), **report, "wall_s": time.perf_counter() - start},
-               os.path.join(FLAGS.output_dir, "report.json"))
-    plot(predicted, lengths[test], tau, os.path.join(FLAGS.output_dir, "held_out.png"))
+               FLAGS.report)
+    plot(predicted, lengths[test], tau, FLAGS.plot)
     print(f"held-out Kendall's tau {tau:.3f} (train {tau_train:.3f}; prompt length alone {tau_prompt_len:.3f}); "
           f"median |error| {report['held_out_median_abs_error_tokens']:.0f} tokens on {num_test} prompts")
     print(f"saved the predictor to {FLAGS.output_dir} in {time.perf_counter() - start:.0f}s")
