@@ -5,10 +5,8 @@ int32 word). The device applies the masks inside the batched step (runtime/sampl
 step with no constrained row is the program compiled without a mask, so requests without a
 constraint pay nothing while none is running.
 
-Why llguidance: measured on SmolLM2's 49,152-token vocabulary with a nested five-property
-JSON schema, on a 2-core AMD EPYC beside two busy processes, a mask takes 11.5 us at the median
-per token (xgrammar 0.2.8: 2.3 us). Both are far below one decode step (27 ms for one row of
-SmolLM2 on that CPU), so the choice fell to packaging: llguidance is one wheel with no
+Why llguidance: its masks and xgrammar's both cost far less than one decode step
+(docs/code_measurements.md), so the choice fell to packaging: llguidance is one wheel with no
 dependencies and a numpy API, where xgrammar requires torch and triton.
 """
 

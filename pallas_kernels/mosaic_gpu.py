@@ -1,7 +1,7 @@
 """What both Mosaic GPU kernels (decode_matmul/mosaic_kernel.py, ragged_paged_attention/
 mosaic_kernel.py) set up alike: a wgmma operand's shared-memory layout, and what `interpret=True`
-means for them. Pallas' Mosaic GPU module is imported inside each helper: its MLIR dialects take
-1.0 s to import, which every process importing cbjax would pay."""
+means for them. Pallas' Mosaic GPU module is imported inside each helper: its MLIR dialects are
+slow to import, which every process importing cbjax would pay (docs/code_measurements.md)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ PACKAGES = ("cbjax", "pallas_kernels")
 # matching prefix places a module.
 LAYERS = [
     ("leaves", ["cbjax.checks", "cbjax.config", "cbjax.request", "cbjax.metrics", "cbjax.workload",
-                "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "cbjax.traces", "pallas_kernels"]),
+                "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "cbjax.traces",
+                "cbjax.shipped_predictors", "pallas_kernels"]),
     ("models", ["cbjax.models"]),
     ("loading", ["cbjax.loading", "cbjax.perplexity"]),
     ("scheduling", ["cbjax.scheduling"]),

@@ -118,8 +118,8 @@ def _tokenizer_cache_dir(path: str) -> str:
 
 def _tokenizer_class(path: str):
     """The class to build a GGUF file's tokenizer with. `AutoTokenizer` parses the whole file a
-    second time through the `gguf` package only to learn the model's type (4-6 s for SmolLM2,
-    most of a cold start's load) and, for a byte-level BPE vocabulary ("gpt2", SmolLM2's) with
+    second time through the `gguf` package only to learn the model's type (most of a cold
+    start's load) and, for a byte-level BPE vocabulary ("gpt2", SmolLM2's) with
     no tokenizer_config.json beside the file, lands in transformers 5's `TokenizersBackend`:
     that class is asked directly then (tests/test_gguf_file.py checks both give one tokenizer).
     Anything else goes through `AutoTokenizer`."""

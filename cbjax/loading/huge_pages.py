@@ -4,12 +4,9 @@ A decode step on the CPU reads every weight once, a stream as long as the model 
 Q8_0: 143 MB). In 4 KB pages that is 35,000 TLB entries a step against Zen 4's 3,072 of second
 level; in 2 MB pages, 72. Linux gives an anonymous mapping 2 MB pages where
 `transparent_hugepage` is `always`, or `madvise` and the mapping asks (MADV_HUGEPAGE), which is
-what this does; elsewhere the arena is one plain mapping. Measured on the 2-core Zen 4 VM
-(`madvise` there, so the heap XLA allocates in had none): a plain read of 144 MB with both
-cores 28.3 -> 31.2 GB/s; SmolLM2 Q8_0's 211 block matmuls at one row unchanged (6.35 against
-6.36 ms: their loop, with its software prefetch, stays short of the plain read either way);
-the one-sequence decode step 6.81 -> 6.63 ms (medians of 30 alternating rounds, 1.016x the
-median of the rounds' ratios, faster in 20 of 30).
+what this does; elsewhere the arena is one plain mapping. A plain read gains; the block
+matmuls, whose loop with its software prefetch stays short of a plain read either way, do
+not; the decode step gains a little (docs/code_measurements.md).
 
 JAX's CPU client keeps a numpy array it is given with `device_put` without a copy when the
 array is aligned, so the jax.Array reads the arena itself and holds it alive.

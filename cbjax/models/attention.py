@@ -39,7 +39,7 @@ def attention_part(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.A
     visible_mask = mask[:, None, None, :, :]
     if t == 1:
         # A single query per row is a skinny [group, d] x [d, K] product, which XLA:CPU runs
-        # 2.5x slower as a dot than as this fused multiply-and-reduce (32 slots, K=256);
+        # slower as a dot than as this fused multiply-and-reduce (docs/code_measurements.md);
         # both stream the keys once.
         qf = qg[:, 0].astype(jnp.float32)
         scores = jnp.sum(qf[:, :, :, None, :] * keys[:, :, None, :, :].astype(jnp.float32), axis=-1)[:, :, :, None]

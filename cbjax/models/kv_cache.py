@@ -5,14 +5,13 @@ weights are (cbjax/models/params.py): the forward writes each layer's new positi
 into that layer's own donated buffer with one in-place scatter and reads it back,
 with no loop-carried stacked cache for XLA to copy around the reads. (A stacked
 `[layers, ...]` cache, written per layer inside the layer loop or once after it,
-made XLA:CPU copy the whole cache in every decode step: SmolLM2 at 8 slots spent
-14 ms of a 118 ms step in such copies.)
+made XLA:CPU copy the whole cache in every decode step: docs/code_measurements.md.)
 
 `SlotCache` is the fixed-slot layout: every slot reserves `max_len` positions, each
 layer's keys `[kv_heads, slots, max_len, head_dim]`. Heads come first and positions
 before head_dim, as in the paged layout's `[kv_heads, pages, page_size, head_dim]`:
 attention reads each head's keys of a slot as one contiguous `[length, head_dim]`
-matrix (1.5x faster than the position-major order on CPU), and a slot is a run of
+matrix (faster than the position-major order on CPU), and a slot is a run of
 `max_len / page_size` consecutive pages of a pool, so the ragged attention kernel reads
 both layouts (`kernel_view`). `lengths[slot]` is how many positions of a slot hold a
 valid sequence.

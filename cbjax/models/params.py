@@ -19,15 +19,13 @@ list with one dict per layer):
     lm_head      [vocab, hidden]                    (untied only)
 
 `[out, in]` because every matmul then contracts the contiguous axis of both operands
-(a dot product per output row), which XLA:CPU runs faster than `[in, out]`: SmolLM2's
-30 layers of matmuls alone took 27.5 / 50.5 / 76.6 ms at batch 1 / 8 / 32 as `[in, out]`
-and 27.5 / 47.4 / 62.2 ms as `[out, in]` (the tied LM head was already a row contraction).
+(a dot product per output row), which XLA:CPU runs faster than `[in, out]` at every batch
+past one (docs/code_measurements.md).
 
 Each layer's tensors are their own arrays, not slices of one stacked `[layers, ...]`
 array: XLA:CPU copies a slice of a stacked weight out before every matmul (a dot
-cannot read a dynamic or static slice in place), which tripled the decode step's
-weight traffic (30 SmolLM2 MLPs: 19.3 ms scanned over stacked arrays, 7.5 ms over
-per-layer arrays).
+cannot read a dynamic or static slice in place), which multiplied the decode step's
+weight traffic (docs/code_measurements.md).
 """
 
 from __future__ import annotations

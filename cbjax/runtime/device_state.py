@@ -24,8 +24,8 @@ class SlotState:
 
     The sampling parameters are two packed arrays, not a field each: a step that starts a
     request selects and writes each array once, where fourteen fields were fourteen small
-    kernels apiece (on XLA:CPU each ran on the pool with a thread hand-off, ~200 us of a
-    135M model's 7 ms one-sequence step). The properties read their columns."""
+    kernels apiece (on XLA:CPU each ran on the pool with a thread hand-off: a few percent of a
+    small model's one-sequence step, docs/code_measurements.md). The properties read their columns."""
 
     tokens: jax.Array  # [S] int32: last sampled token, the next decode input
     active: jax.Array  # [S] bool

@@ -1,9 +1,8 @@
 """Compiled step programs kept on disk, so that a warm start neither traces nor compiles.
 
 JAX's persistent compilation cache (cbjax/compile_cache.py) skips XLA's compile, but its
-key is the lowered program: every start still traces and lowers each step first, about 1 s
-apiece for SmolLM2's 30 unrolled layers on a 2-core CPU, 10 of a warm server's 13 s of
-warm-up. Here the serialized executable is keyed by what the trace depends on instead:
+key is the lowered program: every start still traces and lowers each step first, most of a
+warm server's warm-up (docs/code_measurements.md). Here the serialized executable is keyed by what the trace depends on instead:
 cbjax's own source, the JAX version and flags, the backend, the static arguments and the
 arguments' pytree structure, shapes, dtypes and shardings. Same key, same program: the
 source digest changes with any edit of cbjax or pallas_kernels, and an entry that fails to
@@ -48,7 +47,7 @@ _PACKAGES = ("cbjax", "pallas_kernels")
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """A hash of every Python file of cbjax and pallas_kernels (about 10 ms)."""
+    """A hash of every Python file of cbjax and pallas_kernels (read once a process)."""
     digest = hashlib.sha256()
     for package in _PACKAGES:
         root = Path(importlib.import_module(package).__file__).parent

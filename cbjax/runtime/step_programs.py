@@ -161,8 +161,7 @@ class StepPrograms:
     def start_compiles(self, calls: list[tuple[tuple, dict]]) -> list[concurrent.futures.Future]:
         """Start compiling the program of each `(args, static)` on a thread per core (XLA releases
         the GIL), in order; a future per call. No gain on XLA:CPU's compile alone, whose compiler
-        already splits one program over the cores (10 SmolLM2 programs, 2 cores: 37.5 s threaded,
-        39 s in turn), but the tracing of one overlaps another's compile or persistent-cache read,
+        already splits one program over the cores (docs/code_measurements.md), but the tracing of one overlaps another's compile or persistent-cache read,
         and the caller's own work (warm-up's small programs, the first runs) fills the idle
         cores. Shapes only are held: the caller's steps donate the buffers meanwhile."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

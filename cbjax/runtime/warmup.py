@@ -40,8 +40,8 @@ def _warm_small_programs(engine, only: str | None) -> None:
 def warm_structured_output(engine, background: bool = False) -> int:
     """Compile (and run once on padding) the masked variant of every one-step program: the
     programs a structured-output request runs, which `warmup` leaves out. Without them the first
-    constrained request compiles one on the engine's thread (4 s for SmolLM2 on a 2-core CPU),
-    stalling every stream. `background`: compile them on a background thread instead (the
+    constrained request compiles one on the engine's thread (seconds on a CPU), stalling every
+    stream. `background`: compile them on a background thread instead (the
     server's start then does not wait for them; a constrained request that comes first waits for
     its own program only, and on a CPU its first run pays XLA's set-up of the program's
     matmuls, which the padding run would have paid). Returns the number of programs."""

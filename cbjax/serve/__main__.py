@@ -112,7 +112,7 @@ def main(argv):
         print(f"compiling {FLAGS.model}'s programs ({FLAGS.num_slots} slots, {FLAGS.max_seq_len} tokens)...",
               flush=True)
         print(f"compiled {llm.warmup()} programs in {time.perf_counter() - t0:.1f}s", flush=True)
-        if llm.tokenizer is not None:  # llguidance's view of it (0.3 s for SmolLM2, holding the GIL): now, not mid-stream
+        if llm.tokenizer is not None:  # llguidance's view of it (holds the GIL a while): now, not mid-stream
             try:
                 llm.grammars.tokenizer()
                 t0 = time.perf_counter()

@@ -251,8 +251,8 @@ def main(argv):
 
     # The roofline's bandwidth: one matvec over a matrix as large as all the weights (a decode
     # step streams them all), the faster of XLA's and the CPU kernel's. The embedding alone
-    # (113 MB for SmolLM2) stays partly in this VM's 480 MB L3 between repeats and measured
-    # 31-42 GB/s where a weights-sized matrix streams at 24-27 GB/s.
+    # stays partly in the L3 cache between repeats and reads faster than a decode step can
+    # (docs/code_measurements.md).
     import jax.numpy as jnp
     import numpy as np
     from tqdm.auto import tqdm

@@ -11,7 +11,7 @@
   with bf16, int8 and fp8 weights (the Pallas matmul, the engine's default on a GPU) and int8
   through XLA's dot: ms per step, against the bf16 step of the same run and
   against (weight bytes + live KV bytes) / copy bandwidth. (Matrix-vector products written as
-  reductions instead of dots ran the same, 5.09 vs 5.10 ms for int8 on an H200: dropped.)
+  reductions instead of dots ran the same on an H200: dropped, docs/code_measurements.md.)
   A quantization the device refuses (fp8 without fp8 dots) is reported as refused.
 """
 

@@ -49,7 +49,7 @@ def peer_cache_config(prompts: list[list[int]], budgets: list[int], max_batch: i
 
 def load_peer(spec: str):
     """A transformers model for a GGUF file, a Hugging Face directory or the smollm2 preset;
-    None for random-init presets (no transformers twin: PyTorch is not even imported, 3-5 s)."""
+    None for random-init presets (no transformers twin: PyTorch, slow to import, is not even imported)."""
     from cbjax.loading.presets import PRESETS, smollm2_gguf_path
 
     if spec == "smollm2-135m":

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mosaic_gpu import interpret_params, swizzled
 
 # Pallas' Mosaic GPU module is imported where a kernel is built, not here: its MLIR dialects
-# take 1.0 s to import, which every process importing cbjax paid (a server's start, a script's --help).
+# are slow to import, which every process importing cbjax paid (a server's start, a script's --help).
 TILE_ROWS = 64  # wgmma's B side: the activations' rows, padded
 ACTIVATIONS = (jnp.bfloat16, jnp.float16)
 WEIGHTS = (jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mosaic_gpu import interpret_params, swizzled
 from pallas_kernels.ragged_paged_attention.triton_kernel import combine_splits
 
-# Pallas' Mosaic GPU module is imported where a kernel is built, not here (1.0 s to import).
+# Pallas' Mosaic GPU module is imported where a kernel is built, not here (slow to import).
 TILE_ROWS = 64  # wgmma's M: the query heads of one KV head, padded
 GROUP_ROWS = 8  # the padded group a program loads and stores (one 8-row tile of shared memory)
 DTYPES = (jnp.bfloat16, jnp.float16)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # Pallas' TPU module is imported where a kernel is built, not here: its MLIR dialect
-# takes 0.2 s to import, which every process importing cbjax paid (a server's start, a script's --help).
+# is slow to import, which every process importing cbjax paid (a server's start, a script's --help).
 
 _MASKED = -1e30
 

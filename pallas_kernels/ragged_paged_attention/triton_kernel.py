@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # Pallas' Triton module is imported where a kernel is built, not here: its MLIR dialect
-# takes 0.5-0.7 s to import, which every process importing cbjax paid (a server's start, a script's --help).
+# is slow to import, which every process importing cbjax paid (a server's start, a script's --help).
 
 _MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 _MASKED = -1e30  # finite: a row that sees nothing in a block stays finite (and is discarded)

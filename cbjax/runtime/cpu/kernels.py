@@ -8,7 +8,7 @@
   matrix is GGUF Q8_0/Q4_0/Q4_1 blocks or int8; decode and the mixed step's flat rows), its keys and
   values written into the slot or paged cache in place, in one call: the layer's seven
   matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor
-  (SmolLM2 one-sequence step 15.8 -> 15.0 ms, same run);
+  (docs/code_measurements.md);
 - `dense`: the other matmuls of at most `MAX_ROWS` rows (`BLOCK_MAX_ROWS` for GGUF blocks and
   int8 weights, read as they are stored: the LM head; the layers of families the layer kernel
   does not take); prefill's larger ones stay with XLA's GEMM, which is as fast there;
@@ -238,9 +238,9 @@ class LayerAddresses:
     GGUF block kind of BLOCK_KINDS or INT8_KIND), and for int8 its scales' address and group),
     which stands for `params["layers"]` in the programs whose every layer `decoder_layer` runs.
 
-    Why: JAX's dispatch costs ~2.5 us per argument on this path (flattening, signature, layout
-    and usage events per array), and SmolLM2's decode step took 272 weight arrays: ~0.5 ms of
-    serial host time before each ~12 ms step. The table is one argument. The kernel reads the
+    Why: JAX's dispatch costs per argument on this path (flattening, signature, layout and
+    usage events per array), and SmolLM2's decode step took 272 weight arrays: serial host
+    time before each step (docs/code_measurements.md). The table is one argument. The kernel reads the
     weights where JAX keeps them: whoever holds a table holds the arrays it names (the
     engine keeps its params), and weights are never donated or written."""
 
