@@ -185,3 +185,38 @@ def test_one_request_passes_through_at_most_13_modules():
     assert len(calls) <= 13, "\n".join(sorted(calls))
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert all(path in doc for path in calls), [p for p in calls if p not in doc]
+
+
+OURS = ("cbjax", "experiments", "pallas_kernels")
+
+
+def private_reaches(source: str) -> list[str]:
+    """Where `source` touches another of our modules' `_underscore` names: imports them, or reads
+    them off an imported module or an imported name (`module._helper`, `Class._attr`)."""
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+                imported.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in OURS)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in imported):
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_private_reach_finder_finds_both_kinds():
+    source = "from cbjax.models.transformer import _qkv\nfrom experiments.lib import common\ncommon._ok(1)\n"
+    assert private_reaches(source) == ["1: from cbjax.models.transformer import _qkv", "3: common._ok"]
+
+
+def test_nothing_touches_another_modules_private_names():
+    found = {str(path.relative_to(ROOT)): hits for package in OURS for path in sorted((ROOT / package).rglob("*.py"))
+             if (hits := private_reaches(path.read_text(encoding="utf-8")))}
+    assert found == {}

