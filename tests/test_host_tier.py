@@ -216,6 +216,20 @@ def test_metrics_report_hits_per_tier_and_swaps():
     assert 'cbjax:host_kv_cache_usage_perc{model_name="m"} 0.5' in text
     both = Load.combine([load, load])
     assert both.prefix_host_hits == 50 and both.host_kv_cache_usage == 0.5
+    assert load.prefix_hit_rate == 0.25 and load.prefix_host_hit_rate == 0.625 and Load().prefix_hit_rate == 0.0
+    paged = Load(num_pages=12, prefix_caching=True)
+    assert Load.combine([paged, Load()]) == Load(num_pages=12, prefix_caching=True)
+
+
+def test_a_fronts_load_names_its_page_pool():
+    """What studies read of the page pool comes through `load()`, not the pool itself."""
+    from cbjax import LLM
+
+    paged = LLM("tiny-llama", num_slots=2, max_seq_len=32, kv_cache="paged", page_size=8, num_pages=9,
+                enable_prefix_caching=True).load()
+    slots = LLM("tiny-llama", num_slots=2, max_seq_len=32).load()
+    assert (paged.num_pages, paged.prefix_caching) == (9, True)
+    assert (slots.num_pages, slots.prefix_caching) == (0, False)
 
 
 def test_the_simulator_charges_swaps_and_host_pages_over_the_host_link():

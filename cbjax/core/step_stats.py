@@ -90,6 +90,8 @@ class Load:
     swaps_out: int = 0
     swap_fallbacks: int = 0
     host_kv_cache_usage: float = 0.0  # fraction of the host tier's bytes in use
+    num_pages: int = 0  # the paged cache's pool (summed over engines); 0: the slot cache
+    prefix_caching: bool = False
     # Speculative decoding since the start: verify rows (drafts), tokens proposed, tokens accepted.
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -100,6 +102,16 @@ class Load:
     @property
     def expert_imbalance(self) -> float:
         return expert_imbalance(self.expert_tokens)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Full prompt pages found on the device, of those looked up."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def prefix_host_hit_rate(self) -> float:
+        """Full prompt pages found in the host tier, of those looked up."""
+        return self.prefix_host_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     @staticmethod
     def of(sched: Scheduler, pages: BlockManager | None, speculator=None, expert_tokens=None) -> "Load":
@@ -117,7 +129,8 @@ class Load:
     def combine(loads: list["Load"]) -> "Load":
         """Several engines' loads as one: counts summed, usages averaged."""
         fields = {f.name: sum(getattr(x, f.name) for x in loads) for f in dataclasses.fields(Load)
-                  if f.name != "expert_tokens"}
+                  if f.name not in ("expert_tokens", "prefix_caching")}
+        fields["prefix_caching"] = any(x.prefix_caching for x in loads)
         fields["expert_tokens"] = functools.reduce(summed_counts, (x.expert_tokens for x in loads), None)
         for name in ("kv_cache_usage", "host_kv_cache_usage"):
             fields[name] /= max(len(loads), 1)
@@ -129,7 +142,8 @@ def cache_counters(pages: BlockManager | None, host) -> dict:
     out = {}
     if pages is not None:
         stats = pages.stats
-        out.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_host_hits=stats.host_hits)
+        out.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_host_hits=stats.host_hits,
+                   num_pages=pages.num_pages, prefix_caching=pages.enable_prefix_caching)
     if host is not None:
         out.update(swaps_out=host.stats.swaps_out, swap_fallbacks=host.stats.swap_fallbacks,
                    host_kv_cache_usage=host.used / host.capacity)

@@ -130,8 +130,9 @@ def main(argv):
     print(f"RSS {base:.1f} MB after {readings[0][0]} requests, {readings[-1][1]:.1f} MB after {readings[-1][0]}: "
           f"{growth:+.1f} MB ({per_1000:+.3f} MB per 1,000 requests)")
     print(f"compilations after warm-up: {recompiled}")
-    if llm.pages is not None:
-        print(f"prefix hit rate {llm.pages.stats.hit_rate:.2f}, preemptions {llm.load().num_preemptions}")
+    load = llm.load()
+    if load.num_pages:
+        print(f"prefix hit rate {load.prefix_hit_rate:.2f}, preemptions {load.num_preemptions}")
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     plot(readings, f"{FLAGS.model}, {FLAGS.kv_cache} cache, {FLAGS.merge_mode}",

@@ -338,8 +338,9 @@ def measure_replay(llm, workload, slo=None, desc: str | None = None, concurrency
     metrics = summarize_outputs(outs, slo=slo)
     metrics["wall_s"] = wall
     metrics["mean_running"] = llm.stats.mean_running
-    if llm.pages is not None and llm.pages.enable_prefix_caching:  # full prompt pages found cached
-        metrics["prefix_hit_rate"] = llm.pages.stats.hit_rate
+    load = llm.load()
+    if load.prefix_caching:  # full prompt pages found cached
+        metrics["prefix_hit_rate"] = load.prefix_hit_rate
     metrics["e2el_s"] = sorted(o.metrics.e2e_latency for o in outs if o.metrics.e2e_latency is not None)
     metrics["scheduling_delay_s"] = [None if m.scheduled_time is None else m.scheduled_time - m.arrival_time
                                      for m in sorted((o.metrics for o in outs), key=lambda m: m.arrival_time)]

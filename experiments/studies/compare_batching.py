@@ -204,8 +204,8 @@ def run_column(model, max_gen: int, peer) -> dict:
                                "tokens_per_s_runs": rates, "mean_running": llm.stats.mean_running,
                                "decode_steps": llm.stats.decode_steps, "preemptions": llm.load().num_preemptions,
                                "slots": llm.engine_info.num_slots, "kv_cache_dtype": llm.args.kv_cache_dtype}
-        if llm.pages is not None:
-            column["rows"][row]["num_pages"] = llm.pages.num_pages
+        if llm.load().num_pages:
+            column["rows"][row]["num_pages"] = llm.load().num_pages
     if "static" in seconds:  # each round's ratio, then their median and range
         for row in engines:  # against the static row of the row's KV dtype
             static = seconds.get("static" + kv_suffix(row), seconds["static"])

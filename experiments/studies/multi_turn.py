@@ -134,10 +134,10 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
         with profile.recorded_rounds(llm) as rounds:
             result = common.measure_replay(llm, workload, desc=label)
         result["host_copy"] = profile.measure_host_copy(core.engine)
-    stats, pages = llm.stats, llm.pages.stats
+    stats, load = llm.stats, llm.load()
     result.update(prefill_tokens=stats.prefill_tokens, prompt_tokens=sum(len(w.prompt) for w in workload),
-                  device_hit_rate=pages.hit_rate, host_hit_rate=pages.host_hit_rate, device_hits=pages.hits,
-                  host_hits=pages.host_hits, num_preemptions=llm.load().num_preemptions)
+                  device_hit_rate=load.prefix_hit_rate, host_hit_rate=load.prefix_host_hit_rate,
+                  device_hits=load.prefix_hits, host_hits=load.prefix_host_hits, num_preemptions=load.num_preemptions)
     if core.scheduler.host is not None:
         result["host"] = dataclasses.asdict(core.scheduler.host.stats)
     if simulate:

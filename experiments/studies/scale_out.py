@@ -136,9 +136,9 @@ def main(argv):
         outs = front.replay(work, desc=label)
         wall = time.perf_counter() - t0
         metrics = summarize_outputs(outs)
-        queries = sum(r.pages.stats.queries for r in replicas)
+        queries = sum(r.load().prefix_queries for r in replicas)
         row = {"config": label, "data_parallel": dp, "tensor_parallel": tp, "routing": routing if dp > 1 else None,
-               "wall_s": wall, "prefix_hit_rate": sum(r.pages.stats.hits for r in replicas) / max(queries, 1),
+               "wall_s": wall, "prefix_hit_rate": sum(r.load().prefix_hits for r in replicas) / max(queries, 1),
                "routed": list(front.routed) if dp > 1 else [len(work)],
                **{k: metrics[k] for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_e2el_ms",
                                           "p99_e2el_ms") if k in metrics}}
