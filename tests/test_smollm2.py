@@ -88,9 +88,10 @@ def test_chat_workload_from_chitchat(smollm2):
 
 
 def test_shipped_length_predictor_loads_for_smollm2_and_reproduces_its_held_out_tau(smollm2):
-    """The shipped predictor (cbjax/data/length_predictors/smollm2-135m) was made for this model: it loads, reproduces the
-    predictions it recorded for its 300 held-out prompts, and ranks their true lengths with
-    Kendall's tau above 0.5 (the number its report, docs/length_predictor_smollm2.json, states)."""
+    """The shipped predictor (cbjax/data/length_predictors/smollm2-135m) was made for this model:
+    it loads, reproduces the predictions it recorded for its 300 held-out prompts, and ranks
+    their true lengths with Kendall's tau above 0.5 (the number its report,
+    docs/length_predictor_smollm2.json, states)."""
     import json
 
     from cbjax.models import length_predictor as lp

@@ -2,9 +2,10 @@
 
 JAX's persistent compilation cache (cbjax/compile_cache.py) skips XLA's compile, but its
 key is the lowered program: every start still traces and lowers each step first, most of a
-warm server's warm-up (docs/code_measurements.md). Here the serialized executable is keyed by what the trace depends on instead:
-cbjax's own source, the JAX version and flags, the backend, the static arguments and the
-arguments' pytree structure, shapes, dtypes and shardings. Same key, same program: the
+warm server's warm-up (docs/code_measurements.md). Here the serialized executable is keyed
+by what the trace depends on instead: cbjax's own source, the JAX version and flags, the
+backend, the static arguments and the arguments' pytree structure, shapes, dtypes and
+shardings. Same key, same program: the
 source digest changes with any edit of cbjax or pallas_kernels, and an entry that fails to
 load is compiled again. The files sit beside JAX's cache (`cbjax-executables/`) and are on
 and off with it.

@@ -316,7 +316,8 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
 def to_host(tree, platform: str):
     """A round's results as numpy. A CPU array is host memory already: reading each one in
     place skips device_get's asynchronous copies, whose hop through another thread cost the
-    recording thread four times as much (docs/code_measurements.md); elsewhere device_get starts every leaf's copy at once."""
+    recording thread four times as much (docs/code_measurements.md); elsewhere device_get
+    starts every leaf's copy at once."""
     if platform == "cpu":
         return jax.tree.map(np.asarray, tree)
     return jax.device_get(tree)

@@ -161,9 +161,10 @@ class StepPrograms:
     def start_compiles(self, calls: list[tuple[tuple, dict]]) -> list[concurrent.futures.Future]:
         """Start compiling the program of each `(args, static)` on a thread per core (XLA releases
         the GIL), in order; a future per call. No gain on XLA:CPU's compile alone, whose compiler
-        already splits one program over the cores (docs/code_measurements.md), but the tracing of one overlaps another's compile or persistent-cache read,
-        and the caller's own work (warm-up's small programs, the first runs) fills the idle
-        cores. Shapes only are held: the caller's steps donate the buffers meanwhile."""
+        already splits one program over the cores (docs/code_measurements.md), but the tracing
+        of one overlaps another's compile or persistent-cache read, and the caller's own work
+        (warm-up's small programs, the first runs) fills the idle cores. Shapes only are held:
+        the caller's steps donate the buffers meanwhile."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         pool = concurrent.futures.ThreadPoolExecutor(max(min(len(calls), cores), 1), thread_name_prefix="cbjax-warm")
         futures = [pool.submit(self.get, abstract(args), static, True) for args, static in calls]
