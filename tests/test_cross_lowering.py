@@ -56,17 +56,21 @@ def abstract_model(config: ModelConfig, dtype) -> Model:
     return Model(config, unflatten({name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in flat.items()}))
 
 
-def custom_calls(lowered) -> list:
-    """Every stablehlo.custom_call op of a lowered program, nested regions included."""
+def ops_named(lowered, name: str) -> list:
+    """Every op called `name` in a lowered program, nested regions included."""
     found = []
 
     def visit(op):
-        if op.name == "stablehlo.custom_call":
+        if op.name == name:
             found.append(op)
         return ir.WalkResult.ADVANCE
 
     lowered.compiler_ir("stablehlo").operation.walk(visit)
     return found
+
+
+def custom_calls(lowered) -> list:
+    return ops_named(lowered, "stablehlo.custom_call")
 
 
 def data_dependent_control_flow(lowered) -> list[str]:
@@ -109,15 +113,7 @@ def while_loops(lowered) -> int:
     programs have none on any admitted JAX: every loop is unrolled or a kernel's own (the
     Mosaic attention's work list searches with `method="compare_all"`, not a binary search's
     loop). A multi-step decode's scan is the one loop an engine program may hold."""
-    found = []
-
-    def visit(op):
-        if op.name == "stablehlo.while":
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    lowered.compiler_ir("stablehlo").operation.walk(visit)
-    return len(found)
+    return len(ops_named(lowered, "stablehlo.while"))
 
 
 def attribute(op, name: str) -> str:

@@ -236,14 +236,15 @@ def llm_options() -> dict:
 HELD_OUT_FILE = "held_out.json"
 
 
-def held_out_trace(predictor_dir: str) -> tuple[list[dict], list[float]]:
-    """The prompt/length pairs a length predictor held out, and its predictions of them."""
-    from cbjax.shipped_predictors import predictor_dir as find
+def held_out_trace(predictor: str) -> tuple[list[dict], list[float]]:
+    """The prompt/length pairs a length predictor (a directory or a shipped one's name) held
+    out, and its predictions of them."""
+    from cbjax.shipped_predictors import predictor_dir  # here: importing cbjax costs a --help
 
-    predictor_dir = find(predictor_dir)
-    with open(os.path.join(predictor_dir, HELD_OUT_FILE)) as f:
+    root = predictor_dir(predictor)
+    with open(os.path.join(root, HELD_OUT_FILE)) as f:
         held_out = json.load(f)
-    with open(os.path.join(predictor_dir, held_out["data"])) as f:
+    with open(os.path.join(root, held_out["data"])) as f:
         pairs = json.load(f)["pairs"]
     return [pairs[i] for i in held_out["indices"]], held_out["predicted"]
 
