@@ -26,9 +26,9 @@ def recording(llm):
     plans = []
     schedule = llm.scheduler.schedule
 
-    def wrapped(now, *speculation):
+    def wrapped(now, *args, **kwargs):
         running = [r for r in llm.scheduler.running if r.state == RequestState.RUNNING]
-        plan = schedule(now, *speculation)
+        plan = schedule(now, *args, **kwargs)
         plans.append((plan, running))
         return plan
 

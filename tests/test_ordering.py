@@ -128,7 +128,7 @@ def test_high_priority_request_takes_a_full_engines_slot_within_one_round(hf_and
         outputs.update((o.request_id, o) for o in llm.step() if o.finished)
     high = llm.add_request(prompts[2], SamplingParams(max_tokens=max_tokens[2], ignore_eos=True), priority=0)
     # Overlap: a decode dispatched before the arrival is recorded by a step that schedules nothing.
-    if llm.core._ahead is not None:
+    if llm.core.in_flight:
         llm.step()
     llm.step()
     assert llm.requests[high].slot is not None, "the high-priority request starts in the first scheduling round"

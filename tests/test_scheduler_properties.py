@@ -12,6 +12,7 @@ from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.request import Request, RequestState, SamplingParams
 from cbjax.scheduling.scheduler import Scheduler, SchedulerConfig
+from cbjax.scheduling.update import record_decode, record_prefill
 
 EOS = 2
 MAX_SEQ_LEN = 48
@@ -182,7 +183,7 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
         engine.move_kv(plan.kv_ops)
         for chunk in plan.prefills:
             token = engine.prefill(chunk.slot, workload[int(chunk.request.request_id)], chunk.request, chunk.is_last)
-            if sched.on_prefill(chunk, -1 if token is None else token, now):
+            if record_prefill(sched, chunk, -1 if token is None else token, now):
                 finish_events[chunk.request.request_id] = finish_events.get(chunk.request.request_id, 0) + 1
         if plan.decode and plan.draft_len:  # as the core: a proposal for each request running before the round
             proposals = {}
@@ -193,10 +194,10 @@ def run(config: SchedulerConfig, workload: list[Spec], check_round=None, pages: 
                     if pages is not None:  # the verify row's positions are in the request's pages
                         assert r.num_tokens - 1 + k < len(pages.tables[r.request_id]) * pages.page_size
             TALLY.update(verify_rows=len(proposals), proposed=sum(map(len, proposals.values())))
-            for r in sched.on_decode(engine.verify(proposals), now, 1):
+            for r in record_decode(sched, engine.verify(proposals), now, 1):
                 finish_events[r.request_id] = finish_events.get(r.request_id, 0) + 1
         elif plan.decode:
-            for r in sched.on_decode(engine.decode(), now):
+            for r in record_decode(sched, engine.decode(), now):
                 finish_events[r.request_id] = finish_events.get(r.request_id, 0) + 1
         _check_slots(sched)
     else:

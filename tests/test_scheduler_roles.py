@@ -10,6 +10,7 @@ from cbjax.request import Request, RequestState, SamplingParams
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.roles import PrefillScheduler
 from cbjax.scheduling.scheduler import SchedulerConfig
+from cbjax.scheduling.update import record_decode, record_prefill
 
 EOS = 2
 PAGE = 4
@@ -32,7 +33,7 @@ def test_a_prefill_instance_never_reserves_decode_pages_nor_preempts_for_them(de
         plan = sched.schedule(now)
         assert not plan.decode
         for chunk in plan.prefills:
-            sched.on_prefill(chunk, 10, now)
+            record_prefill(sched, chunk, 10, now)
         now += 0.001
     assert sched.num_preemptions == 0
     assert [r.state for r in requests] == [RequestState.RUNNING] * 3

@@ -179,7 +179,7 @@ class DisaggregatedCore:
             lanes = [min(lanes, key=lambda c: c.clock())]
         results = list(self._pool.map(EngineCore.run_round, lanes)) if self._pool else [c.run_round() for c in lanes]
         for core, done in zip(lanes, results):
-            if core.last_plan is not None and core.last_plan.idle:
+            if core.idle:
                 self._stalled.add(id(core))
             touched.update((r.request_id, r) for r in done)
         self._recompute_evicted()
@@ -246,9 +246,6 @@ class DisaggregatedCore:
             touched[r.request_id] = r
             return
         p.engine.deactivate(slot_p)
-        for w in p.scheduler.waiting:  # a sample forking this one's prompt prefills its own now
-            if w.fork_of is r:
-                w.fork_of = None
         self.owner[r.request_id] = d
         self.transfers.moved += 1
 

@@ -14,6 +14,7 @@ by it and the least important holder of a slot is the one with the highest key.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 from cbjax.request import Request
@@ -38,7 +39,7 @@ def key_function(config) -> Callable[[Request], tuple]:
         # is overtaken (gap / score_wait seconds) and nothing starves.
         return lambda r: (wait * r.arrival_time - short / r.predicted_remaining + priority * r.priority,
                           r.arrival_time, r.seq_index)
-    return lambda r: (r.arrival_time, r.seq_index)
+    return operator.attrgetter("arrival_time", "seq_index")  # C: no Python frame per comparison
 
 
 def score(config, r: Request, now: float) -> float:

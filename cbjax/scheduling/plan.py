@@ -1,4 +1,5 @@
-"""What the scheduler hands the engine each round: a `Plan` of `Row`s.
+"""What the scheduler hands the executor each round, and what comes back: a `Plan` of device
+`Call`s of `Row`s, and a `RoundResult` of each call's tokens on the host.
 
 `Row` is the one row type from the plan to the device step: the engine packs rows into
 its jitted programs' arrays, and the scheduler records their results; nobody converts
@@ -84,6 +85,31 @@ class Row:
 
 
 @dataclasses.dataclass
+class Call:
+    """One device step program's call: `rows`, run for `steps` decode steps (1 for a prompt
+    call, a mixed one, or a decode whose next token the host must see first)."""
+
+    rows: list[Row]
+    steps: int = 1
+
+
+@dataclasses.dataclass
+class CallResult:
+    """A call's results on the host: per piece of the call (`members`: the row index behind
+    each of the piece's rows, -1 for a piece of a prompt chunk that continues later), its
+    `[steps, rows, 2]` tokens and device-side finished flags, and its logprob columns or None."""
+
+    rows: list[Row]
+    pieces: list[tuple[list[int], object, object]]  # (members, out, logprobs)
+
+
+@dataclasses.dataclass
+class RoundResult:
+    calls: list[CallResult]
+    now: float  # the clock when the results reached the host
+
+
+@dataclasses.dataclass
 class Plan:
     prefills: list[Row]
     decode: bool
@@ -99,6 +125,12 @@ class Plan:
     # the preempted slots are deactivated and before the copies and the steps.
     kv_ops: list = dataclasses.field(default_factory=list)
     draft_len: int = 0  # speculative decoding: the most tokens a decoding request proposes this round
+    calls: list[Call] = dataclasses.field(default_factory=list)  # the device calls, in order
+    # The slots a decode call may be dispatched for before this round's results are recorded
+    # (host/device overlap), or None.
+    ahead: list[int] | None = None
+    in_flight: bool = False  # its one call was dispatched ahead, in an earlier round
+    time: float = 0.0  # the clock when it was planned
 
     @property
     def idle(self) -> bool:

@@ -41,12 +41,16 @@ class PrefillScheduler(Scheduler):
 
     def release(self, r: Request) -> None:
         """Let go of a prefilled request (its KV moved): its slot and pages are free again,
-        the request lives on elsewhere."""
+        the request lives on elsewhere. A waiting sample that would fork its prompt prefills
+        its own now."""
         _let_go(self, r)
+        for w in self.waiting:
+            if w.fork_of is r:
+                w.fork_of = None
 
     def fail(self, r: Request, message: str, now: float) -> None:
         """Finish a request with an error (its move failed), freeing what it still holds here."""
-        self._finish(r, FinishReason.ERROR, now, error=message)
+        self.finish(r, FinishReason.ERROR, now, error=message)
 
 
 class DecodeScheduler(Scheduler):
@@ -55,7 +59,7 @@ class DecodeScheduler(Scheduler):
         self.evicted: list[Request] = []
 
     @override
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, predicted_len: int | None = None) -> None:
         raise RuntimeError("a decode instance takes prefilled requests (insert), never a waiting one")
 
     @override

@@ -1,8 +1,10 @@
 """The slot-refill scheduler: plain Python over lists, no JAX, driven by an explicit clock.
 
-Each round the caller asks `schedule(now)` for a `Plan` (prefill chunks to run,
-whether to decode), runs it on the engine, and hands the results back through
-`on_prefill` / `on_decode`. The decisions are its policies': which waiting requests may
+Each round the caller asks `schedule(now)` for a `Plan` (prefill chunks to run, whether to
+decode, and the device calls they make: which rows in which call, for how many steps; a
+constrained or a verify row makes its call one step, and a decode-only round says which
+slots a next decode call may be dispatched for before it is recorded), runs its calls, and hands the results
+back through `update` (update.py). The decisions are its policies': which waiting requests may
 start (policies.py: static, dynamic, continuous), which prompt chunks a round runs
 (prefill_first, or one mixed step under a token budget); they read the
 scheduler through a `SchedulerView` and return their decision, and only the scheduler
@@ -19,8 +21,10 @@ from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.page_reservation import PageReservations
-from cbjax.scheduling.plan import Plan, Row
+from cbjax.scheduling.plan import Call, Plan, RoundResult, Row
 from cbjax.scheduling.policies import NOTHING, Admission, MixedStep, SchedulerView, admission_policy, prefill_chunks
+from cbjax.scheduling.speculation import Speculator
+from cbjax.scheduling.update import Outcome, update_round
 
 
 class Scheduler:
@@ -47,9 +51,13 @@ class Scheduler:
         self.rank_preemption = ordering.preempts_for_rank(config)
         self.view = SchedulerView(self)  # what its policies read
         self.admission = admission_policy(config)
+        self.speculator: Speculator | None = None  # speculative decoding's proposer and length policy
 
     # ------------------------------------------------------------- queue
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, predicted_len: int | None = None) -> None:
+        """Queue a new request; `predicted_len`: the output tokens a length predictor expects."""
+        if predicted_len is not None and request.predicted_len is None:
+            request.predicted_len = predicted_len
         self.forks_seen |= request.fork_of is not None
         request.seq_index = self._admitted
         self._admitted += 1
@@ -69,11 +77,11 @@ class Scheduler:
         for i, r in enumerate(self.waiting):
             if r.request_id == request_id:
                 del self.waiting[i]
-                self._finish(r, FinishReason.ABORT, now)
+                self.finish(r, FinishReason.ABORT, now)
                 return r
         for r in self.slots:
             if r is not None and r.request_id == request_id:
-                self._finish(r, FinishReason.ABORT, now)
+                self.finish(r, FinishReason.ABORT, now)
                 return r
         raise ValueError(f"cannot abort unknown or finished request {request_id!r}")
 
@@ -97,9 +105,13 @@ class Scheduler:
         return max(config.decode_steps, 1 + config.num_speculative_tokens)
 
     # ---------------------------------------------------------- schedule
-    def schedule(self, now: float, draft_len: int = 0) -> Plan:
+    def schedule(self, now: float, draft_len: int | None = None, run_ahead: bool = False) -> Plan:
         """The round's plan. `draft_len`: the tokens each decoding request may propose this round
-        (speculative decoding), counted against the mixed step's token budget."""
+        (speculative decoding; None: its speculator's length), counted against the mixed step's
+        token budget. `run_ahead`: the executor may dispatch a decode call before it records."""
+        speculator = self.speculator
+        if draft_len is None:
+            draft_len = speculator.next_length(len(self.running)) if speculator is not None else 0
         mixed = self.config.merge_mode != "prefill_first"
         step = MixedStep(self.view, draft_len) if mixed else None
         if step is not None:
@@ -114,9 +126,19 @@ class Scheduler:
         # The plan takes the device work recorded while scheduling it.
         preempted, self.preempted_slots = self.preempted_slots, []
         copies, self.copies = self.copies, []
-        return Plan(prefills, decode, wake_time=admission.wake if not prefills and not decode else None, mixed=mixed,
+        plan = Plan(prefills, decode, wake_time=admission.wake if not prefills and not decode else None, mixed=mixed,
                     preempted_slots=preempted, copies=copies, kv_ops=self.host.take_ops() if self.host is not None else [],
-                    draft_len=(step.draft_len if mixed else draft_len) if decode else 0)
+                    draft_len=(step.draft_len if mixed else draft_len) if decode else 0, time=now)
+        plan.calls, may_run_ahead = round_calls(self.slots, plan, speculator, self.config.decode_steps)
+        if run_ahead and may_run_ahead:
+            plan.ahead = slots_to_run_ahead(self, self.config.decode_steps, speculator)
+        return plan
+
+    def plan_in_flight(self, call: Call, now: float, run_ahead: bool = False) -> Plan:
+        """The plan of a decode call dispatched ahead in an earlier round (host/device overlap),
+        to record now; and whether a next one may be dispatched ahead of its record."""
+        ahead = slots_to_run_ahead(self, self.config.decode_steps, self.speculator) if run_ahead else None
+        return Plan([], True, calls=[call], ahead=ahead, in_flight=True, time=now)
 
     def _admit(self, now: float) -> Admission:
         admission = self.admission.admit(self.view, now)
@@ -192,43 +214,11 @@ class Scheduler:
         return self.admission.decodes(self.view, {c.request.request_id for c in prefills if c.is_last})
 
     # ----------------------------------------------------------- results
-    def on_prefill(self, chunk: Row, token: int, now: float) -> bool:
-        """Record a prefill chunk; for the last one, the first token. True if it finished."""
-        r = chunk.request
-        if r.finished:
-            return False
-        r.num_prefilled = chunk.start + chunk.length
-        if self.pages is not None:
-            self.pages.register(r.request_id, r.prefill_token_ids, r.num_prefilled)
-        if not chunk.is_last:
-            return False
-        r.state = RequestState.RUNNING
-        return self._append(r, token, now)
+    def update(self, plan: Plan, result: RoundResult) -> Outcome:
+        """The round's results into its requests (update.py)."""
+        return update_round(self, plan, result)
 
-    def on_decode(self, tokens_per_step, now: float, device_steps: int | None = None) -> list[Request]:
-        """Record a decode call's tokens, `[steps][slots]` with -1 for idle slots (`device_steps`:
-        the steps it ran, when fewer: a verified proposal brings several tokens from one).
-        Returns the requests that finished."""
-        finished = []
-        steps = len(tokens_per_step) if device_steps is None else device_steps
-        self.num_decode_steps += steps
-        self.admission.on_decode(steps, bool(self.waiting))
-        running = RequestState.RUNNING
-        for step_tokens in tokens_per_step:
-            for r, token in zip(self.slots, step_tokens):
-                if token < 0 or r is None or r.state != running:
-                    continue
-                if self._append(r, int(token), now):
-                    finished.append(r)
-        return finished
-
-    def _append(self, r: Request, token: int, now: float) -> bool:
-        reason = self.tokens.append(r, token, now)
-        if reason is not None:
-            self._finish(r, reason, now)
-        return reason is not None
-
-    def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+    def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         r.state = RequestState.FINISHED
         r.finish_reason = reason
         r.error = error
@@ -240,6 +230,8 @@ class Scheduler:
             self.pages.free(r.request_id)
         if r.slot is not None and self.slots[r.slot] is r:
             self.slots[r.slot] = None
+        if self.speculator is not None:
+            self.speculator.proposer.forget(r.request_id)
         self.admission.on_left(r)
 
 
@@ -277,3 +269,62 @@ class TokenRecorder:
         if self.max_seq_len is not None and num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
+
+
+# ----------------------------------------------------------- a plan's device calls
+def decode_rows(running: list[Request], draft_len: int, speculator: Speculator | None) -> list[Row]:
+    """A row for each running request: a decode, or (speculating) its verification."""
+    if speculator is None or not draft_len:
+        return [Row.decode(r) for r in running]
+    return [Row.speculating(r, p) if p else Row.decode(r)
+            for r, p in zip(running, speculator.proposals(running, draft_len))]
+
+
+def round_calls(slots: list[Request | None], plan: Plan, speculator: Speculator | None,
+                decode_steps: int) -> tuple[list[Call], bool]:
+    """The plan's calls over the requests in `slots`, and whether its decode call may have a
+    next one dispatched ahead of its record."""
+    running = RequestState.RUNNING
+    if plan.mixed and plan.prefills:  # one step: the plan's chunks, then a decode row per running request
+        live = [r for r in slots if r is not None and r.state == running]
+        return [Call(plan.prefills + decode_rows(live, plan.draft_len, speculator))], False
+    # prefill_first: a call of prompt rows, then one of decode rows (a mixed plan's round
+    # without prompt rows too, so that it may run ahead).
+    calls = [Call(plan.prefills)] if plan.prefills else []
+    # A prefill whose first token is its last joins no decode (alone, one that computes
+    # nothing); nor does a constrained one, whose mask needs its first token on the host: it
+    # decodes from the next round on.
+    starting = {c.request.request_id for c in plan.prefills
+                if c.is_last and decodes_after_prefill(c.request) and c.request.grammar is None}
+    live = [r for r in slots if r is not None and (r.state == running or r.request_id in starting)]
+    if not plan.decode or not live:
+        return calls, False
+    rows = decode_rows(live, plan.draft_len, speculator)
+    # A constrained row's mask follows the token before it, a verify row's end is the host's
+    # to read: one step per call.
+    one = any(r.grammar is not None for r in live) or any(r.verify for r in rows)
+    calls.append(Call(rows, 1 if one else decode_steps))
+    return calls, not plan.prefills and not one
+
+
+def decodes_after_prefill(request: Request) -> bool:
+    """Whether a request still has tokens to make after the one its last prefill chunk samples."""
+    return request.sampling.max_tokens - len(request.output_token_ids) > 1
+
+
+def slots_to_run_ahead(sched, steps: int, speculator: Speculator | None) -> list[int] | None:
+    """The slots a decode call may be dispatched for before the one in flight is recorded, or
+    None: not while requests wait, a holder is prefilling or constrained (its next mask needs
+    this call's token on the host first), requests speculate (a proposal needs the tokens of
+    the call in flight), or (paged) the next call would grow a table (the scheduler reserves,
+    or preempts, first)."""
+    holders = [r for r in sched.slots if r is not None]
+    if sched.waiting or not holders or any(r.state != RequestState.RUNNING or r.grammar is not None
+                                           for r in holders):
+        return None
+    if speculator is not None and speculator.length(len(holders)) > 0:
+        return None
+    after = [r.num_tokens + steps for r in holders]  # tokens each will have when the call in flight is recorded
+    if sched.pages is not None and not all(map(sched.reservations.covers, holders, after)):
+        return None
+    return [r.slot for r in holders]

@@ -279,15 +279,12 @@ class Speculator:
         r.metrics.num_accepted_tokens += accepted
         self.lengths.observe(self._asked.pop(r.request_id, proposed), accepted)
 
-    def after_round(self, calls: list[list], k: int, seconds: float | None, touched) -> None:
+    def after_round(self, calls: list[list], k: int, seconds: float | None) -> None:
         """A round's rows (per call), its length `k` and, for a round of decodes alone, its
-        seconds: the length policy's cost; finished requests are forgotten."""
+        seconds: the length policy's cost."""
         self._asked.clear()
         if seconds is not None:
             self.lengths.observe_step(sum(r.decodes for rows in calls for r in rows), k, seconds)
-        for r in touched:
-            if r.finished:
-                self.proposer.forget(r.request_id)
 
 
 def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, min_n: int = 2, max_n: int = 4,
