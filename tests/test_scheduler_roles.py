@@ -10,7 +10,7 @@ from cbjax.request import Request, RequestState, SamplingParams
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.roles import PrefillScheduler
 from cbjax.scheduling.scheduler import SchedulerConfig
-from cbjax.scheduling.update import record_decode, record_prefill
+from cbjax.scheduling.update import record_prefill
 
 EOS = 2
 PAGE = 4
