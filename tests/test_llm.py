@@ -321,3 +321,18 @@ def test_token_buckets_stop_at_what_one_round_can_hold():
     assert small.engine.token_buckets() == [1, 2, 4, 8, 16, 32, 64]
     assert LLM("tiny-llama", num_slots=3, max_seq_len=32).engine.token_buckets()[-1] == 128  # holds 96
     assert LLM("tiny-llama", num_slots=8, max_seq_len=128).engine.token_buckets()[-1] == 512  # the CPU's budget
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reset_stats_starts_every_counter_over(overlap):
+    """After `reset_stats` the rounds that follow are counted in full: the dispatch and the
+    host copy's wait too, and (overlap) the calls run ahead."""
+    llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, overlap=overlap)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.reset_stats()
+    assert llm.stats.rounds == 0 and llm.stats.dispatch_s == 0
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats
+    assert stats.rounds > 0 and stats.decode_steps > 0 and stats.active_slot_steps > stats.decode_steps
+    assert stats.dispatch_s > 0 and stats.device_wait_s > 0
+    assert (stats.ahead_calls > 0) == overlap

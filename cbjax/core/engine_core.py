@@ -57,8 +57,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.pages = pages
         self.clock = clock
-        self.stats = StepStats()
-        self.executor = Executor(engine, pages, clock, self.stats, overlap)
+        self.executor = Executor(engine, pages, clock, StepStats(), overlap)
         self.idle = False  # the latest round ran nothing
         self.wake_time: float | None = None  # when idle: the earliest time something could change without an arrival
         # Prompt token ids -> expected output tokens, for the length-aware orderings (a
@@ -66,6 +65,15 @@ class EngineCore:
         self.predict_len: Callable[[list[int]], int] | None = None
 
     engine = property(lambda self: self.executor.engine)
+
+    @property
+    def stats(self) -> StepStats:
+        """Since the start or the last reset: where the rounds' time went."""
+        return self.executor.stats
+
+    @stats.setter
+    def stats(self, stats: StepStats) -> None:
+        self.executor.stats = stats
 
     @property
     def overlap(self) -> bool:
