@@ -66,7 +66,7 @@ def row_bucket(num_tokens: int, num_slots: int) -> int:
 
 def slot_decodes_key(rows: list[Row], num_tokens: int) -> tuple | None:
     """The key of a call whose rows are decodes named by slot alone (the overlap's calls,
-    EngineCore._run_ahead: the same rows step after step, so their arrays can be packed
+    Executor._run_ahead: the same rows step after step, so their arrays can be packed
     once), else None."""
     if all(r.is_decode and r.request is None and r.start == 0 and r.generated == 0 and r.prompt_len == 0
            and not r.is_last and r.history is None for r in rows):
