@@ -23,7 +23,6 @@ from cbjax.grammar import Grammars
 from cbjax.loading import Model
 from cbjax.request import Request, RequestOutput, SamplingParams, error_output, is_int_list
 from cbjax.runtime.prompt_logprobs import PromptScorer
-from cbjax.runtime.warmup import warm_structured_output
 
 
 def progress_bar(total: int | None, use_tqdm: bool, desc: str):
@@ -82,18 +81,17 @@ class LLM:
     def load(self):  # what the engine holds after its latest round (`cbjax.core.engine_core.Load`)
         return self.core.load()
 
-    # What the core holds, for tests to read (fronts use the public surface: `Front`, cbjax/front.py).
-    engine = property(lambda self: self.core.engine)
-    scheduler = property(lambda self: self.core.scheduler)
-    pages = property(lambda self: self.core.pages)
+    def snapshot(self):
+        """A read-only copy of what the core holds (`cbjax.core.snapshot.Snapshot`)."""
+        return self.core.snapshot()
 
-    scheduler_config = property(lambda self: self.core.scheduler.config)
+    scheduler_config = property(lambda self: self.args.scheduler_config(self.engine_info.num_slots))
     stats = property(lambda self: self.core.stats)  # `StepStats`: where the rounds' time went
     idle = property(lambda self: self.core.idle)
     wake_time = property(lambda self: self.core.wake_time)
     requests = property(lambda self: self.book.requests)  # live requests by id
-    max_model_len = property(lambda self: self.core.engine.max_len)  # tokens of one sequence: prompt and output
-    engine_info = property(lambda self: self.core.engine.info())  # `EngineInfo`: platform, attention, slots...
+    max_model_len = property(lambda self: self.engine_info.max_model_len)  # tokens of one sequence: prompt and output
+    engine_info = property(lambda self: self.core.info())  # `EngineInfo`: platform, attention, slots...
     data_parallel = 1  # engines behind this front (`Replicas`: several)
 
     # ------------------------------------------------------------ requests
@@ -117,7 +115,7 @@ class LLM:
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
         k = sampling.prompt_logprobs
         prompt_lp = scored_prompt if scored_prompt is not None or k is None else \
-            self.engine.prompt_logprobs(ids, k)  # the n samples share them
+            self.core.prompt_scorer(ids, k).run()  # the n samples share them
         request_id = self.book.new_id(request_id)
         if sampling.num_samples == 1:
             self._add(request_id, ids, sampling, arrival, priority, text, self.book.seed_of(request_id, sampling),
@@ -178,21 +176,19 @@ class LLM:
         """Block until the programs compiling in the background are ready (on a GPU, the narrower
         sampler variants: runtime/step_programs.py), as a benchmark does before it times.
         Returns how many there were."""
-        return self.core.engine.wait_for_compiles()
+        return self.core.wait_for_compiles()
 
     def warm_structured_output(self, background: bool = False) -> int:
         """Compile the programs structured-output requests run (`warmup` leaves them out), now or
         (`background`) on a thread of their own. Returns how many; 0 where the engine has none."""
-        if not self.core.engine.supports_structured_output:
-            return 0
-        return warm_structured_output(self.core.engine, background)
+        return self.core.warm_structured_output(background)
 
     def prompt_scorer(self, prompt: Prompt, sampling: SamplingParams) -> PromptScorer | None:
         """For a request asking for prompt logprobs: checks it (ValueError) and returns the scorer
         that computes them a chunk at a time, for `add_request(..., scored_prompt=)`."""
         ids, _ = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
-        return self.core.engine.prompt_scorer(ids, sampling.prompt_logprobs)
+        return self.core.prompt_scorer(ids, sampling.prompt_logprobs)
 
     def watch_arrivals(self, pending: Callable[[], bool]) -> None:
         """`pending()`: whether requests have arrived that the front has not handed in yet (a
@@ -256,14 +252,14 @@ class LLM:
         return self.book.hand_back(finished, stream=False)
 
     def _desc(self) -> str:
-        return self.scheduler_config.policy + ("-paged" if self.pages is not None else "")
+        return self.args.policy + ("-paged" if self.args.kv_cache == "paged" else "")
 
     # -------------------------------------------------------------- replay
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
                desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]:
         """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock (or,
         with `concurrency`, from a closed-loop client); outputs in workload order."""
-        bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.scheduler_config.policy}")
+        bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.args.policy}")
         ids, errors, finished = run_arrivals(self, workload, bar, concurrency=concurrency)
         return self._collect(ids, errors, finished, workload)
 

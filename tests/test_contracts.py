@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import ast
 import re
 import typing
 
@@ -22,6 +23,7 @@ from cbjax.runtime.engine import Engine
 from cbjax.runtime.interface import EngineInfo, StepEngine
 from cbjax.runtime.pipeline import PipelineEngine
 from cbjax.simulator import SimulatedEngine
+from tests.internals import engine_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CAPABILITIES = ("reads_block_tables", "can_run_ahead", "supports_structured_output", "takes_sampler_variants")
@@ -78,7 +80,7 @@ def test_engine_kinds_keep_the_engine_contract(llm):
     pipeline = LLM("tiny-llama", pipeline_stages=2, **OPTIONS)
     simulated = LLM("tiny-llama", simulate="h100", **OPTIONS)
     for front, kind in [(llm, Engine), (pipeline, PipelineEngine), (simulated, SimulatedEngine)]:
-        engine = front.core.engine
+        engine = engine_of(front)
         assert type(engine) is kind
         assert isinstance(engine, StepEngine) and breaches(engine, StepEngine) == []
         for name in CAPABILITIES:  # declared on the class, not probed
@@ -88,7 +90,7 @@ def test_engine_kinds_keep_the_engine_contract(llm):
         assert info.max_model_len == front.max_model_len == OPTIONS["max_seq_len"]
     assert pipeline.engine_info.kind == "pipeline" and pipeline.engine_info.num_devices == 2
     assert simulated.engine_info.kind == "simulated" and simulated.wait_for_compiles() == 0
-    assert not pipeline.core.engine.can_run_ahead and not simulated.core.engine.supports_structured_output
+    assert not engine_of(pipeline).can_run_ahead and not engine_of(simulated).supports_structured_output
 
 
 def test_core_kinds_keep_the_core_contract(llm):
@@ -119,13 +121,51 @@ def test_fronts_keep_the_front_contract(llm):
     replicas.close()
 
 
-def reach_throughs(text: str) -> list[str]:
-    return re.findall(r"\b\w*llm\w*\.(?:engine|core|scheduler)\b", text)
+HANDLES = ("llm", "core", "front", "replica")  # names that hold an LLM, a front or a core
+INTERNALS = frozenset({"engine", "scheduler", "pages"})
+
+
+def _name_of(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return _name_of(node.func)
+    if isinstance(node, ast.Subscript):
+        return _name_of(node.value)
+    return ""
+
+
+def reach_throughs(source: str) -> list[str]:
+    """Where `source` reads an engine, a scheduler or a page pool off an LLM, a front or a core
+    (whatever holds it: a name, an attribute, a call, an item, whose name says llm, core, front
+    or replica), or a front's core."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        holder = _name_of(node.value).lower()
+        if holder == "cbjax":  # the package's own modules: cbjax.core
+            continue
+        reaches = node.attr in INTERNALS and any(h in holder for h in HANDLES)
+        reaches |= node.attr == "core" and any(h in holder for h in ("llm", "front", "replica"))
+        if reaches:
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
+    return [where for _, where in sorted(found)]
+
+
+def test_the_reach_through_finder_finds_every_spelling():
+    source = ("a = llm.engine\nb = self.llm.core\nc = core.scheduler\nd = static_llm.pages\n"
+              "e = LLM('x').engine\nf = fronts[0].scheduler\ng = self.engine\nh = cbjax.core\n"
+              "i = replicas.replicas[0].core\n")
+    assert reach_throughs(source) == ["1: llm.engine", "2: self.llm.core", "3: core.scheduler", "4: static_llm.pages",
+                                      "5: LLM('x').engine", "6: fronts[0].scheduler", "9: replicas.replicas[0].core"]
 
 
 def test_the_server_and_the_experiments_use_only_a_fronts_surface():
-    assert reach_throughs("x = llm.engine.max_len; y = self.llm.core; z = static_llm.scheduler.waiting") == [
-        "llm.engine", "llm.core", "static_llm.scheduler"]
+    """0 reads of an engine, scheduler or page pool through an LLM, a front or a core from
+    experiments/ and the server: they read `load()` and `snapshot()`."""
     found = {}
     for path in sorted([*(ROOT / "cbjax" / "serve").glob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
         hits = reach_throughs(path.read_text(encoding="utf-8"))

@@ -19,6 +19,7 @@ from cbjax.models.attention import attention_part, visible
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.runtime.engine import EngineConfig
 from tests.tiers import slow
+from tests.internals import engine_of
 
 # Skipped only where no C++ compiler is installed: where one is, the kernels must build
 # (test_the_kernels_build_where_a_compiler_is fails otherwise, never skips).
@@ -30,7 +31,7 @@ needs_kernels = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is
 def test_the_kernels_build_where_a_compiler_is():
     assert cpu_kernels.available(), cpu_kernels.build_error()
     llm = LLM("tiny-llama", num_slots=2, max_seq_len=32)  # cpu_kernels="auto", f32, one CPU device
-    assert llm.engine.ops == cpu_kernels.CPU_KERNELS
+    assert engine_of(llm).ops == cpu_kernels.CPU_KERNELS
 
 
 @needs_kernels
@@ -145,10 +146,10 @@ def test_greedy_outputs_equal_with_kernels_on_and_off(kv_dtype):
         for kv in ("slots", "paged"):
             llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, cpu_kernels=choice, kv_cache=kv, page_size=8,
                       merge_mode="chunked", max_num_batched_tokens=9, kv_cache_dtype=kv_dtype)
-            assert llm.engine.ops == (cpu_kernels.CPU_KERNELS if choice == "on" else XLA)
+            assert engine_of(llm).ops == (cpu_kernels.CPU_KERNELS if choice == "on" else XLA)
             want = jnp.float16 if kv_dtype == "float16" else jnp.float32
-            assert all(a.dtype == want for a in llm.engine.cache.k + llm.engine.cache.v)
-            assert (llm.engine._params_by_address is not None) == (choice == "on")
+            assert all(a.dtype == want for a in engine_of(llm).cache.k + engine_of(llm).cache.v)
+            assert (engine_of(llm)._params_by_address is not None) == (choice == "on")
             outs[choice, kv] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["on", "slots"] == outs["off", "slots"] == outs["on", "paged"] == outs["off", "paged"]
 
@@ -157,8 +158,9 @@ def test_without_a_compiler_the_engine_runs_through_xla(tmp_path):
     code = ("from cbjax import LLM, SamplingParams\n"
             "from cbjax.models.ops import XLA\n"
             "from cbjax.runtime.cpu import kernels as cpu_kernels\n"
+            "from tests.internals import engine_of\n"
             "llm = LLM('tiny-llama', num_slots=2, max_seq_len=32)\n"
-            "assert llm.engine.ops == XLA\n"
+            "assert engine_of(llm).ops == XLA\n"
             "assert 'no C++ compiler' in cpu_kernels.build_error(), cpu_kernels.build_error()\n"
             "print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids)\n")
     env = {**os.environ, "CXX": "no-such-compiler", "CBJAX_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}

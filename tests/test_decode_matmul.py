@@ -20,6 +20,7 @@ from pallas_kernels import tuning
 from pallas_kernels.decode_matmul import (Launch, candidates, decode_matmul, reference, resolve, shape_of, tuned,
                                           unsupported)
 from pallas_kernels.decode_matmul import triton_kernel
+from tests.internals import engine_of
 
 FORMS = ("reduce", "stream", "dot")
 # (weight dtype, inputs a scale group; 0: one scale a row, None: a float weight without scales)
@@ -222,7 +223,7 @@ def test_engine_tokens_equal_xla_dot():
     for choice in ("pallas", "xla"):
         llm = LLM(MODEL, num_slots=4, max_seq_len=64, quantization="int8", quantized_matmul=choice)
         expected = engine_ops.PALLAS_MATMUL_INTERPRETED if choice == "pallas" else engine_ops.XLA
-        assert llm.engine.ops is expected
+        assert engine_of(llm).ops is expected
         outs[choice] = [o.token_ids for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]
     assert outs["pallas"] == outs["xla"]
 
@@ -230,11 +231,11 @@ def test_engine_tokens_equal_xla_dot():
 def test_engine_choice_and_errors():
     from cbjax.runtime.cpu import kernels as cpu_kernels
 
-    default = LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8").engine.ops  # the CPU's int8 kernels
+    default = engine_of(LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8")).ops  # the CPU's int8 kernels
     assert default is (cpu_kernels.CPU_KERNELS if cpu_kernels.available() else engine_ops.XLA)
     with pytest.raises(ValueError, match="name two ways to multiply the 8-bit weights"):
         LLM(MODEL, num_slots=2, max_seq_len=32, quantization="int8", quantized_matmul="xla", cpu_kernels="on")
-    assert LLM(MODEL, num_slots=2, max_seq_len=32, quantized_matmul="pallas").engine.ops is not \
+    assert engine_of(LLM(MODEL, num_slots=2, max_seq_len=32, quantized_matmul="pallas")).ops is not \
         engine_ops.PALLAS_MATMUL_INTERPRETED  # no 8-bit weights: nothing for the kernel
     with pytest.raises(ValueError, match="quantized_matmul must be one of"):
         LLM(MODEL, num_slots=2, max_seq_len=32, quantized_matmul="fast")

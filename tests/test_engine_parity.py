@@ -12,6 +12,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.loading import load_hf_dir
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.tiers import slow, sweep
+from tests.internals import engine_of, pages_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 NUM_PROMPTS = 20
@@ -128,14 +129,14 @@ def test_online_random_order_matches_transformers(setup, name):
     outputs = [finished[ids[i]] for i in range(len(prompts))]
     _check(outputs, prompts, max_tokens, expected)
     assert not llm.has_unfinished_requests() and not llm.requests, "finished requests are released"
-    assert llm.scheduler.free_slots == list(range(NUM_SLOTS))
+    assert scheduler_of(llm).free_slots == list(range(NUM_SLOTS))
     if "rank-preempt" in name:
-        assert llm.scheduler.num_preemptions > 0
-    if llm.pages is not None:
-        assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+        assert scheduler_of(llm).num_preemptions > 0
+    if pages_of(llm) is not None:
+        assert pages_of(llm).num_free == pages_of(llm).num_pages and not pages_of(llm).tables
         if "preempt" in name:
-            assert llm.scheduler.num_preemptions > 0
-            assert sum(o.metrics.num_preemptions for o in outputs) == llm.scheduler.num_preemptions
+            assert scheduler_of(llm).num_preemptions > 0
+            assert sum(o.metrics.num_preemptions for o in outputs) == scheduler_of(llm).num_preemptions
 
 
 @slow
@@ -160,7 +161,7 @@ def test_the_tpu_kernel_through_the_engine_matches_transformers(llama_setup):
         set_cpu_interpreter(previous)
         jax.clear_caches()
     _check(outputs, prompts, max_tokens, expected)
-    assert llm.scheduler.num_preemptions > 0
+    assert scheduler_of(llm).num_preemptions > 0
 
 
 def test_offline_generate_matches_transformers(setup):
@@ -184,7 +185,7 @@ def test_prefix_cache_shares_a_system_prompt_and_keeps_outputs(setup):
               enable_prefix_caching=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    stats = llm.pages.stats
+    stats = pages_of(llm).stats
     # The first two run together (nothing computed yet); the other three hit the 5 shared pages.
     assert stats.hits >= 3 * 5 and 0 < stats.hit_rate <= 1
 
@@ -207,6 +208,6 @@ def test_the_kernel_matches_transformers_on_any_head_dim_and_window(family, layo
     expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
     llm = LLM(model, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, attention="pallas", kv_cache=layout,
               page_size=8, merge_mode="chunked", max_num_batched_tokens=13)
-    assert llm.engine.attention == "pallas"
+    assert engine_of(llm).attention == "pallas"
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], use_tqdm=False)
     _check(outputs, prompts, max_tokens, expected)

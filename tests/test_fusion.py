@@ -19,6 +19,7 @@ from cbjax.runtime.lowering import lower_programs
 from cbjax.request import ALL
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 from tests.tiers import sweep
+from tests.internals import engine_of
 
 PROMPTS = [[3, 17, 25, 9, 4, 11], [5, 6, 7], list(range(20, 41))]
 
@@ -40,10 +41,10 @@ def _outputs(llm: LLM) -> list:
 def test_fused_engines_decode_the_unfused_tokens(model, options):
     plain = LLM(model, num_slots=3, max_seq_len=64, fuse_projections="off", **options)
     fused = LLM(model, num_slots=3, max_seq_len=64, fuse_projections="on", **options)
-    layers = fused.engine.params["layers"]
+    layers = engine_of(fused).params["layers"]
     assert all("wqkv" in p and not {"wq", "wk", "wv"} & set(p) for p in layers)
     assert all(("w_gate_up" in p) == (model != "tiny-gpt2") for p in layers)
-    assert not fusion.is_fused(plain.engine.params)
+    assert not fusion.is_fused(engine_of(plain).params)
     assert fused.engine_info.fused_projections and not plain.engine_info.fused_projections
     for a, b in zip(_outputs(plain), _outputs(fused)):
         assert a.token_ids == b.token_ids
@@ -97,4 +98,4 @@ def test_the_knob_fuses_where_it_can_and_refuses_naming_itself():
         wants_fusion("on", "gpu", "none", tensor_parallel=2)
     with pytest.raises(ValueError, match="fuse_projections must be one of"):
         LLM("tiny-llama", num_slots=2, max_seq_len=32, fuse_projections="sometimes")
-    assert "wq" in LLM("tiny-llama", num_slots=2, max_seq_len=32).engine.params["layers"][0]  # auto on a CPU
+    assert "wq" in engine_of(LLM("tiny-llama", num_slots=2, max_seq_len=32)).params["layers"][0]  # auto on a CPU

@@ -18,6 +18,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.models import quant
 from cbjax.models.gguf_blocks import BLOCK_TYPES, GGUFWeight, check_kind, dequantize_rows
 from tests.tiers import slow
+from tests.internals import engine_of
 
 presets = pytest.importorskip("cbjax.loading.presets")
 
@@ -74,17 +75,17 @@ def test_smollm2_runs_from_its_own_blocks():
     reader = gguf.GGUFReader(path)
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     llm = LLM(path, quantization="gguf", num_slots=2, max_seq_len=96)
-    params = llm.engine.params
+    params = engine_of(llm).params
     kinds = {leaf.kind for leaf in jax.tree.leaves(params, is_leaf=quant.is_quantized) if quant.is_quantized(leaf)}
     assert kinds == {"Q4_1", "Q8_0"} and params["embed"].kind == "Q8_0"
     from cbjax.runtime.cpu import kernels as cpu_kernels
 
     assert quant.quantization_of(params) == "gguf"
-    assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # its block kernel decodes
+    assert (engine_of(llm).ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # its block kernel decodes
     # and one layer-kernel call a layer decodes, the weights named by address
-    assert (llm.engine._params_by_address is not None) == cpu_kernels.available()
+    assert (engine_of(llm)._params_by_address is not None) == cpu_kernels.available()
     if cpu_kernels.available():  # up to the block kernel's rows: its matmuls take them either way
-        assert llm.engine._params_by_address["layers"].max_rows == cpu_kernels.BLOCK_MAX_ROWS
+        assert engine_of(llm)._params_by_address["layers"].max_rows == cpu_kernels.BLOCK_MAX_ROWS
     assert quant.weight_bytes(params) == file_bytes  # norms in f32 as the file holds them, blocks as they are
     prompt = llm.model.tokenizer("The Eiffel Tower is in the city of")["input_ids"]
     sampling = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -139,9 +140,9 @@ def test_a_q8_0_copy_runs_from_its_blocks(tmp_path):
     sizes = requantize_gguf(path, target, "Q8_0")
     assert sizes["target_tensor_bytes"] > sizes["source_tensor_bytes"]  # 8.5 bits a weight against 5
     llm = LLM(target, quantization="gguf", num_slots=2, max_seq_len=64)
-    kinds = {leaf.kind for leaf in jax.tree.leaves(llm.engine.params, is_leaf=quant.is_quantized)
+    kinds = {leaf.kind for leaf in jax.tree.leaves(engine_of(llm).params, is_leaf=quant.is_quantized)
              if quant.is_quantized(leaf)}
-    assert kinds == {"Q8_0"} and quant.weight_bytes(llm.engine.params) == sizes["target_tensor_bytes"]
+    assert kinds == {"Q8_0"} and quant.weight_bytes(engine_of(llm).params) == sizes["target_tensor_bytes"]
     gc.collect()  # and only those: no tensor keeps the file's map (and its read pages) alive
     if os.path.exists("/proc/self/maps"):
         with open("/proc/self/maps") as maps:

@@ -12,6 +12,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.scheduling.host_tier import HostTier
 from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
 from tests.tiers import sweep
+from tests.internals import engine_of, pages_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 NUM_SLOTS = 4
@@ -30,13 +31,13 @@ def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tupl
     preemption); checks the bound on host bytes after every round. Returns the outputs in
     prompt order and the most host bytes seen."""
     ids, done, most = [], {}, 0
-    host = llm.scheduler.host
+    host = scheduler_of(llm).host
 
     def step():
         nonlocal most
         done.update((o.request_id, o) for o in llm.step() if o.finished)
         if host is not None:
-            stored = llm.engine.host_kv.stored_bytes if llm.engine.host_kv is not None else host.used
+            stored = engine_of(llm).host_kv.stored_bytes if engine_of(llm).host_kv is not None else host.used
             assert stored == host.used <= host.capacity
             most = max(most, stored)
 
@@ -50,14 +51,14 @@ def run(llm: LLM, prompts, max_tokens, priorities, stagger: bool = True) -> tupl
 
 
 def assert_drained(llm: LLM) -> None:
-    assert llm.scheduler.free_slots == list(range(llm.scheduler.config.num_slots))
-    if llm.pages is not None:
-        assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
-    host = llm.scheduler.host
+    assert scheduler_of(llm).free_slots == list(range(scheduler_of(llm).config.num_slots))
+    if pages_of(llm) is not None:
+        assert pages_of(llm).num_free == pages_of(llm).num_pages and not pages_of(llm).tables
+    host = scheduler_of(llm).host
     if host is not None:
-        assert not host.sequences and not llm.engine.host_kv.sequences  # every swapped sequence came back
-        assert llm.engine.host_kv.stored_bytes == host.used  # what is left: prefix pages only
-        assert set(llm.engine.host_kv.pages) == set(host.prefix)
+        assert not host.sequences and not engine_of(llm).host_kv.sequences  # every swapped sequence came back
+        assert engine_of(llm).host_kv.stored_bytes == host.used  # what is left: prefix pages only
+        assert set(engine_of(llm).host_kv.pages) == set(host.prefix)
 
 
 def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
@@ -101,7 +102,7 @@ def test_swapped_requests_resume_token_exact(family, case):
     llm = LLM(path, num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, **SWAP, **options)
     outputs, _ = run(llm, prompts, max_tokens, priorities)
     assert outputs == expected, (case, merge)
-    stats = llm.scheduler.host.stats
+    stats = scheduler_of(llm).host.stats
     assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and stats.swap_fallbacks == 0
     assert_drained(llm)
 
@@ -115,7 +116,7 @@ def test_a_full_host_pool_falls_back_to_recompute_and_counts_it(tmp_path):
     priorities = [2] * 4 + [0] * 3
     expected, _ = run(reference, prompts, max_tokens, [0] * len(prompts), stagger=False)
     kwargs = dict(num_slots=NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, ordering="priority", preemption_mode="swap")
-    sizing = LLM(path, **kwargs, host_kv_cache_bytes=1 << 24).scheduler.host
+    sizing = scheduler_of(LLM(path, **kwargs, host_kv_cache_bytes=1 << 24)).host
     one_sequence = max(sizing.sequence_bytes(len(p) + m) for p, m in zip(prompts, max_tokens))
     llm = LLM(path, **kwargs, host_kv_cache_bytes=one_sequence + 1)
     ids = [llm.add_request(p, SamplingParams(max_tokens=m), priority=prio)
@@ -128,12 +129,12 @@ def test_a_full_host_pool_falls_back_to_recompute_and_counts_it(tmp_path):
     most = 0
     while llm.has_unfinished_requests():
         done.update((o.request_id, o) for o in llm.step() if o.finished)
-        assert llm.engine.host_kv.stored_bytes == llm.scheduler.host.used <= one_sequence + 1
-        most = max(most, llm.scheduler.host.used)
+        assert engine_of(llm).host_kv.stored_bytes == scheduler_of(llm).host.used <= one_sequence + 1
+        most = max(most, scheduler_of(llm).host.used)
     assert [done[i].token_ids for i in ids] == expected
-    stats = llm.scheduler.host.stats
+    stats = scheduler_of(llm).host.stats
     assert stats.swaps_out >= 1 and stats.swap_fallbacks >= 1
-    assert stats.swaps_out + stats.swap_fallbacks == llm.scheduler.num_preemptions
+    assert stats.swaps_out + stats.swap_fallbacks == scheduler_of(llm).num_preemptions
     assert 0 < most <= one_sequence + 1
     assert_drained(llm)
 
@@ -155,13 +156,13 @@ def test_prefix_pages_evicted_to_host_are_loaded_back(tmp_path):
         answers = llm.generate(first, params, use_tqdm=False)
         second = [p + a.token_ids + [5, 6, 7] for p, a in zip(first, answers)]
         outs[name] = [o.token_ids for o in answers + llm.generate(second, params, use_tqdm=False)]
-        assert_drained(llm) if llm.scheduler.host is not None else None
+        assert_drained(llm) if scheduler_of(llm).host is not None else None
     assert outs["tiered"] == outs["device"]
-    device_stats, tiered_stats = device_only.pages.stats, tiered.pages.stats
+    device_stats, tiered_stats = pages_of(device_only).stats, pages_of(tiered).stats
     assert device_stats.host_hits == 0
     assert tiered_stats.host_hits >= 16  # every second turn found its first turn's full pages
     assert tiered_stats.hits + tiered_stats.host_hits > device_stats.hits
-    host = tiered.scheduler.host.stats
+    host = scheduler_of(tiered).host.stats
     assert host.pages_in == tiered_stats.host_hits and host.pages_out >= host.pages_in
 
 
@@ -241,10 +242,10 @@ def test_the_simulator_charges_swaps_and_host_pages_over_the_host_link():
     swap = LLM("tiny-llama", simulate="h100", preemption_mode="swap", host_kv_cache_bytes=1 << 24, **kwargs)
     outputs, _ = run(swap, prompts, max_tokens, priorities)
     assert [len(o) for o in outputs] == max_tokens  # fillers never stop early
-    stats = swap.scheduler.host.stats
-    assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and swap.engine.host_s > 0
-    assert not swap.engine.swapped
-    assert swap.pages.num_free == swap.pages.num_pages
+    stats = scheduler_of(swap).host.stats
+    assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out and engine_of(swap).host_s > 0
+    assert not engine_of(swap).swapped
+    assert pages_of(swap).num_free == pages_of(swap).num_pages
     # Disaggregated: the prefill instances keep the host tier behind their prefix caches.
     split = LLM("tiny-llama", simulate="h100", prefill_instances=1, decode_instances=1, kv_cache="paged",
                 enable_prefix_caching=True, host_kv_cache_bytes=1 << 24, max_seq_len=MAX_SEQ_LEN)
@@ -263,5 +264,5 @@ def test_paged_swaps_without_prefix_caching_under_pool_pressure(tmp_path):
               decode_steps=2, **SWAP)
     outputs, _ = run(llm, prompts, max_tokens, [0] * len(prompts))
     assert outputs == expected
-    assert llm.scheduler.host.stats.swaps_out > 0 and llm.scheduler.host.stats.swap_fallbacks == 0
+    assert scheduler_of(llm).host.stats.swaps_out > 0 and scheduler_of(llm).host.stats.swap_fallbacks == 0
     assert_drained(llm)

@@ -15,6 +15,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.runtime import kernel_tuning
 from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
 from tests.tiers import slow
+from tests.internals import engine_of
 
 SHAPE = (16, 4096, 14336, 112, "int8")
 
@@ -121,7 +122,7 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
 
     timer = FakeTimer(run_matching="kv_splits=4")
     timer.seconds = preferred
-    calls = kernel_tuning.kernel_calls(llm.engine)
+    calls = kernel_tuning.kernel_calls(engine_of(llm))
     kernels = {kernel for kernel, _ in calls}
     assert kernels == {decode_matmul.KERNEL, ragged_paged_attention.KERNEL}
     assert all(shape[0] <= decode_matmul.MAX_ROWS for kernel, shape in calls if kernel == decode_matmul.KERNEL)
@@ -130,7 +131,7 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
                  if kernel == decode_matmul.KERNEL else
                  [launch.name for launch in ragged_paged_attention.candidates_of(shape)])
         preferred.update({name: prefer(name) for name in names})
-    choices = kernel_tuning.tune_kernels(llm.engine, cache=cache, device_kind="NVIDIA H200", timer=timer,
+    choices = kernel_tuning.tune_kernels(engine_of(llm), cache=cache, device_kind="NVIDIA H200", timer=timer,
                                          interpret=True)
     assert set(choices) == set(calls)
     assert {c for (k, _), c in choices.items() if k == ragged_paged_attention.KERNEL} == {"kv_splits=4"}
@@ -148,7 +149,7 @@ def test_engine_tunes_its_own_kernel_calls_and_runs_the_choices(tmp_path, monkey
 
     tuning.forget()  # a second start reads every choice and times nothing
     again = FakeTimer({name: RuntimeError("timed on a second start") for name in preferred})
-    assert kernel_tuning.tune_kernels(llm.engine, cache=tuning.TuningCache(cache.path), device_kind="NVIDIA H200",
+    assert kernel_tuning.tune_kernels(engine_of(llm), cache=tuning.TuningCache(cache.path), device_kind="NVIDIA H200",
                                       timer=again, interpret=True) == choices
     assert again.calls == []
 
@@ -157,5 +158,5 @@ def test_kernel_tuning_knob():
     with pytest.raises(ValueError, match="kernel_tuning must be one of"):
         LLM(MODEL, num_slots=2, max_seq_len=32, kernel_tuning="sometimes")
     llm = LLM(MODEL, num_slots=2, max_seq_len=32)
-    assert not kernel_tuning.wanted(llm.engine)  # a CPU engine: nothing to tune
+    assert not kernel_tuning.wanted(engine_of(llm))  # a CPU engine: nothing to tune
     assert llm.engine_info.kernel_launches == ()

@@ -11,6 +11,7 @@ from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.simulator import SimClock, SimulatedEngine
 from cbjax.runtime.engine import TRACE_COUNTS
 from tests.tiers import slow
+from tests.internals import engine_of, pages_of, scheduler_of
 
 MAX_SEQ_LEN = 128
 
@@ -27,10 +28,10 @@ def random_prompt(rng, n, vocab=512):
 @slow
 def test_no_recompilation_after_warmup_over_200_random_requests():
     llm = LLM("tiny-llama", num_slots=8, max_seq_len=MAX_SEQ_LEN, refill_interval=2)
-    num_programs = llm.engine.warmup()
+    num_programs = engine_of(llm).warmup()
     # One step per token bucket: 8, 16, ... up to the step budget (512 on a CPU; the suite's
     # smallest bucket is 8, conftest.py).
-    assert num_programs == len(llm.engine.programs()) == 7
+    assert num_programs == len(engine_of(llm).programs()) == 7
     compiled = sum(TRACE_COUNTS.values())
     rng = np.random.default_rng(0)
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(1, 100, size=200)]
@@ -93,10 +94,10 @@ def test_abort_waiting_and_running_requests_leaves_others_unharmed(llm):
     ids = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
     llm.step()
     llm.step()
-    running = next(r for r in llm.scheduler.running)
+    running = next(r for r in scheduler_of(llm).running)
     out = llm.abort(running.request_id)
     assert out.finish_reason == "abort"
-    waiting = llm.scheduler.waiting[0].request_id
+    waiting = scheduler_of(llm).waiting[0].request_id
     assert llm.abort(waiting).finish_reason == "abort"
     with pytest.raises(ValueError, match="unknown or finished"):
         llm.abort("no-such-request")
@@ -215,7 +216,7 @@ def test_seeded_sampling_survives_preemption():
     calm = LLM("tiny-llama", num_slots=3, max_seq_len=64).generate(prompts, sp, use_tqdm=False)
     tight = LLM("tiny-llama", num_slots=3, max_seq_len=64, kv_cache="paged", page_size=8, num_pages=10)
     stormy = tight.generate(prompts, sp, use_tqdm=False)
-    assert tight.scheduler.num_preemptions > 0
+    assert scheduler_of(tight).num_preemptions > 0
     assert [o.token_ids for o in stormy] == [o.token_ids for o in calm]
     assert any(o.metrics.num_preemptions for o in stormy)
 
@@ -235,9 +236,9 @@ def test_kv_cache_bytes_sizes_both_layouts():
     cfg = RANDOM_PRESETS["tiny-llama"]
     budget = 3 * SlotCache.bytes_per_slot(cfg, 64) + 5
     slots = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget)
-    assert slots.engine.num_slots == 3
+    assert engine_of(slots).num_slots == 3
     paged = LLM("tiny-llama", max_seq_len=64, kv_cache="paged", page_size=8, kv_cache_bytes=budget, num_slots=16)
-    assert paged.pages.num_pages == budget // PagedCache.bytes_per_page(cfg, 8) == 24
+    assert pages_of(paged).num_pages == budget // PagedCache.bytes_per_page(cfg, 8) == 24
     with pytest.raises(ValueError, match="holds no"):
         LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=10)
 
@@ -266,9 +267,9 @@ def test_overlap_runs_decode_ahead_without_changing_outputs(layout):
         results[overlap] = [finished[i].token_ids for i in ids if i != ids[3]]
         assert [len(t) for t in results[overlap]] == [3, 25, 9, 1, 17]
         assert (llm.stats.ahead_calls > 0) == overlap
-        assert llm.scheduler.free_slots == list(range(4)) and not llm.requests
-        if llm.pages is not None:
-            assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+        assert scheduler_of(llm).free_slots == list(range(4)) and not llm.requests
+        if pages_of(llm) is not None:
+            assert pages_of(llm).num_free == pages_of(llm).num_pages and not pages_of(llm).tables
     assert results[True] == results[False]
 
 
@@ -318,9 +319,9 @@ def test_token_buckets_stop_at_what_one_round_can_hold():
     """A round holds at most a row per slot, none longer than max_seq_len: a bucket past
     num_slots * max_seq_len would be a program warm-up compiles and no call runs."""
     small = LLM("tiny-llama", num_slots=2, max_seq_len=32, min_step_tokens=1)
-    assert small.engine.token_buckets() == [1, 2, 4, 8, 16, 32, 64]
-    assert LLM("tiny-llama", num_slots=3, max_seq_len=32).engine.token_buckets()[-1] == 128  # holds 96
-    assert LLM("tiny-llama", num_slots=8, max_seq_len=128).engine.token_buckets()[-1] == 512  # the CPU's budget
+    assert engine_of(small).token_buckets() == [1, 2, 4, 8, 16, 32, 64]
+    assert engine_of(LLM("tiny-llama", num_slots=3, max_seq_len=32)).token_buckets()[-1] == 128  # holds 96
+    assert engine_of(LLM("tiny-llama", num_slots=8, max_seq_len=128)).token_buckets()[-1] == 512  # the CPU's budget
 
 
 @pytest.mark.parametrize("overlap", [False, True])

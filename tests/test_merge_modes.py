@@ -9,6 +9,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax.runtime.engine import Engine
 from cbjax.request import RequestState
+from tests.internals import engine_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 
@@ -24,15 +25,15 @@ def random_requests(rng, n, vocab=500):
 def recording(llm):
     """Wrap the scheduler so that every plan is kept with what was running when it was made."""
     plans = []
-    schedule = llm.scheduler.schedule
+    schedule = scheduler_of(llm).schedule
 
     def wrapped(now, *args, **kwargs):
-        running = [r for r in llm.scheduler.running if r.state == RequestState.RUNNING]
+        running = [r for r in scheduler_of(llm).running if r.state == RequestState.RUNNING]
         plan = schedule(now, *args, **kwargs)
         plans.append((plan, running))
         return plan
 
-    llm.scheduler.schedule = wrapped
+    scheduler_of(llm).schedule = wrapped
     return plans
 
 
@@ -69,17 +70,17 @@ def test_budget_decodes_first_then_chunks(mode, budget):
 ], ids=["chunked-slots", "fused-slots", "chunked-paged-prefix", "chunked-bucket-steps", "prefill-first-min-16"])
 def test_nothing_compiles_after_warmup_over_200_mixed_requests(options):
     llm = LLM("tiny-llama", num_slots=4, max_seq_len=MAX_SEQ_LEN, **options)
-    assert llm.warmup() == len(llm.engine.programs())
+    assert llm.warmup() == len(engine_of(llm).programs())
     # one step per token bucket, up to the first that holds the budget: powers of two, and the
     # 1.5x sizes from the prefill floor on with token_bucket_steps=2
-    budget = llm.engine.step_tokens
+    budget = engine_of(llm).step_tokens
     sizes = [1 << i for i in range((budget - 1).bit_length() + 1)]
     if options.get("token_bucket_steps") == 2:
         sizes = sorted(sizes + [s * 3 // 2 for s in sizes if s >= options["prefill_floor"]])
         sizes = sizes[:next(i for i, s in enumerate(sizes) if s >= budget) + 1]
         assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 48]
-    sizes = [s for s in sizes if s >= llm.engine.config.smallest_step(llm.engine.platform)]
-    assert [p[1] for p in llm.engine.programs() if p[2] == 1] == sizes
+    sizes = [s for s in sizes if s >= engine_of(llm).config.smallest_step(engine_of(llm).platform)]
+    assert [p[1] for p in engine_of(llm).programs() if p[2] == 1] == sizes
     compiled = Engine.num_backend_compilations()
     rng = np.random.default_rng(2)
     prompts, params = random_requests(rng, 200)
@@ -102,8 +103,8 @@ def test_decode_only_steps_cost_the_active_rows_not_the_slots():
         llm = LLM("tiny-llama", num_slots=slots, max_seq_len=MAX_SEQ_LEN, merge_mode="chunked",
                   max_num_batched_tokens=2 * slots + 8, min_step_tokens=1)
         calls = []
-        step = llm.engine._step
-        llm.engine._step = lambda packed, steps, *sampler: calls.append((packed[0].shape, packed[1].shape)) \
+        step = engine_of(llm)._step
+        engine_of(llm)._step = lambda packed, steps, *sampler: calls.append((packed[0].shape, packed[1].shape)) \
             or step(packed, steps, *sampler)
         llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         shapes.append(calls[-1])

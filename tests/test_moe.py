@@ -20,6 +20,7 @@ from cbjax.runtime.engine import Engine
 from tests.hf_models import MOE_FAMILIES, make_hf_model, save_hf_model
 from tests.test_engine_parity import MAX_SEQ_LEN, hf_greedy, workload
 from tests.tiers import slow, sweep
+from tests.internals import scheduler_of
 
 NUM_PROMPTS = 8
 LAYOUTS = {"slots": dict(), "paged": dict(kv_cache="paged", page_size=8, num_pages=24)}
@@ -139,7 +140,7 @@ def test_what_dense_models_have_works_here_too(family_setup, name):
     llm, tokens = _generate(model, prompts, max_tokens, **options)
     assert tokens == expected
     if "num_pages" in options:
-        assert llm.scheduler.num_preemptions > 0
+        assert scheduler_of(llm).num_preemptions > 0
 
 
 def test_routing_changes_compile_nothing():

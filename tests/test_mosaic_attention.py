@@ -18,6 +18,7 @@ from pallas_kernels.ragged_paged_attention import (Launch, candidates, candidate
 from tests.test_cross_lowering import attribute, custom_calls
 from tests.test_ragged_paged_attention import MIXES, _quantized, make_batch
 from tests.tiers import slow
+from tests.internals import engine_of
 
 needs_interpreter = pytest.mark.skipif(not mosaic_kernel.interpretable(),
                                        reason="JAX < 0.11: the GPU interpreter cannot read a transposed wgmma operand")
@@ -181,7 +182,7 @@ def test_an_engine_tuned_to_the_mosaic_form_gives_the_reference_engines_tokens(t
 
     tuning.forget()
     try:
-        choices = kernel_tuning.tune_kernels(llm.engine, cache=tuning.TuningCache(tmp_path / tuning.FILE_NAME),
+        choices = kernel_tuning.tune_kernels(engine_of(llm), cache=tuning.TuningCache(tmp_path / tuning.FILE_NAME),
                                              device_kind="NVIDIA H200", timer=timer, interpret=True)
         assert choices and set(choices.values()) == {chosen}
         seen = []

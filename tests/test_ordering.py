@@ -13,6 +13,7 @@ from cbjax.request import Request, RequestState
 from cbjax.scheduling import SchedulerConfig, ordering
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_scheduler_properties import TICK, Spec, run
+from tests.internals import pages_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 
@@ -132,15 +133,15 @@ def test_high_priority_request_takes_a_full_engines_slot_within_one_round(hf_and
         llm.step()
     llm.step()
     assert llm.requests[high].slot is not None, "the high-priority request starts in the first scheduling round"
-    assert llm.scheduler.num_preemptions == 1
+    assert scheduler_of(llm).num_preemptions == 1
     victim = llm.requests[low[1]]  # equal priority: the later arrival goes
     assert victim.state == RequestState.WAITING and victim.metrics.num_preemptions == 1
     outputs.update((o.request_id, o) for o in llm.run_until_done())
     for rid, p, m in zip(low + [high], prompts, max_tokens):
         assert outputs[rid].token_ids == _hf_greedy(hf, p, m)[:m]
-    assert llm.scheduler.free_slots == [0, 1]
-    if llm.pages is not None:
-        assert llm.pages.num_free == llm.pages.num_pages and not llm.pages.tables
+    assert scheduler_of(llm).free_slots == [0, 1]
+    if pages_of(llm) is not None:
+        assert pages_of(llm).num_free == pages_of(llm).num_pages and not pages_of(llm).tables
 
     # The knob turns it off: the newcomer waits for a slot to free.
     calm = LLM(path, num_slots=2, max_seq_len=MAX_SEQ_LEN, ordering=ordering_name, priority_preemption=False,
@@ -151,7 +152,7 @@ def test_high_priority_request_takes_a_full_engines_slot_within_one_round(hf_and
         calm.step()
     late = calm.add_request(prompts[2], SamplingParams(max_tokens=8, ignore_eos=True), priority=0)
     calm.step()
-    assert calm.requests[late].slot is None and calm.scheduler.num_preemptions == 0
+    assert calm.requests[late].slot is None and scheduler_of(calm).num_preemptions == 0
 
 
 def test_in_the_simulator_shortest_first_orderings_cut_mean_latency_and_a_predictor_steers_sjf():

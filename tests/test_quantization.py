@@ -19,6 +19,7 @@ from cbjax.models import forward, quant
 from cbjax.models.kv_cache import SlotCache
 from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
 from tests.tiers import slow, sweep
+from tests.internals import engine_of, scheduler_of
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 31], [17, 4, 4, 60], [2, 40, 11, 19, 27, 33, 6, 12, 50]]
 
@@ -47,11 +48,11 @@ def test_int8_tokens_equal_the_dequantized_reference(hf_dirs, family):
     kv_cache = "paged" if sorted(FAMILIES).index(family) % 2 else "slots"
     model = load_model(hf_dirs[family])
     llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8, quantization="int8")
-    assert quant.quantization_of(llm.engine.params) == "int8"
+    assert quant.quantization_of(engine_of(llm).params) == "int8"
     from cbjax.runtime.cpu import kernels as cpu_kernels
 
-    assert (llm.engine.ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # the int8 kernel decodes
-    reference = LLM(dequantized(dataclasses.replace(model, params=llm.engine.params)), num_slots=4, max_seq_len=64,
+    assert (engine_of(llm).ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # the int8 kernel decodes
+    reference = LLM(dequantized(dataclasses.replace(model, params=engine_of(llm).params)), num_slots=4, max_seq_len=64,
                     kv_cache=kv_cache, page_size=8, cpu_kernels="off")
     assert tokens(llm) == tokens(reference)
 
@@ -126,7 +127,7 @@ def test_tensor_parallel_int8_matches_one_device():
     model = load_model("tiny-llama")
     one = LLM(model, num_slots=4, max_seq_len=64, quantization="int8", cpu_kernels="off")
     two = LLM(model, num_slots=4, max_seq_len=64, quantization="int8", tensor_parallel=2)
-    scale = two.engine.params["layers"][0]["wo"].scale  # a row-split matrix: scales split by input groups
+    scale = engine_of(two).params["layers"][0]["wo"].scale  # a row-split matrix: scales split by input groups
     assert len(scale.sharding.device_set) == 2
     assert tokens(one) == tokens(two)
 
@@ -180,11 +181,11 @@ def test_int8_kv_tokens_agree_across_layouts_and_attention(hf_dirs, family):
     for kv_cache, attention in (("slots", "reference"), ("paged", "reference"), ("paged", "pallas")):
         llm = LLM(model, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=16, attention=attention,
                   kv_cache_dtype="int8")
-        assert all(isinstance(layer, QuantizedKV) and layer.dtype == jnp.int8 for layer in llm.engine.cache.k)
+        assert all(isinstance(layer, QuantizedKV) and layer.dtype == jnp.int8 for layer in engine_of(llm).cache.k)
         runs[kv_cache, attention] = tokens(llm)
     assert len({str(r) for r in runs.values()}) == 1, runs
     fp8 = LLM(model, num_slots=4, max_seq_len=64, kv_cache_dtype="fp8")
-    assert fp8.engine.cache.v[0].dtype == jnp.float8_e4m3fn and len(tokens(fp8)) == len(PROMPTS)
+    assert engine_of(fp8).cache.v[0].dtype == jnp.float8_e4m3fn and len(tokens(fp8)) == len(PROMPTS)
 
 
 def decode_logits(llm: LLM, prompt, steps: int = 6) -> np.ndarray:
@@ -261,16 +262,16 @@ def test_kv_bytes_budget_holds_about_twice_the_bf16_sequences():
     budget = 8 * SlotCache.bytes_per_slot(config, 64, jnp.bfloat16)
     bf16 = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache_bytes=budget)
     int8 = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache_bytes=budget, kv_cache_dtype="int8")
-    assert bf16.engine.num_slots == 8 and int8.engine.num_slots == 8 * 2 * hd // (hd + 4)
+    assert engine_of(bf16).num_slots == 8 and engine_of(int8).num_slots == 8 * 2 * hd // (hd + 4)
     paged = LLM(model, dtype="bfloat16", max_seq_len=64, kv_cache="paged", page_size=16, kv_cache_bytes=budget,
                 kv_cache_dtype="int8")
-    assert paged.engine.config.num_pages == budget // SlotCache.bytes_per_slot(config, 16, jnp.int8)
-    held = sum(a.nbytes for a in jax.tree.leaves((paged.engine.cache.k, paged.engine.cache.v)))
+    assert engine_of(paged).config.num_pages == budget // SlotCache.bytes_per_slot(config, 16, jnp.int8)
+    held = sum(a.nbytes for a in jax.tree.leaves((engine_of(paged).cache.k, engine_of(paged).cache.v)))
     assert held <= budget
     # f32 weights with a float16 cache (no scales): exactly twice the f32 cache's sequences.
     f32 = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget)
     f16 = LLM("tiny-llama", max_seq_len=64, kv_cache_bytes=budget, kv_cache_dtype="float16")
-    assert f16.engine.num_slots == 2 * f32.engine.num_slots == 8
+    assert engine_of(f16).num_slots == 2 * engine_of(f32).num_slots == 8
 
 
 def test_int8_kv_pages_and_swaps_through_the_host_tier():
@@ -288,8 +289,8 @@ def test_int8_kv_pages_and_swaps_through_the_host_tier():
     llm = LLM(model, **args, host_kv_cache_bytes=1 << 22, preemption_mode="swap")
     got = [o.token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
     assert got == want
-    stats = llm.scheduler.host.stats
-    assert stats.pages_out > 0 and llm.engine.host_kv.stored_bytes == llm.scheduler.host.used
+    stats = scheduler_of(llm).host.stats
+    assert stats.pages_out > 0 and engine_of(llm).host_kv.stored_bytes == scheduler_of(llm).host.used
 
 
 def test_bad_kv_cache_dtype_settings():

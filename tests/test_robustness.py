@@ -14,6 +14,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.runtime.engine import Engine
 from tests.tiers import sweep
+from tests.internals import engine_of, pages_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 
@@ -169,7 +170,7 @@ def test_paged_decode_lookahead_never_livelocks(model, page_size, num_pages, dec
             break
     assert set(outs) == set(ids), "a request that fits the pool never finished"
     assert [outs[i].token_ids for i in ids] == [o.token_ids for o in expected]
-    assert llm.pages.num_free == num_pages
+    assert pages_of(llm).num_free == num_pages
 
 
 # 5 ---------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def test_bfloat16_serves_batched_prefills_end_to_end(kv_cache):
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     options = dict(max_seq_len=MAX_SEQ_LEN, dtype="bfloat16", kv_cache=kv_cache, page_size=8)
     batched = LLM("tiny-llama", num_slots=6, **options)
-    assert all(a.dtype == jnp.bfloat16 for a in batched.engine.cache.k)
+    assert all(a.dtype == jnp.bfloat16 for a in engine_of(batched).cache.k)
     together = batched.generate(prompts, sp, use_tqdm=False)  # prefills of 2+ prompts in one call
     alone = LLM("tiny-llama", num_slots=1, **options).generate(prompts, sp, use_tqdm=False)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in together)
@@ -206,7 +207,7 @@ def test_warmup_covers_every_program_the_configuration_reaches(model, options):
               for i, (m, t) in enumerate(zip(rng.integers(1, 20, size=60), rng.choice([0.0, 0.8], size=60)))]
     ids = [llm.add_request(p, s) for p, s in zip(prompts[:6], params)]
     llm.step()
-    llm.abort(next(r.request_id for r in llm.scheduler.running))
+    llm.abort(next(r.request_id for r in scheduler_of(llm).running))
     llm.abort(ids[-1]) if ids[-1] in llm.requests else None
     llm.run_until_done()
     llm.generate(prompts, params, use_tqdm=False)
@@ -295,9 +296,9 @@ def test_pages_filled_during_decode_serve_a_follow_up(model):
               enable_prefix_caching=True)
     (first,) = llm.generate([prompt], sp, use_tqdm=False)
     follow_up = prompt + first.token_ids + prompts_of(rng, (5,))[0]
-    hits = llm.pages.stats.hits
+    hits = pages_of(llm).stats.hits
     (second,) = llm.generate([follow_up], sp, use_tqdm=False)
     # 39 tokens were computed (prompt + answer but its last token): 4 full pages, 2 from decode.
-    assert llm.pages.stats.hits - hits == 4
+    assert pages_of(llm).stats.hits - hits == 4
     (reference,) = LLM(model, num_slots=1, max_seq_len=MAX_SEQ_LEN).generate([follow_up], sp, use_tqdm=False)
     assert second.token_ids == reference.token_ids

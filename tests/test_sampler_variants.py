@@ -18,6 +18,7 @@ from cbjax.runtime.step_programs import SamplerVariants
 from cbjax.scheduling.plan import Row
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 from tests.tiers import sweep
+from tests.internals import engine_of, scheduler_of
 
 
 def test_warmup_variants_per_platform():
@@ -88,14 +89,14 @@ def test_specialized_variants_draw_what_the_full_program_draws(layout):
     groups = [[SAMPLINGS[0]] * 4, [SAMPLINGS[0], SAMPLINGS[1]] * 2, SAMPLINGS[:4], SAMPLINGS[4:] * 2]
     kwargs = dict(num_slots=4, max_seq_len=64, max_logprobs=4, seed=0, **layout)
     reference = LLM("tiny-llama", **kwargs)
-    assert not reference.engine.samplers.specializes
+    assert not engine_of(reference).samplers.specializes
     expected = [_outputs(reference, prompts[:len(g)], g) for g in groups]
 
     llm = LLM("tiny-llama", **kwargs)
-    llm.engine.samplers.specializes = True  # as on a GPU
+    engine_of(llm).samplers.specializes = True  # as on a GPU
     first = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # ALL serves while the variants compile
-    assert llm.engine.compiled.wait() >= 4
-    variants = {key[-1] for key in llm.engine.compiled.keys()}
+    assert engine_of(llm).compiled.wait() >= 4
+    variants = {key[-1] for key in engine_of(llm).compiled.keys()}
     assert {GREEDY, Sampler.DRAW, Sampler.DRAW | Sampler.SORT, Sampler.PROCESS | Sampler.LOGPROBS} <= variants
     second = [_outputs(llm, prompts[:len(g)], g) for g in groups]  # now each call runs its own variant
     assert first == expected
@@ -113,27 +114,27 @@ def test_a_cold_cpu_engine_runs_greedy_programs_until_a_call_needs_more():
     warmed.warmup()
     cold = LLM("tiny-llama", kv_cache="paged", page_size=8, num_pages=12, preemption_mode="swap",
                host_kv_cache_bytes=1 << 24, **kwargs)
-    assert not cold.engine.samplers.specializes
+    assert not engine_of(cold).samplers.specializes
     greedy = [SamplingParams(max_tokens=30, ignore_eos=True)] * len(prompts)
     assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)
-    assert cold.scheduler.host.stats.swaps_in > 0  # swapped out and back in
-    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY}
+    assert scheduler_of(cold).host.stats.swaps_in > 0  # swapped out and back in
+    assert {key[-1] for key in engine_of(cold).compiled.keys()} == {GREEDY}
     mixed = [SAMPLINGS[0], SAMPLINGS[5], SAMPLINGS[2]]
     assert _outputs(cold, prompts[:3], mixed) == _outputs(warmed, prompts[:3], mixed)
-    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, ALL}
-    greedy_programs = [key for key in cold.engine.compiled.keys() if key[-1] == GREEDY]
+    assert {key[-1] for key in engine_of(cold).compiled.keys()} == {GREEDY, ALL}
+    greedy_programs = [key for key in engine_of(cold).compiled.keys() if key[-1] == GREEDY]
     assert _outputs(cold, prompts, greedy) == _outputs(warmed, prompts, greedy)  # ALL serves from now on
-    assert {key[-1] for key in cold.engine.compiled.keys()} == {GREEDY, ALL}
-    assert [key for key in cold.engine.compiled.keys() if key[-1] == GREEDY] == greedy_programs
-    assert {key[-1] for key in warmed.engine.compiled.keys()} == {ALL}
+    assert {key[-1] for key in engine_of(cold).compiled.keys()} == {GREEDY, ALL}
+    assert [key for key in engine_of(cold).compiled.keys() if key[-1] == GREEDY] == greedy_programs
+    assert {key[-1] for key in engine_of(warmed).compiled.keys()} == {ALL}
 
 
 def test_background_compiles_of_a_warm_engine_end():
     llm = LLM("tiny-llama", num_slots=2, max_seq_len=32, seed=0)
-    llm.engine.samplers.specializes = True  # as on a GPU
+    engine_of(llm).samplers.specializes = True  # as on a GPU
     programs = llm.warmup()
-    assert llm.engine.compiled.wait() == programs  # a greedy program for each program warm-up compiled
-    assert sum(key[-1] == GREEDY for key in llm.engine.compiled.keys()) == programs
+    assert engine_of(llm).compiled.wait() == programs  # a greedy program for each program warm-up compiled
+    assert sum(key[-1] == GREEDY for key in engine_of(llm).compiled.keys()) == programs
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
 

@@ -14,6 +14,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.runtime.device_state import FREQUENCY, PRESENCE, REPETITION, SlotState
 from cbjax.runtime.sampling import process_logits
 from tests.hf_models import make_hf_model, save_hf_model
+from tests.internals import pages_of, scheduler_of
 
 MAX_SEQ_LEN = 64
 LAYOUTS = {
@@ -202,9 +203,9 @@ def test_penalties_survive_prefix_hits_and_preemption(hf_and_dir, extra):
     got = llm.generate(prompts, sampling, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     if "num_pages" in extra:
-        assert llm.scheduler.num_preemptions > 0
+        assert scheduler_of(llm).num_preemptions > 0
     else:
-        assert llm.pages.stats.hits > 0
+        assert pages_of(llm).stats.hits > 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -217,17 +218,17 @@ def test_n_samples_share_the_prompt_and_equal_single_seeded_runs(hf_and_dir, lay
     outs, shared_counts = [], []
     while llm.has_unfinished_requests():
         outs += llm.step()
-        if llm.pages is not None and sum(r.state.value == "running" for r in llm.requests.values()) == 4:
+        if pages_of(llm) is not None and sum(r.state.value == "running" for r in llm.requests.values()) == 4:
             # The prompt's 3 full pages (24 of 26 shared tokens) are held once, by all four samples.
-            tables = [llm.pages.tables[f"r/{i}"] for i in range(4)]
+            tables = [pages_of(llm).tables[f"r/{i}"] for i in range(4)]
             assert all(t[:3] == tables[0][:3] for t in tables)
-            assert [llm.pages.ref_counts[p] for p in tables[0][:3]] == [4, 4, 4]
+            assert [pages_of(llm).ref_counts[p] for p in tables[0][:3]] == [4, 4, 4]
             # Distinct pages held: every sample's own pages, the shared three once (not four times).
             assert len({p for t in tables for p in t}) == sum(map(len, tables)) - 3 * 3
             shared_counts.append(len(tables))
-    if llm.pages is not None:
+    if pages_of(llm) is not None:
         assert shared_counts  # checked during decode
-        assert llm.pages.num_free == llm.pages.num_pages
+        assert pages_of(llm).num_free == pages_of(llm).num_pages
     finished = sorted((o for o in outs if o.finished), key=lambda o: o.index)
     assert [o.index for o in finished] == [0, 1, 2, 3] and {o.request_id for o in finished} == {"r"}
     for o in finished:
@@ -265,7 +266,7 @@ def test_abort_one_sample_or_all(hf_and_dir):
     rest = llm.abort("g")
     assert sorted(o.index for o in rest) == [0, 2]
     assert not llm.has_request("g") and not llm.has_unfinished_requests()
-    assert llm.pages.num_free == llm.pages.num_pages
+    assert pages_of(llm).num_free == pages_of(llm).num_pages
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -21,6 +21,7 @@ from cbjax.parallel.replicas import Replicas
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_engine_parity import hf_greedy
 from tests.tiers import slow, sweep
+from tests.internals import engine_of, pages_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 10
@@ -64,7 +65,7 @@ def _spec(x) -> tuple:
 
 
 def _assert_tensor_parallel_layout(llm, tp: int, kv_split: bool):
-    engine = llm.engine
+    engine = engine_of(llm)
     layers = engine.params["layers"][-1]
     devices = set(jax.devices()[:tp])
     for leaf in jax.tree.leaves(engine.params) + jax.tree.leaves(engine.cache) + jax.tree.leaves(engine.state):
@@ -93,13 +94,13 @@ def test_tensor_parallel_gqa_matches_transformers(gqa, tp, kv_cache):
     llm = LLM(model, tensor_parallel=tp, num_slots=4, max_seq_len=64, kv_cache=kv_cache, page_size=8)
     if tp == 4:  # the compile bound holds: after warm-up nothing new is traced (the cache keeps its layout)
         llm.warmup()
-    before = llm.engine.num_compilations()
+    before = engine_of(llm).num_compilations()
     assert _generate(llm, prompts) == expected
     _assert_tensor_parallel_layout(llm, tp, kv_split=tp <= 2)
     assert _generate(llm, prompts[::-1]) == expected[::-1]
     _assert_tensor_parallel_layout(llm, tp, kv_split=tp <= 2)
     if tp == 4:
-        assert llm.engine.num_compilations() == before
+        assert engine_of(llm).num_compilations() == before
 
 
 @pytest.mark.parametrize("tp", sweep([2, 4], quick={2}))
@@ -129,11 +130,11 @@ def test_replicas_match_transformers(gqa, dp, tp, routing):
                      kv_cache="paged", page_size=8, enable_prefix_caching=True)
     try:
         assert [o.token_ids for o in front.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))] == expected
-        groups = [r.engine.params["embed"].sharding.device_set for r in front.replicas]
+        groups = [engine_of(r).params["embed"].sharding.device_set for r in front.replicas]
         assert all(len(g) == tp for g in groups)
         assert len(set().union(*groups)) == dp * tp  # disjoint device groups
         for r, g in zip(front.replicas, groups):
-            assert all(leaf.sharding.device_set == g for leaf in jax.tree.leaves(r.engine.cache))
+            assert all(leaf.sharding.device_set == g for leaf in jax.tree.leaves(engine_of(r).cache))
         assert sum(front.routed) == len(prompts)
         if routing == "round_robin":
             assert front.routed == [len(prompts) // dp] * dp
@@ -157,7 +158,7 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(gqa):
             while front.has_unfinished_requests():
                 front.step()
         assert owners[0::2] == [owners[0]] * 4 and owners[1::2] == [owners[1]] * 4
-        hits = sum(r.pages.stats.hits for r in front.replicas)
+        hits = sum(pages_of(r).stats.hits for r in front.replicas)
         assert hits == 2 * 3 * 2  # each prefix's 2 full pages, found by the 3 requests after its first
         # least_loaded spreads the same requests; a bad one is refused and harms nothing
         other = Replicas(model, data_parallel=2, routing="least_loaded", num_slots=4, max_seq_len=64,
@@ -182,7 +183,7 @@ def test_pipeline_stages_match_transformers(gqa, stages, micro_batches, decode_s
     llm = LLM(model, pipeline_stages=stages, micro_batches=micro_batches, decode_steps=decode_steps, policy=policy,
               num_slots=4, max_seq_len=64, max_prefill_tokens=16 if stages == 3 else None)
     assert _generate(llm, prompts) == expected
-    engine = llm.engine
+    engine = engine_of(llm)
     bounds = stage_bounds(model.config.num_layers, stages)
     for s, device in enumerate(jax.devices()[:stages]):
         assert all(leaf.sharding.device_set == {device} for leaf in jax.tree.leaves(engine.stage_params[s]))

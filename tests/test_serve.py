@@ -31,6 +31,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.serve import Server, protocol
 from cbjax.tokenization import chat_prompt_ids
 from tests.hf_models import save_chat_model
+from tests.internals import pages_of
 
 MODEL = "tiny-chat"
 TEXT_PROMPTS = ["Hello, world!", "Continuous batching", "ünïcödé ✓ 漢字 and more", "The lazy dog"]
@@ -435,7 +436,7 @@ def paged_server(model_dir):
 def test_disconnects_free_slots_and_pages(paged_server, caplog, capfd):
     server = paged_server
     caplog.set_level(logging.INFO)
-    pages = server.llm.pages
+    pages = pages_of(server.llm)
 
     async def main():
         long = {"model": MODEL, "prompt": "Hello, world!", "max_tokens": 240, "temperature": 0, "ignore_eos": True}

@@ -25,6 +25,7 @@ from cbjax.runtime.warmup import warm_structured_output
 from cbjax.serve import Server
 from tests.hf_models import save_chat_model
 from tests.tiers import slow
+from tests.internals import engine_of
 
 MODEL = "tiny-chat"
 ANSWER_WITHIN_S = 30
@@ -316,14 +317,14 @@ def test_warmed_structured_output_programs_leave_nothing_to_compile(model_dir):
     nothing on the engine thread (a compile there stalls every stream for seconds)."""
     llm = LLM(model_dir, num_slots=4, max_seq_len=64, merge_mode="chunked")
     llm.warmup()
-    assert warm_structured_output(llm.engine) > 0
-    before = llm.engine.num_compilations()
+    assert warm_structured_output(engine_of(llm)) > 0
+    before = engine_of(llm).num_compilations()
     outs = llm.generate(["Hello", "Hi there", "A"], [
         SamplingParams(max_tokens=6, structured=StructuredOutput(regex="[a-z]{2,5}")),
         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=6, structured=StructuredOutput(choice=("yes", "no")))], use_tqdm=False)
     assert re.fullmatch("[a-z]{2,5}", outs[0].text) and outs[2].text in ("yes", "no"), outs
-    assert llm.engine.num_compilations() == before
+    assert engine_of(llm).num_compilations() == before
 
 
 def test_structured_output_programs_compiled_in_the_background_serve_the_same(model_dir):
@@ -334,15 +335,15 @@ def test_structured_output_programs_compiled_in_the_background_serve_the_same(mo
                 SamplingParams(max_tokens=6, structured=StructuredOutput(choice=("yes", "no")))]
     warmed = LLM(model_dir, num_slots=4, max_seq_len=64)
     warmed.warmup()
-    warm_structured_output(warmed.engine)
+    warm_structured_output(engine_of(warmed))
     expected = [o.token_ids for o in warmed.generate(["Hello", "A"], sampling, use_tqdm=False)]
     llm = LLM(model_dir, num_slots=4, max_seq_len=64)
     llm.warmup()
-    programs = len(llm.engine.compiled.keys())
-    assert warm_structured_output(llm.engine, background=True) > 0
+    programs = len(engine_of(llm).compiled.keys())
+    assert warm_structured_output(engine_of(llm), background=True) > 0
     outs = llm.generate(["Hello", "A"], sampling, use_tqdm=False)  # may come before the compiles end
-    assert llm.wait_for_compiles() == warm_structured_output(llm.engine, background=True)
+    assert llm.wait_for_compiles() == warm_structured_output(engine_of(llm), background=True)
     assert [o.token_ids for o in outs] == expected
-    masked = [k for k in llm.engine.compiled.keys() if len(k[0]) == 4]  # flat, ints, floats, masks
-    assert len(masked) == len(llm.engine.compiled.keys()) - programs == len(
-        [p for p in llm.engine.programs() if p[2] == 1])
+    masked = [k for k in engine_of(llm).compiled.keys() if len(k[0]) == 4]  # flat, ints, floats, masks
+    assert len(masked) == len(engine_of(llm).compiled.keys()) - programs == len(
+        [p for p in engine_of(llm).programs() if p[2] == 1])

@@ -17,6 +17,7 @@ from cbjax.simulator import ACCELERATORS, MODEL_SHAPES, CalibratedCost, Call, Ro
 from cbjax.simulator.hardware import gemm_inner_dim, kv_bytes_per_token, matmul_params, weight_bytes
 from cbjax.simulator.profile import profile_rounds
 from cbjax.workload import LengthDist, synthetic
+from tests.internals import engine_of, scheduler_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,7 @@ def test_the_simulated_engine_answers_as_the_device_does(name):
     # only the fused and chunked modes make).
     assert "mixed" in kinds if "mixed" in name else kinds == {"prefill", "decode"}
     if "preempting" in name:
-        assert llm.scheduler.num_preemptions > 0
+        assert scheduler_of(llm).num_preemptions > 0
     assert not llm.requests
 
 
@@ -66,8 +67,8 @@ def test_a_simulated_llm_schedules_like_the_real_one(options):
     assert [len(o.token_ids) for o in sim_out] == [len(o.token_ids) for o in real_out]
     assert [o.finish_reason for o in sim_out] == [o.finish_reason for o in real_out]
     assert sim.stats.rounds == real.stats.rounds and sim.stats.decode_steps == real.stats.decode_steps
-    assert sim.scheduler.num_preemptions == real.scheduler.num_preemptions
-    assert sim.clock() == pytest.approx(sim.engine.busy_s) and sim.clock() > 0
+    assert scheduler_of(sim).num_preemptions == scheduler_of(real).num_preemptions
+    assert sim.clock() == pytest.approx(engine_of(sim).busy_s) and sim.clock() > 0
 
 
 def test_simulated_time_jumps_over_idle_gaps():

@@ -16,6 +16,7 @@ from cbjax.simulator.hardware import LINKS, gemm_inner_dim, kv_bytes_per_token, 
 from cbjax.simulator.published import FIT_PARAMETERS, fit, load, simulate
 from cbjax.workload import LengthDist, synthetic
 from tests.tiers import slow
+from tests.internals import engine_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PUBLISHED = os.path.join(ROOT, "configs", "published_gpu_measurements.json")
@@ -39,7 +40,7 @@ def test_tensor_parallel_splits_the_work_and_pays_two_all_reduces_per_layer():
         RooflineCost(h100, LLAMA70, tensor_parallel=3)
     llm = LLM("llama2-70b", simulate="h100", tensor_parallel=8, dtype="bfloat16", num_slots=2, max_seq_len=64)
     out = llm.generate([[5] * 8], use_tqdm=False)[0]
-    assert out.finish_reason == "length" and llm.core.engine.cost.tensor_parallel == 8
+    assert out.finish_reason == "length" and engine_of(llm).cost.tensor_parallel == 8
 
 
 def test_eight_bit_weights_halve_the_bytes_and_fp8_doubles_the_peak_where_the_part_has_it():

@@ -12,6 +12,7 @@ from cbjax import LLM, SamplingParams
 from cbjax.request import Request
 from cbjax.scheduling.speculation import AdaptiveLength, NgramProposer, expected_tokens, may_speculate
 from tests.tiers import sweep
+from tests.internals import engine_of, scheduler_of
 
 MODEL = "tiny-llama"
 
@@ -58,7 +59,7 @@ def run(sampling, speculate: str = "none", scripted=None, model: str = MODEL, **
               speculative_method=speculate, num_speculative_tokens=kwargs.pop("num_speculative_tokens", 4),
               speculative_length="fixed", **kwargs)
     if scripted is not None:
-        llm.core.speculator.proposer = scripted(llm)
+        scheduler_of(llm).speculator.proposer = scripted(llm)
     outs = llm.generate(prompts(), sampling, use_tqdm=False)
     return llm, outs
 
@@ -82,7 +83,7 @@ def test_verified_tokens_equal_decoding_whatever_is_proposed(kv_cache, merge_mod
         assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]
         llm, scripted = run(sampling, "ngram", scripted=lambda llm: ScriptedProposer(reference, 256), **kw)
         assert [o.token_ids for o in scripted] == [o.token_ids for o in plain]
-        spec = llm.core.speculator
+        spec = scheduler_of(llm).speculator
         assert spec.proposed > spec.accepted > 0  # both paths were taken
         assert sum(o.metrics.num_draft_tokens for o in scripted) == spec.proposed
         assert sum(o.metrics.num_accepted_tokens for o in scripted) == spec.accepted
@@ -102,9 +103,9 @@ def test_accepted_proposals_save_steps_and_the_cache_ends_consistent():
 
     llm, spec = run(greedy, "ngram", scripted=lambda llm: Oracle(reference, 256))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert llm.core.speculator.accepted == llm.core.speculator.proposed > 0
+    assert scheduler_of(llm).speculator.accepted == scheduler_of(llm).speculator.proposed > 0
     assert llm.core.stats.decode_steps < plain_llm.core.stats.decode_steps / 3
-    llm.core.speculator.proposer = NgramProposer()
+    scheduler_of(llm).speculator.proposer = NgramProposer()
     again = llm.generate(prompts(1), greedy, use_tqdm=False)
     assert [o.token_ids for o in again] == [o.token_ids for o in plain_llm.generate(prompts(1), greedy,
                                                                                      use_tqdm=False)]
@@ -132,7 +133,7 @@ def test_penalised_and_constrained_requests_do_not_speculate():
     _, plain = run(penalised)
     llm, spec = run(penalised, "ngram", scripted=lambda llm: ScriptedProposer({}, 256))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert llm.core.speculator.proposed == 0
+    assert scheduler_of(llm).speculator.proposed == 0
     r = Request("a", [1, 2], SamplingParams(max_tokens=4, presence_penalty=0.5), 0.0)
     assert not may_speculate(r)
 
@@ -240,7 +241,7 @@ def test_warm_up_compiles_the_verify_programs():
     llm = LLM(MODEL, max_seq_len=96, num_slots=4, speculative_method="ngram", num_speculative_tokens=3,
               speculative_length="fixed")
     llm.warmup()
-    assert any(kind == "verify" for kind, _, _ in llm.engine.programs())
+    assert any(kind == "verify" for kind, _, _ in engine_of(llm).programs())
     traced = sum(TRACE_COUNTS.values())
     llm.generate(prompts(2), SamplingParams(max_tokens=20), use_tqdm=False)
     assert llm.load().spec_draft_tokens > 0
@@ -265,10 +266,10 @@ def test_every_family_speculates_token_exact(family):
         assert [o.token_ids for o in ngram] == expected, layout
         llm, scripted = run(greedy, "ngram", scripted=lambda llm: ScriptedProposer(reference, 500), **kw)
         assert [o.token_ids for o in scripted] == expected, layout
-        assert llm.core.speculator.proposed > llm.core.speculator.accepted > 0
+        assert scheduler_of(llm).speculator.proposed > scheduler_of(llm).speculator.accepted > 0
     llm, itself = run(greedy, "draft", speculative_model=family, **kw)
     assert [o.token_ids for o in itself] == expected
-    spec = llm.core.speculator
+    spec = scheduler_of(llm).speculator
     assert spec.accepted == spec.proposed > 0
 
 
@@ -280,7 +281,7 @@ def test_a_second_model_drafts_for_the_target(merge_mode):
         _, plain = run(sampling, merge_mode=merge_mode)
         llm, drafted = run(sampling, "draft", speculative_model="tiny-mistral", merge_mode=merge_mode)
         assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
-        assert llm.core.speculator.proposed > 0
+        assert scheduler_of(llm).speculator.proposed > 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused():
@@ -309,13 +310,13 @@ def test_priority_preemption_of_speculating_requests(case):
     prompts, max_tokens, priorities = workload(512)
     expected, _ = staggered(LLM(MODEL, **options), prompts, max_tokens, priorities)
     llm = LLM(MODEL, speculative_method="ngram", num_speculative_tokens=3, speculative_length="fixed", **options)
-    llm.core.speculator.proposer = ScriptedProposer(
+    scheduler_of(llm).speculator.proposer = ScriptedProposer(
         {tuple(p): e for p, e in zip(prompts, expected)}, 512)
     outputs, _ = staggered(llm, prompts, max_tokens, priorities)
     assert outputs == expected
     assert llm.load().spec_accepted_tokens > 0 and llm.load().num_preemptions > 0
     if "swap" in case:
-        assert llm.scheduler.host.stats.swaps_out > 0
+        assert scheduler_of(llm).host.stats.swaps_out > 0
     assert_drained(llm)
 
 

@@ -119,9 +119,9 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         from cbjax.core.draft import draft_proposer
 
         draft = draft_proposer(args.speculative_model, model, args, num_slots)
-    core.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
-                                      args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
-                                      draft=draft)
+    scheduler.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
+                                           args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
+                                           draft=draft)
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 

@@ -31,6 +31,7 @@ import jax
 from cbjax.core.builder import build_core
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
+from cbjax.core.engine_queries import EngineQueries
 from cbjax.core.step_stats import Load
 from cbjax.core.step_stats import StepStats
 from cbjax.loading import Model, load_model
@@ -47,7 +48,7 @@ class TransferStats:
     seconds: float = 0.0  # simulated transfer time, summed over moves
 
 
-class DisaggregatedCore:
+class DisaggregatedCore(EngineQueries):
     def __init__(self, prefill: list[EngineCore], decode: list[EngineCore], clock: Callable[[], float],
                  simulated: bool = False, transfer_seconds: Callable[[int], float] | None = None,
                  kv_bytes_per_token: int = 0, parallel_step: bool = True):
@@ -58,14 +59,14 @@ class DisaggregatedCore:
         self.transfer_seconds = transfer_seconds
         self.kv_bytes_per_token = kv_bytes_per_token
         self.transfers = TransferStats()
-        self._overlap = [d.overlap for d in decode]
+        self._overlap = [d.executor.overlap for d in decode]
         self.owner: dict[str, EngineCore] = {}  # live request id -> the instance holding it
         self._stalled: set[int] = set()  # cores whose last round ran nothing (ids): run again on a change
         self._idle = False
         many = parallel_step and not simulated and len(self.cores) > 1
         self._pool = ThreadPoolExecutor(len(self.cores)) if many else None
 
-    # What `LLM` reads of a core: the first prefill instance's.
+    # The engine, scheduler and page pool it answers about (`EngineQueries`): the first prefill instance's.
     engine = property(lambda self: self.prefill[0].engine)
     scheduler = property(lambda self: self.prefill[0].scheduler)
     pages = property(lambda self: self.prefill[0].pages)
@@ -91,7 +92,7 @@ class DisaggregatedCore:
         for c in self.cores:
             c.stats = StepStats()
 
-    def engine_swapped(self, engine):
+    def engine_swapped(self, wrap):
         raise ValueError("the shadowed profiler runs one colocated engine, not a disaggregated front")
 
     # ------------------------------------------------------------ requests
@@ -174,7 +175,7 @@ class DisaggregatedCore:
         # to move in, decode instances do not run ahead, so the next round can take them.
         waiting_moves = any(p.scheduler.prefilled() for p in self.prefill)
         for d, overlap in zip(self.decode, self._overlap):
-            d.overlap = overlap and not waiting_moves
+            d.executor.overlap = overlap and not waiting_moves
         if self.simulated:  # the earliest lane: instances overlap in simulated time
             lanes = [min(lanes, key=lambda c: c.clock())]
         results = list(self._pool.map(EngineCore.run_round, lanes)) if self._pool else [c.run_round() for c in lanes]

@@ -16,11 +16,11 @@ import contextlib
 import time
 from typing import Callable
 
+from cbjax.core.engine_queries import EngineQueries
 from cbjax.core.executor import Executor
 from cbjax.core.step_stats import Load, StepStats
 from cbjax.request import Request, SamplingParams
 from cbjax.scheduling import BlockManager, Plan, RoundResult, Scheduler
-from cbjax.scheduling.speculation import Speculator
 
 
 def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: SamplingParams) -> None:
@@ -51,7 +51,7 @@ def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: 
                              f"{pages.num_pages}: it could never fit")
 
 
-class EngineCore:
+class EngineCore(EngineQueries):
     def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float],
                  overlap: bool = False):
         self.scheduler = scheduler
@@ -76,15 +76,6 @@ class EngineCore:
         self.executor.stats = stats
 
     @property
-    def overlap(self) -> bool:
-        """Whether a decode call may be dispatched before the one in flight is recorded."""
-        return self.executor.overlap
-
-    @overlap.setter
-    def overlap(self, overlap: bool) -> None:
-        self.executor.overlap = overlap
-
-    @property
     def arrivals_pending(self) -> Callable[[], bool] | None:
         """Whether requests have arrived that the front has not handed in yet (a server's queue);
         None: the front hands requests in only between rounds (offline generate, replay)."""
@@ -93,15 +84,6 @@ class EngineCore:
     @arrivals_pending.setter
     def arrivals_pending(self, pending: Callable[[], bool] | None) -> None:
         self.executor.arrivals_pending = pending
-
-    @property
-    def speculator(self) -> Speculator | None:
-        """Speculative decoding's proposer and length policy (the scheduler's), or None."""
-        return self.scheduler.speculator
-
-    @speculator.setter
-    def speculator(self, speculator: Speculator | None) -> None:
-        self.scheduler.speculator = speculator
 
     # ------------------------------------------------------------ requests
     def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
@@ -128,7 +110,8 @@ class EngineCore:
     def warmup(self) -> int:
         """Compile every program this configuration can reach (the step per token bucket, the
         host tier's moves)."""
-        count = self.engine.warmup() + (self.speculator.warmup() if self.speculator is not None else 0)
+        speculator = self.scheduler.speculator
+        count = self.engine.warmup() + (speculator.warmup() if speculator is not None else 0)
         host, host_kv = self.scheduler.host, self.engine.host_kv
         if host is not None and host_kv is not None:
             swap = self.scheduler.config.preemption_mode == "swap"
@@ -140,12 +123,13 @@ class EngineCore:
     in_flight = property(lambda self: self.executor.ahead is not None)
 
     def load(self) -> Load:
-        return Load.of(self.scheduler, self.pages, self.speculator, self.stats.expert_tokens)
+        return Load.of(self.scheduler, self.pages, self.scheduler.speculator, self.stats.expert_tokens)
 
     @contextlib.contextmanager
-    def engine_swapped(self, engine):
-        """Run rounds on another engine over the same state (the profiler's shadowed one)."""
-        real, self.executor.engine = self.executor.engine, engine
+    def engine_swapped(self, wrap: Callable):
+        """Run rounds on `wrap(engine)` over the same state (the profiler's shadowed engine)."""
+        real = self.executor.engine
+        engine = self.executor.engine = wrap(real)
         try:
             yield engine
         finally:

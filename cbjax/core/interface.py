@@ -1,23 +1,23 @@
 """What an engine core offers the front door (`LLM`), the server's loop and the simulator's
 profiler: the contract `EngineCore` and `DisaggregatedCore` keep (tests/test_contracts.py
-checks each). A core runs one scheduling round at a time over the requests handed to it.
+checks each). A core runs one scheduling round at a time over the requests handed to it. It
+hands out no engine, scheduler or page pool: what a front or a study reads of them comes
+from its methods and its read-only `snapshot()`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
+from cbjax.core.snapshot import Snapshot
 from cbjax.core.step_stats import StepStats
 from cbjax.request import Request, SamplingParams
-from cbjax.runtime.interface import StepEngine
+from cbjax.runtime.interface import EngineInfo, StepEngine
 
 
 @runtime_checkable
 class Core(Protocol):
     clock: Callable[[], float]
-    engine: StepEngine  # the engine its rounds run on (a disaggregated core: its first prefill instance's)
-    scheduler: Any  # the `Scheduler` that plans them (likewise)
-    pages: Any  # the paged cache's `BlockManager`, or None
     stats: StepStats  # since the start or the last reset: where a round's time went
     # Prompt token ids -> expected output tokens, for the length-aware orderings; None: max_tokens only.
     predict_len: Callable[[list[int]], int] | None
@@ -54,5 +54,22 @@ class Core(Protocol):
     def run_round(self) -> list[Request]:
         """One scheduling round; returns the requests it touched (got tokens or finished)."""
 
-    def engine_swapped(self, engine: StepEngine) -> ContextManager:
-        """Run rounds on another engine over the same state (the profiler's shadowed one)."""
+    def engine_swapped(self, wrap: Callable[[StepEngine], StepEngine]) -> ContextManager:
+        """Run rounds on `wrap(engine)` over the same state (the profiler's shadowed engine)."""
+
+    def info(self) -> EngineInfo:
+        """The configuration of the engine its rounds run on (a disaggregated core: its first
+        prefill instance's), as a front reports it."""
+
+    def wait_for_compiles(self) -> int:
+        """Block until the programs compiling in the background are ready; how many there were."""
+
+    def warm_structured_output(self, background: bool = False) -> int:
+        """Compile the programs structured-output requests run; how many (0 where none)."""
+
+    def prompt_scorer(self, ids: list[int], k: int | None) -> Any:
+        """The scorer that computes a prompt's logprobs a chunk at a time (`PromptScorer`)."""
+
+    def snapshot(self) -> Snapshot:
+        """A read-only copy of what it holds: the page pool, the host tier, the call log,
+        the compile counts, the speculation counters."""

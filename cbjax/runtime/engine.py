@@ -153,6 +153,8 @@ class Engine(EngineBase):
     supports_structured_output = True  # its step applies structured-output masks
     takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
     host_kv: HostKV | None = None  # the KV cache's host tier (swapped-out sequences, prefix pages)
+    host_s = 0.0  # seconds of KV moves over the host link, where they are simulated
+    call_log: Sequence = ()  # rounds of stage calls, where a pipeline logs them (runtime/pipeline.py)
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel

@@ -47,9 +47,14 @@ class StepEngine(Protocol):
     config: Any  # its `EngineConfig`
     max_len: int
     host_kv: Any  # the KV cache's host tier's data and moves (`HostKV`), or None
+    host_s: float  # seconds of KV moves over the host link, where they are simulated (0 elsewhere)
 
     @property
     def num_slots(self) -> int: ...
+
+    @property
+    def call_log(self) -> Sequence:
+        """A pipeline's rounds of stage calls, in dispatch order (empty elsewhere)."""
 
     def info(self) -> EngineInfo: ...
 

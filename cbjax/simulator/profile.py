@@ -69,7 +69,7 @@ def profile_rounds(llm, workload, check: bool = True) -> list[tuple[list[Call], 
     """Run `workload` (`(prompt, sampling)` pairs, all queued at once) on `llm`'s real,
     warmed-up engine; returns each round's calls and wall seconds."""
     core = llm.core
-    with core.engine_swapped(ShadowedEngine(core.engine, check)) as shadowed:
+    with core.engine_swapped(lambda engine: ShadowedEngine(engine, check)) as shadowed:
         for prompt, sampling in workload:
             llm.add_request(prompt, sampling)
         core.drain(True)
@@ -89,9 +89,40 @@ def profile_rounds(llm, workload, check: bool = True) -> list[tuple[list[Call], 
     return rounds
 
 
-def measure_host_copy(engine, num_pages: int = 64, repeats: int = 5) -> float:
-    """Bytes per second a paged engine moves between its cache and the host tier: `num_pages`
-    pages out and back in (one batch each way), the best of `repeats` round trips."""
+@contextlib.contextmanager
+def engine_lent(llm):
+    """The engine behind `llm`'s core, lent for a study of the engine itself through the core's
+    contract (`Core.engine_swapped`): no round runs on it meanwhile but the study's own."""
+    with llm.core.engine_swapped(lambda engine: engine) as engine:
+        yield engine
+
+
+def measure_host_copy(llm, num_pages: int = 64, repeats: int = 5) -> float:
+    """Bytes per second `llm`'s paged engine moves between its cache and the host tier:
+    `num_pages` pages out and back in (one batch each way), the best of `repeats` round trips."""
+    with engine_lent(llm) as engine:
+        return _host_copy(engine, num_pages, repeats)
+
+
+def timed_swap(llm, request_id: str) -> tuple[float, float]:
+    """Seconds to swap a running request's cached KV out to the host tier and back into its
+    slot (`llm` paged, with a host tier), each waited for on the device."""
+    from cbjax.scheduling.host_tier import KVOp
+
+    snapshot = llm.snapshot()
+    slot, pages = snapshot.slots.index(request_id), snapshot.page_tables[request_id]
+    length = llm.requests[request_id].num_tokens - 1
+    with engine_lent(llm) as engine:
+        t0 = time.perf_counter()
+        engine.move_kv([KVOp("seq_out", "probe", slot=slot, length=length, pages=pages)])
+        jax.block_until_ready(engine.host_kv.sequences["probe"])
+        t1 = time.perf_counter()
+        engine.move_kv([KVOp("seq_in", "probe", slot=slot, pages=pages)])
+        jax.block_until_ready(engine.cache)
+        return t1 - t0, time.perf_counter() - t1
+
+
+def _host_copy(engine, num_pages: int, repeats: int) -> float:
     from cbjax.scheduling.host_tier import KVOp
 
     pages = min(num_pages, engine.config.num_pages)
@@ -117,7 +148,7 @@ def recorded_rounds(llm, check: bool = False):
     core = llm.core
     rounds: list[tuple[list[Call], float]] = []
     run_round = core.run_round
-    with core.engine_swapped(ShadowedEngine(core.engine, check)) as shadowed:
+    with core.engine_swapped(lambda engine: ShadowedEngine(engine, check)) as shadowed:
         def timed_round():
             t0 = time.perf_counter()
             touched = run_round()
@@ -170,7 +201,7 @@ def measure_host_costs(shape: str = "llama3-8b", slot_counts=(8, 32, 128), reque
             llm.add_request(w.prompt, w.sampling)
         core = llm.core
         while core.has_unfinished():
-            running = sum(r is not None for r in core.scheduler.slots)
+            running = core.load().running
             t0 = time.perf_counter()
             core.run_round()
             seconds.append(time.perf_counter() - t0)

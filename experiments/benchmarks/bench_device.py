@@ -82,7 +82,7 @@ def decode_8b(copy_GBps: float, deadline: float) -> dict:
             skipped.append(name)
             continue
         kv_cache, attention = name.split("/")
-        llm, _, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
+        llm, startup = build_engine(model, kv_cache, attention, max(batches()), max_seq_len)
         row = {"engine": name, "attention_run": llm.engine_info.attention, "startup_s": startup,
                "fused": llm.engine_info.fused_projections,
                "kernel_launches": tuned_launches(llm), "steps": decode_steps(llm, model, copy_GBps)}
@@ -125,7 +125,7 @@ def step_135m(copy_GBps: float) -> list[dict]:
     for steps_a_call, fuse in ((1, "auto"), (4, "auto"), (1, "other")):
         if fuse == "other":
             fuse = "off" if rows[0]["fused"] else "on"
-        llm, _, startup = build_engine(model, "slots", "auto", slots, budget(prompt_len, warm, timed, steps_a_call),
+        llm, startup = build_engine(model, "slots", "auto", slots, budget(prompt_len, warm, timed, steps_a_call),
                                        decode_steps=steps_a_call, fuse_projections=fuse)
         ms = decode_ms(llm, slots, prompt_len, warm, timed)
         rows.append({"decode_steps": steps_a_call, "slots": slots, "ms": ms, "startup_s": startup,

@@ -53,27 +53,29 @@ def decode_rounds(llm, prompts, sampling) -> tuple[float, int, list[list[int]], 
             1000 * outputs_s / rounds)
 
 
-def device_busy(engine, calls: int) -> float:
+def device_busy(llm, calls: int) -> float:
     """The same decode calls dispatched back to back, synced once: seconds of device work.
     (Finished slots are inactive, but the step computes every slot all the same.)"""
     import jax
 
     from cbjax.scheduling.plan import Row
+    from cbjax.simulator import profile
 
-    jax.block_until_ready(engine.state)  # anything still in flight from the last run
-    decodes = [Row(s, [], 0) for s in range(engine.num_slots)]
-    t0 = time.perf_counter()
-    out = None
-    for i in range(calls):
-        out = engine.run(decodes)
-    jax.block_until_ready(out)
-    return time.perf_counter() - t0
+    with profile.engine_lent(llm) as engine:
+        jax.block_until_ready(engine.state)  # anything still in flight from the last run
+        decodes = [Row(s, [], 0) for s in range(engine.num_slots)]
+        t0 = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = engine.run(decodes)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
 
 
 def measure(model, n: int) -> dict:
     import numpy as np
 
-    from cbjax import SamplingParams
+    from cbjax import LLM, SamplingParams
 
     rng = np.random.default_rng(n)
     vocab = model.config.vocab_size
@@ -82,12 +84,12 @@ def measure(model, n: int) -> dict:
     max_seq_len = FLAGS.prompt_len + FLAGS.new_tokens + 16
     row, tokens = {"sequences": n}, {}
     for overlap in (False, True):
-        llm, core = common.llm_over_core(model, num_slots=n, max_seq_len=max_seq_len, overlap=overlap)
+        llm = LLM(model, num_slots=n, max_seq_len=max_seq_len, overlap=overlap)
         decode_rounds(llm, prompts, sampling)  # compiles every bucket
         runs = []
         for _ in range(FLAGS.repeats):
             seconds, rounds, tokens[overlap], host_ms, outputs_ms = decode_rounds(llm, prompts, sampling)
-            busy = device_busy(core.engine, rounds)
+            busy = device_busy(llm, rounds)
             runs.append((seconds, busy, rounds, host_ms, outputs_ms))
         seconds, busy, rounds, host_ms, outputs_ms = sorted(runs)[len(runs) // 2]
         key = "on" if overlap else "off"

@@ -194,18 +194,6 @@ def release_programs() -> None:
     jax.clear_caches()
 
 
-def llm_over_core(model, simulate=None, **engine_args):
-    """An `LLM` over a core built here, and that core: a study of the engine itself reads it
-    through the core's own surface (`Core`, cbjax/core/interface.py: its engine, scheduler),
-    never through the `LLM`."""
-    from cbjax import LLM, EngineArgs
-    from cbjax.core import build_core
-
-    args = EngineArgs(**engine_args)
-    model, core = build_core(model, args, simulate=simulate)
-    return LLM(model, args, core=core), core
-
-
 def seconds_per_decode_step(llm, vocab: int, rows: int, prompt_len: int, steps: int, repeats: int, rng) -> float:
     """The best of `repeats` measurements of `steps` decode steps with `rows` sequences of
     `prompt_len` random tokens decoding in `llm` (each measurement's requests run to the end)."""

@@ -105,17 +105,18 @@ def budget(prompt_len: int, warm: int, timed: int, decode_steps: int) -> int:
 
 
 def build_engine(model, kv_cache: str, attention: str, num_slots: int, max_seq_len: int, **options):
-    """An `LLM` warmed up, its core (`common.llm_over_core`) and the seconds that took."""
+    """An `LLM` warmed up, and the seconds that took."""
     if FLAGS.tiny:  # fewer programs to compile
         options.setdefault("max_step_tokens", 32)
     options.setdefault("kernel_tuning", FLAGS.kernel_tuning)
     options.setdefault("fuse_projections", FLAGS.fuse_projections)
     t0 = time.perf_counter()
-    llm, core = common.llm_over_core(model, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache=kv_cache,
-                                     attention=attention, **options)
+    from cbjax import LLM
+
+    llm = LLM(model, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache=kv_cache, attention=attention, **options)
     llm.warmup()
     llm.wait_for_compiles()  # the timed steps run the programs they will run for good
-    return llm, core, time.perf_counter() - t0
+    return llm, time.perf_counter() - t0
 
 
 def roofline_ms(model, batch: int, context: int, copy_GBps: float) -> float:

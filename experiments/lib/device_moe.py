@@ -43,7 +43,7 @@ def moe_decode(copy_GBps: float, tiny: bool) -> dict:
         itemsize = activation_dtype(model.params).itemsize
         weights = sum(a.nbytes for a in jax.tree.leaves(model.params))
         expert_bytes = sum(a.nbytes for p in model.params["layers"] for n, a in p.items() if n.startswith("moe_w_"))
-        llm, _, startup = build_engine(model, "paged", "auto", max(batches()), budget(prompt_len, warm, timed, 1))
+        llm, startup = build_engine(model, "paged", "auto", max(batches()), budget(prompt_len, warm, timed, 1))
         rows = {}
         for batch in batches():
             ms = decode_ms(llm, batch, prompt_len, warm, timed)

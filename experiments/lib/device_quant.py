@@ -162,6 +162,7 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
     import jax
 
     from cbjax.models import quant
+    from cbjax.simulator import profile
 
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     max_seq_len = budget(*decode_shape(), 1)
@@ -174,10 +175,10 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
         if refusal:
             rows.append({"engine": label, "refused": refusal})
             continue
-        llm, core, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
-                                          quantized_matmul=matmul, **options,
-                                          max_step_tokens=256 if not FLAGS.tiny else 32)
-        quantized = dataclasses.replace(model, params=core.engine.params)
+        llm, startup = build_engine(model, "slots", "auto", max(batches()), max_seq_len, quantization=mode,
+                                    quantized_matmul=matmul, **options, max_step_tokens=256 if not FLAGS.tiny else 32)
+        with profile.engine_lent(llm) as engine:  # the quantized weights the engine holds
+            quantized = dataclasses.replace(model, params=engine.params)
         row = {"engine": label, "startup_s": startup, "weights_GB": quant.weight_bytes(quantized.params) / 1e9,
                "ops": llm.engine_info.ops, "steps": decode_steps(llm, quantized, copy_GBps)}
         if rows and "steps" in rows[0]:  # the first row is the baseline

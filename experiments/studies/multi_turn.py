@@ -19,6 +19,7 @@ import os
 from absl import app, flags
 
 from experiments.lib import common
+from cbjax import LLM
 from cbjax.core import engine_args
 from cbjax.core.engine_args import EngineArgs
 from cbjax.simulator.cost_model import CalibratedCost
@@ -105,13 +106,13 @@ def profiled_cost(model, args: EngineArgs):
     from cbjax.simulator import profile
     from cbjax.workload import LengthDist, synthetic
 
-    llm, core = common.llm_over_core(model, **dataclasses.asdict(args))
+    llm = LLM(model, **dataclasses.asdict(args))
     llm.warmup()
     work = synthetic(FLAGS.calibration_requests, prompt_len=LengthDist("uniform", low=16, high=FLAGS.max_seq_len // 2),
                      output_len=LengthDist("uniform", low=1, high=FLAGS.output_cap), vocab_size=model.config.vocab_size,
                      seed=FLAGS.seed + 1)
     rounds = profile.profile_rounds(llm, [(w.prompt, w.sampling) for w in work])
-    info = {"host_copy_bytes_per_s": profile.measure_host_copy(core.engine), "rounds": len(rounds)}
+    info = {"host_copy_bytes_per_s": profile.measure_host_copy(llm), "rounds": len(rounds)}
     cost = profile.calibrate(rounds, info)
     print(f"calibrated on {len(rounds)} rounds (median error {cost.info['fit']['median_abs_rel_error']:.1%}); "
           f"host copies {info['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
@@ -125,7 +126,7 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
 
     from cbjax.simulator import profile
 
-    llm, core = common.llm_over_core(model, simulate=simulate, **dataclasses.asdict(args))
+    llm = LLM(model, simulate=simulate, **dataclasses.asdict(args))
     llm.warmup()
     rounds = []
     if simulate:
@@ -133,15 +134,16 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
     else:  # shadowed (no decode call runs ahead), its rounds recorded for a calibration
         with profile.recorded_rounds(llm) as rounds:
             result = common.measure_replay(llm, workload, desc=label)
-        result["host_copy"] = profile.measure_host_copy(core.engine)
+        result["host_copy"] = profile.measure_host_copy(llm)
     stats, load = llm.stats, llm.load()
     result.update(prefill_tokens=stats.prefill_tokens, prompt_tokens=sum(len(w.prompt) for w in workload),
                   device_hit_rate=load.prefix_hit_rate, host_hit_rate=load.prefix_host_hit_rate,
                   device_hits=load.prefix_hits, host_hits=load.prefix_host_hits, num_preemptions=load.num_preemptions)
-    if core.scheduler.host is not None:
-        result["host"] = dataclasses.asdict(core.scheduler.host.stats)
+    snapshot = llm.snapshot()
+    if snapshot.host is not None:
+        result["host"] = dataclasses.asdict(snapshot.host)
     if simulate:
-        result["host_link_s"] = core.engine.host_s
+        result["host_link_s"] = snapshot.host_link_s
     for key in ("e2el_s", "scheduling_delay_s"):
         result.pop(key, None)
     del llm

@@ -103,6 +103,7 @@ def main(argv):
 
     expose_host_devices(FLAGS.host_devices)
 
+    from cbjax import LLM
     from cbjax.loading import load_model
     from cbjax.runtime.pipeline import bubble_fraction
 
@@ -117,19 +118,19 @@ def main(argv):
         for steps in map(int, FLAGS.decode_steps):
             for micro in map(int, FLAGS.micro_batches):
                 slots = FLAGS.num_slots if FLAGS.slots_per_micro_batch is None else micro * FLAGS.slots_per_micro_batch
-                llm, core = common.llm_over_core(model, pipeline_stages=FLAGS.stages, micro_batches=micro,
-                                                 decode_steps=steps, policy=policy, num_slots=slots,
-                                                 max_seq_len=FLAGS.max_seq_len)
+                llm = LLM(model, pipeline_stages=FLAGS.stages, micro_batches=micro, decode_steps=steps,
+                          policy=policy, num_slots=slots, max_seq_len=FLAGS.max_seq_len)
                 llm.generate(prompts, params, use_tqdm=False)  # compiles
-                core.engine.call_log = []
+                compiled = len(llm.snapshot().call_log)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, desc=f"{policy} steps={steps} micro={micro}")
                 wall = time.perf_counter() - t0
-                replay = bubble_fraction(core.engine.call_log, price, FLAGS.stages)
+                call_log = llm.snapshot().call_log[compiled:]  # the timed run's rounds
+                replay = bubble_fraction(call_log, price, FLAGS.stages)
                 tokens = sum(len(o.token_ids) for o in outs)
-                decode_calls = sum(c.kind == "decode" for r in core.engine.call_log for c in r)
+                decode_calls = sum(c.kind == "decode" for r in call_log for c in r)
                 runs.append({"policy": policy, "decode_steps": steps, "micro_batches": micro, "num_slots": slots,
-                             "rounds": len(core.engine.call_log), "stage_calls": decode_calls,
+                             "rounds": len(call_log), "stage_calls": decode_calls,
                              "bubble_fraction": replay["bubble_fraction"], "replayed_s": replay["makespan_s"],
                              "replayed_tok_s": tokens / replay["makespan_s"], "cpu_wall_s": wall,
                              "output_tokens": tokens})

@@ -41,17 +41,16 @@ common.validate_list("sim_seq_lens", int, 2, "sequence lengths >= 2")
 def measure(page_size: int, lengths: list[int]) -> dict[int, dict]:
     """This machine: per length, the best time of a swap out, a swap in, and a recompute
     (the same number of tokens prefilled, prefix caching off)."""
-    import jax
     import numpy as np
 
-    from cbjax import SamplingParams
-    from cbjax.scheduling.host_tier import KVOp
+    from cbjax import LLM, SamplingParams
+    from cbjax.simulator import profile
 
     max_len = -(-(max(lengths) + 16) // page_size) * page_size
-    llm, core = common.llm_over_core(FLAGS.model, num_slots=2, max_seq_len=max_len, dtype=FLAGS.dtype, kv_cache="paged",
-                                     page_size=page_size, preemption_mode="swap", host_kv_cache_bytes=1 << 34)
+    llm = LLM(FLAGS.model, num_slots=2, max_seq_len=max_len, dtype=FLAGS.dtype, kv_cache="paged", page_size=page_size,
+              preemption_mode="swap", host_kv_cache_bytes=1 << 34)
     llm.warmup()
-    engine, rng, out = core.engine, np.random.default_rng(page_size), {}
+    rng, out = np.random.default_rng(page_size), {}
     vocab = llm.model.config.vocab_size
     for length in lengths:
         swap_out, swap_in, recompute = [], [], []
@@ -62,17 +61,9 @@ def measure(page_size: int, lengths: list[int]) -> dict[int, dict]:
             recompute.append(time.perf_counter() - t0)
             rid = llm.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
             llm.step()  # prefilled, its first token sampled: `length` positions cached
-            r = core.scheduler.running[0]
-            pages = tuple(core.pages.table(r.request_id))
-            t0 = time.perf_counter()
-            engine.move_kv([KVOp("seq_out", "probe", slot=r.slot, length=r.num_tokens - 1, pages=pages)])
-            jax.block_until_ready(engine.host_kv.sequences["probe"])
-            t1 = time.perf_counter()
-            engine.move_kv([KVOp("seq_in", "probe", slot=r.slot, pages=pages)])
-            jax.block_until_ready(engine.cache)
-            t2 = time.perf_counter()
-            swap_out.append(t1 - t0)
-            swap_in.append(t2 - t1)
+            seconds_out, seconds_in = profile.timed_swap(llm, rid)
+            swap_out.append(seconds_out)
+            swap_in.append(seconds_in)
             llm.abort(rid)
             llm.step()
         out[length] = {"swap_out_s": min(swap_out[1:]), "swap_in_s": min(swap_in[1:]),
