@@ -25,8 +25,8 @@ LAYERS = [
     ("core", ["cbjax.core"]),
     ("front door", ["cbjax.llm", "cbjax.front"]),
     ("parallel", ["cbjax.parallel"]),
+    ("package face", ["cbjax", "cbjax.experimental"]),
     ("serve", ["cbjax.serve"]),
-    ("package face", ["cbjax"]),
 ]
 
 

@@ -13,8 +13,7 @@ import time
 
 from absl import app, flags
 
-from cbjax.serve import flags as engine_flags
-from cbjax.serve.flags import define_engine_flags, engine_args
+from cbjax.experimental import define_engine_flags, engine_args_from_flags as engine_args, engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face directory, .gguf file or orbax directory.")
@@ -82,7 +81,8 @@ def engine_layout(llm, args) -> str:
 
 def main(argv):
     del argv
-    from cbjax import LLM, compile_cache
+    from cbjax import LLM
+    from cbjax.experimental import compile_cache
     from cbjax.serve import Server
 
     if FLAGS.host_devices:  # read when JAX's CPU backend starts, which nothing has asked for yet
@@ -98,7 +98,7 @@ def main(argv):
     try:
         args = engine_args(seed=FLAGS.seed)
         if FLAGS.replicas > 1:
-            from cbjax.parallel.replicas import Replicas
+            from cbjax import Replicas
 
             llm = Replicas(FLAGS.model, data_parallel=FLAGS.replicas, tensor_parallel=args.tensor_parallel,
                            dtype=args.dtype, routing=FLAGS.routing, affinity_tokens=FLAGS.affinity_tokens, args=args)

@@ -21,7 +21,7 @@ import traceback
 
 from aiohttp import web
 
-from cbjax.front import Front
+from cbjax import Front
 from cbjax.serve import protocol, responses
 from cbjax.serve.admission import Admission
 from cbjax.serve.choices import Choices

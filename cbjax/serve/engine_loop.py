@@ -19,10 +19,8 @@ import time
 import traceback
 from typing import Callable
 
-from cbjax.core import Load
-from cbjax.front import Front, Prompt
-from cbjax.request import RequestOutput, SamplingParams
-from cbjax.runtime.prompt_logprobs import LARGE_CHUNK, SMALL_CHUNK
+from cbjax import Front, Load, Prompt, RequestOutput, SamplingParams
+from cbjax.experimental import LARGE_CHUNK, SMALL_CHUNK
 
 Sink = Callable[[RequestOutput], None]
 SCORING_SHARE = 0.2  # of the engine's time, for prompt logprobs while requests are running

@@ -16,7 +16,7 @@ import functools
 import json
 import math
 
-from cbjax.request import SamplingParams
+from cbjax import SamplingParams
 from cbjax.serve import tools as tool_calls
 from cbjax.serve.errors import APIError, bad, check_keys, utf8 as _utf8  # noqa: F401 (APIError re-exported)
 from cbjax.serve.structured import STRUCTURED_FIELDS, structured_output

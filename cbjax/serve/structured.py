@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from cbjax.request import StructuredOutput
+from cbjax import StructuredOutput
 from cbjax.serve.errors import bad, check_keys
 
 STRUCTURED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

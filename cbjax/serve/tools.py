@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 
-from cbjax.request import StructuredOutput
+from cbjax import StructuredOutput
 from cbjax.serve.errors import bad, check_keys, utf8
 from cbjax.serve.structured import check_schema
 

@@ -76,7 +76,7 @@ def matvec_bandwidth(matrix, kernel: bool = False) -> float:
     import jax.numpy as jnp
     import numpy as np
 
-    from cbjax.runtime.cpu import kernels as cpu_kernels
+    from cbjax.experimental import kernels as cpu_kernels
 
     x = jnp.ones((1, matrix.shape[1]), matrix.dtype)
     f = jax.jit(cpu_kernels.matmul_nt if kernel else lambda x, m: jnp.einsum("bd,vd->bv", x, m))
@@ -98,7 +98,7 @@ class Decoder:
     def __init__(self, model, batch: int, max_seq_len: int, cpu_kernels: str, decode_steps: int = 1):
         import numpy as np
 
-        from cbjax.runtime.engine import Engine, EngineConfig
+        from cbjax.experimental import Engine, EngineConfig
 
         self.model, self.batch, self.decode_steps = model, batch, decode_steps
         self.engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
@@ -114,9 +114,8 @@ class Decoder:
         import jax
         import numpy as np
 
-        from cbjax.request import SamplingParams
-        from cbjax.runtime.step import split_logprobs
-        from cbjax.scheduling.plan import Row
+        from cbjax import SamplingParams
+        from cbjax.experimental import Row, split_logprobs
 
         engine, batch = self.engine, self.batch
         sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
@@ -233,21 +232,20 @@ def main(argv):
     del argv
     import jax
 
-    from cbjax.loading.load import load_model
-    from cbjax.loading.presets import smollm2_gguf_path
+    from cbjax.experimental import load_model, smollm2_gguf_path
 
     batches = [int(b) for b in FLAGS.batch_sizes]
     gguf = smollm2_gguf_path() if FLAGS.model == "smollm2-135m" else FLAGS.model
-    from cbjax.models import quant
+    from cbjax.experimental import quant
 
     model = load_model(FLAGS.model, dtype="float32", keep_gguf_blocks=FLAGS.quantization == "gguf")
     if FLAGS.quantization == "int8":
-        from cbjax.core.builder import quantized
+        from cbjax.experimental import quantized
 
         model = quantized(model, "int8", jax.devices()[0])
     weight_bytes = quant.weight_bytes(model.params)
     max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
-    from cbjax.runtime.cpu import kernels as cpu_kernels
+    from cbjax.experimental import kernels as cpu_kernels
 
     # The roofline's bandwidth: one matvec over a matrix as large as all the weights (a decode
     # step streams them all), the faster of XLA's and the CPU kernel's. The embedding alone

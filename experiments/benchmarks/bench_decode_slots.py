@@ -17,7 +17,7 @@ import os
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-random", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -47,8 +47,7 @@ def time_decode(model, num_slots: int, merge_mode: str) -> float:
 
 def main(argv):
     del argv
-    from cbjax.loading import load_model
-    from cbjax.metrics import write_json
+    from cbjax.experimental import load_model, write_json
 
     model = load_model(FLAGS.model, with_tokenizer=False)
     slot_counts = [int(s) for s in FLAGS.slots]

@@ -114,7 +114,7 @@ def profiled_decode(llm, batch: int, prompt_len: int, warm: int, timed: int) -> 
 def step_135m(copy_GBps: float) -> list[dict]:
     import dataclasses
 
-    from cbjax.loading.presets import RANDOM_PRESETS
+    from cbjax.experimental import RANDOM_PRESETS
 
     shape = dataclasses.asdict(RANDOM_PRESETS["smollm2-135m-random"])
     model = device_model(shape if not FLAGS.tiny else TINY, seed=1)
@@ -326,7 +326,7 @@ def main(argv):
         return peer_main(FLAGS.peer_only)
     from tqdm.auto import tqdm
 
-    from cbjax.metrics import write_json
+    from cbjax.experimental import write_json
 
     start = time.perf_counter()
     deadline = start + FLAGS.budget_s

@@ -22,7 +22,7 @@ from experiments.lib import common  # noqa: F401  (quiets transformers and matpl
 from absl import app, flags
 
 from experiments.lib.hf_peers import configure_torch, continuous_generate_batch
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("shape", "small", ["tiny", "small", "smollm2"],
@@ -111,7 +111,7 @@ def main(argv):
     del argv
     import jax
 
-    from cbjax.loading import load_hf_dir
+    from cbjax.experimental import load_hf_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         configure_torch()

@@ -33,9 +33,8 @@ def layer_fn(config):
     """One layer over `x [N, 1, hidden]` at positions `pos [N]` (tokens see each other causally)."""
     import jax.numpy as jnp
 
-    from cbjax.models.attention import attention_part, merge_parts, visible
-    from cbjax.models.layers import dense, mlp, norm, rope_inv_freq, rope_tables
-    from cbjax.models.transformer import qkv_projections
+    from cbjax.experimental import attention_part, dense, merge_parts, mlp, norm, rope_inv_freq, rope_tables, visible
+    from cbjax.experimental import qkv_projections
 
     inv_freq = rope_inv_freq(config)
 
@@ -75,8 +74,7 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    from cbjax import compile_cache
-    from cbjax.loading.presets import load_preset
+    from cbjax.experimental import compile_cache, load_preset
 
     compile_cache.enable("off")  # compile times are the point: nothing read back
     model = load_preset(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)

@@ -63,8 +63,7 @@ def main(argv):
     del argv
     from tqdm import tqdm
 
-    from cbjax.metrics import write_json
-    from cbjax.simulator.hardware import weight_bytes
+    from cbjax.experimental import weight_bytes, write_json
 
     batches = sorted(int(b) for b in FLAGS.batches)
     rows, sizes = {}, {}

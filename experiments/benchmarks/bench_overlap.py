@@ -58,8 +58,7 @@ def device_busy(llm, calls: int) -> float:
     (Finished slots are inactive, but the step computes every slot all the same.)"""
     import jax
 
-    from cbjax.scheduling.plan import Row
-    from cbjax.simulator import profile
+    from cbjax.experimental import profile, Row
 
     with profile.engine_lent(llm) as engine:
         jax.block_until_ready(engine.state)  # anything still in flight from the last run
@@ -105,7 +104,7 @@ def measure(model, n: int) -> dict:
 
 def main(argv):
     del argv
-    from cbjax.loading import load_model
+    from cbjax.experimental import load_model
 
     model = load_model(FLAGS.model, dtype="float32")
     rows = []

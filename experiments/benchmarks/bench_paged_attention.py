@@ -135,7 +135,7 @@ def main(argv):
     import jax
     from tqdm.auto import tqdm
 
-    from cbjax.metrics import write_json
+    from cbjax.experimental import write_json
 
     if jax.default_backend() == "cpu" and not FLAGS.interpret:
         raise app.UsageError("the Pallas kernels need a GPU or TPU; on a CPU pass --interpret (a smoke test)")

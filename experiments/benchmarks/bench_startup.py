@@ -21,8 +21,7 @@ import tempfile
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.serve import flags as engine_flags
-from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+from cbjax.experimental import define_engine_flags, engine_argv, engine_options, engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")

@@ -28,8 +28,7 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.serve import flags as engine_flags
-from cbjax.serve.flags import define_engine_flags, engine_argv, engine_options
+from cbjax.experimental import define_engine_flags, engine_argv, engine_options, engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -88,8 +87,7 @@ def main(argv):
     del argv
     import jsonschema
 
-    from cbjax.metrics import write_json
-    from cbjax.workload import random_json_schema
+    from cbjax.experimental import random_json_schema, write_json
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     rng = random.Random(FLAGS.schema_seed)

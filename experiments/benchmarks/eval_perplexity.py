@@ -13,7 +13,7 @@ import time
 from experiments.lib import common  # noqa: F401  (quiets transformers and matplotlib)
 
 from absl import app, flags
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory "
@@ -33,7 +33,7 @@ def transformers_nlls(peer, token_ids, window) -> list[tuple[float, int]]:
     """(summed NLL, predicted tokens) per window, as `cbjax.perplexity.window_nlls`."""
     import torch
 
-    from cbjax.perplexity import windows
+    from cbjax.experimental import windows
 
     out = []
     for w in windows(token_ids, window):
@@ -70,15 +70,13 @@ def main(argv):
     import jax
     import numpy as np
 
-    from cbjax.loading import is_orbax_dir, load_model
-    from cbjax.metrics import write_json
-    from cbjax.perplexity import window_nlls
+    from cbjax.experimental import is_orbax_dir, load_model, window_nlls, write_json
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, keep_gguf_blocks=FLAGS.quantization == "gguf")
     # transformers' side stays unquantized: the difference is the quantization's
     if FLAGS.quantization not in ("none", "gguf"):
-        from cbjax.core.builder import quantized
+        from cbjax.experimental import quantized
 
         model = quantized(model, FLAGS.quantization, jax.devices()[0])
     if model.tokenizer is None:
@@ -86,8 +84,7 @@ def main(argv):
     with open(FLAGS.text) as f:
         text = f.read()
     ids = [int(t) for t in model.tokenizer(text)["input_ids"]]
-    from cbjax.models.kv_cache import kv_storage_dtype
-    from cbjax.models.quant import activation_dtype
+    from cbjax.experimental import activation_dtype, kv_storage_dtype
 
     chunk = FLAGS.score_chunk if FLAGS.score_chunk is not None else int(FLAGS.kv_cache_dtype != "auto")
     kv_dtype = kv_storage_dtype(FLAGS.kv_cache_dtype, activation_dtype(model.params))

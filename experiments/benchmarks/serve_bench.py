@@ -33,8 +33,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.serve import flags as engine_flags
-from cbjax.serve.flags import define_engine_flags, engine_args, engine_argv, engine_options
+from cbjax.experimental import engine_flags
+from cbjax.experimental import define_engine_flags, engine_args_from_flags as engine_args, engine_argv, engine_options
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -75,7 +75,7 @@ async def run_load(url: str, model_name: str, workload, desc: str):
     import openai
     from tqdm.auto import tqdm
 
-    from cbjax.metrics import RequestTimes
+    from cbjax.experimental import RequestTimes
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="cbjax", max_retries=0, timeout=3600)
     bar = tqdm(total=len(workload), desc=desc, unit="req")
@@ -121,7 +121,7 @@ def median_runs(runs: list[dict]) -> dict:
 
 def load_runs(sides: list[tuple[str, str, str]], workloads: list, qps: float) -> dict[str, dict]:
     """Repeat r runs `workloads[r]` on each `(side, url, model name)`, in ABBA order."""
-    from cbjax.metrics import summarize
+    from cbjax.experimental import summarize
 
     runs: dict[str, list[dict]] = {side: [] for side, _, _ in sides}
     for r, workload in enumerate(workloads):
@@ -142,8 +142,7 @@ def load_runs(sides: list[tuple[str, str, str]], workloads: list, qps: float) ->
 def main(argv):
     del argv
     from cbjax import LLM
-    from cbjax.loading import load_model
-    from cbjax.metrics import write_json
+    from cbjax.experimental import load_model, write_json
 
     start = time.perf_counter()
     os.makedirs(FLAGS.output_dir, exist_ok=True)

@@ -21,7 +21,7 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny-llama", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -67,8 +67,7 @@ def main(argv):
     from tqdm.auto import tqdm
 
     from cbjax import LLM, SamplingParams
-    from cbjax.runtime.engine import Engine
-    from cbjax.metrics import write_json
+    from cbjax.experimental import Engine, write_json
 
     start = time.perf_counter()
     llm = LLM(FLAGS.model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,

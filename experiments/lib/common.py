@@ -39,7 +39,7 @@ flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cac
 
 
 def _enable_compilation_cache() -> None:
-    from cbjax import compile_cache
+    from cbjax.experimental import compile_cache
 
     compile_cache.enable(FLAGS.compilation_cache)
 
@@ -108,7 +108,7 @@ def define_workload_flags(prompt_low=16, prompt_high=64, output_mean=64.0, outpu
 
 
 def trace_ok(value) -> bool:
-    from cbjax.traces import TRACES
+    from cbjax.experimental import TRACES
 
     return value == "sharegpt" or value in TRACES or os.path.isfile(value)
 
@@ -118,7 +118,7 @@ def simulate_ok(value) -> bool:
         return True
     if value.endswith(".json"):
         return os.path.isfile(value)
-    from cbjax.simulator.hardware import ACCELERATORS
+    from cbjax.experimental import ACCELERATORS
 
     return value.lower() in ACCELERATORS
 
@@ -142,10 +142,10 @@ def wants_tokenizer() -> bool:
 def load_model(name: str, dtype: str, with_tokenizer: bool = False):
     """The model to run, or under --simulate the one to simulate (a shape needs no weights)."""
     if "simulate" in FLAGS and FLAGS.simulate:
-        from cbjax.simulator import model_for_simulation
+        from cbjax.experimental import model_for_simulation
 
         return model_for_simulation(name, dtype)
-    from cbjax.loading import load_model as load
+    from cbjax.experimental import load_model as load
 
     return load(name, dtype=dtype, with_tokenizer=with_tokenizer)
 
@@ -227,7 +227,7 @@ HELD_OUT_FILE = "held_out.json"
 def held_out_trace(predictor: str) -> tuple[list[dict], list[float]]:
     """The prompt/length pairs a length predictor (a directory or a shipped one's name) held
     out, and its predictions of them."""
-    from cbjax.shipped_predictors import predictor_dir  # here: importing cbjax costs a --help
+    from cbjax.experimental import predictor_dir
 
     root = predictor_dir(predictor)
     with open(os.path.join(root, HELD_OUT_FILE)) as f:
@@ -246,7 +246,7 @@ def predicted_lengths(predictor_dir: str):
 
 def make_workload(model, arrival: str, qps: float = 1.0, seed: int | None = None):
     """The workload the flags describe; `seed` (default --seed) draws its prompts and arrivals."""
-    from cbjax.workload import LengthDist, chat, recorded_lengths, synthetic
+    from cbjax.experimental import LengthDist, chat, recorded_lengths, synthetic
 
     seed = FLAGS.seed if seed is None else seed
     kind = arrival
@@ -283,7 +283,7 @@ def recorded_workload(model, n: int, *, max_len: int | None, max_output_len: int
     """`--workload=sharegpt` or a request trace (define_trace_flags): at most `n` requests,
     arrivals `arrival` ("all_at_once", or the trace's own / Poisson-gamma at `qps` for ShareGPT),
     lengths capped at `max_output_len` and `max_len`."""
-    from cbjax.traces import sharegpt_workload, trace_workload
+    from cbjax.experimental import sharegpt_workload, trace_workload
 
     burstiness = FLAGS.burstiness if "burstiness" in FLAGS else 1.0
     if FLAGS.workload == "sharegpt":
@@ -315,8 +315,7 @@ def measure_replay(llm, workload, slo=None, desc: str | None = None, concurrency
     `concurrency`, from a closed-loop client with that many requests in flight); serving
     metrics, and each request's scheduling delay (arrival to first prefill chunk, None if
     never scheduled) in arrival order."""
-    from cbjax.runtime.engine import Engine
-    from cbjax.metrics import summarize_outputs
+    from cbjax.experimental import Engine, summarize_outputs
 
     compiled = Engine.num_backend_compilations()
     t0 = time.perf_counter()

@@ -53,9 +53,7 @@ def timed_ms(fn, *args, reps: int = 10) -> float:
 def device_model(shape: dict, seed: int = 0):
     import jax.numpy as jnp
 
-    from cbjax.config import ModelConfig
-    from cbjax.loading.model import Model
-    from cbjax.models.params import init_params_on_device
+    from cbjax.experimental import init_params_on_device, Model, ModelConfig
 
     config = ModelConfig(**shape)
     dtype = jnp.bfloat16 if not FLAGS.tiny or _accelerator() else jnp.float32
@@ -125,7 +123,7 @@ def roofline_ms(model, batch: int, context: int, copy_GBps: float) -> float:
 
     c = model.config
     weights = sum(a.nbytes for a in jax.tree.leaves(model.params))
-    from cbjax.models.quant import activation_dtype
+    from cbjax.experimental import activation_dtype
 
     itemsize = activation_dtype(model.params).itemsize
     kv = batch * context * 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
@@ -154,7 +152,7 @@ def tuned_launches(llm) -> list[dict]:
     (seconds by candidate, or the error it raised), read from the tuning cache."""
     import jax
 
-    from cbjax.runtime.kernel_tuning import default_cache
+    from cbjax.experimental import default_cache
 
     cache, kind = default_cache(), jax.devices()[0].device_kind
     return [{"kernel": kernel, "shape": list(shape), "choice": choice,

@@ -29,7 +29,7 @@ def moe_decode(copy_GBps: float, tiny: bool) -> dict:
     """The section's rows: per model (moe, dense of its active parameters), per batch."""
     import jax
 
-    from cbjax.models.quant import activation_dtype
+    from cbjax.experimental import activation_dtype
 
     moe_shape = TINY_MOE if tiny else MIXTRAL_LAYERS
     dense_shape = dict({k: v for k, v in moe_shape.items() if k not in ("num_experts", "num_experts_per_tok",

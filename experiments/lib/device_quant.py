@@ -49,7 +49,7 @@ def _quantized(ws: list) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from cbjax.models import quant
+    from cbjax.experimental import quant
 
     out = {}
     for mode in ("int8", "fp8"):
@@ -66,7 +66,7 @@ def _matmul_forms(ws: list, quantized: dict, rows: int) -> dict:
     their `_quantized` forms."""
     import jax.numpy as jnp
 
-    from cbjax.models import quant
+    from cbjax.experimental import quant
     from pallas_kernels.decode_matmul import Launch, candidates, decode_matmul
 
     def chain(product):
@@ -161,8 +161,7 @@ def _quant_engines(copy_GBps: float, deadline: float) -> dict:
 
     import jax
 
-    from cbjax.models import quant
-    from cbjax.simulator import profile
+    from cbjax.experimental import profile, quant
 
     model = device_model(LLAMA3_8B if not FLAGS.tiny else TINY)
     max_seq_len = budget(*decode_shape(), 1)

@@ -50,7 +50,7 @@ def peer_cache_config(prompts: list[list[int]], budgets: list[int], max_batch: i
 def load_peer(spec: str):
     """A transformers model for a GGUF file, a Hugging Face directory or the smollm2 preset;
     None for random-init presets (no transformers twin: PyTorch, slow to import, is not even imported)."""
-    from cbjax.loading.presets import PRESETS, smollm2_gguf_path
+    from cbjax.experimental import PRESETS, smollm2_gguf_path
 
     if spec == "smollm2-135m":
         spec = smollm2_gguf_path()

@@ -28,7 +28,7 @@ def define_flags(flags) -> None:
 def configs(flag_values, names=("moe", "dense_active", "dense_all")) -> list:
     """(name, ModelConfig) of `names`: `moe` (the experts), `dense_active` (one MLP as wide as the
     experts a token uses: the same active parameters), `dense_all` (as wide as every expert)."""
-    from cbjax.config import ModelConfig
+    from cbjax.experimental import ModelConfig
 
     f = flag_values
     heads = max(1, f.hidden // 64)
@@ -49,8 +49,7 @@ def seconds_per_step(config, batches: list[int], prompt_len: int, steps: int, re
     import numpy as np
 
     from cbjax import LLM
-    from cbjax.loading import Model
-    from cbjax.models.params import init_params
+    from cbjax.experimental import init_params, Model
 
     model = Model(config, init_params(config, seed=0), None, source=f"moe_models:{config.model_type}")
     most = max(batches)

@@ -17,8 +17,7 @@ def refit(sources: dict, rows) -> None:
     """Fit each accelerator's efficiencies, with the engine parameters each source names in
     its "fit" list, on the accelerator's `fit` rows; print them for hardware.py and the
     measurements file."""
-    from cbjax.simulator.hardware import ACCELERATORS
-    from cbjax.simulator.published import FIT_PARAMETERS, fit
+    from cbjax.experimental import ACCELERATORS, FIT_PARAMETERS, fit_published as fit
 
     for name in sorted({m.accelerator for m in rows if m.role == "fit"}):
         mine = [m for m in rows if m.role == "fit" and m.accelerator == name]
@@ -35,7 +34,7 @@ def refit(sources: dict, rows) -> None:
 
 def memory_used(m) -> float:
     """Weights and the peak KV cache of measurement `m` over its devices' memory."""
-    from cbjax.simulator.hardware import ACCELERATORS, DTYPE_BYTES, MODEL_SHAPES, kv_bytes_per_token, weight_bytes
+    from cbjax.experimental import ACCELERATORS, DTYPE_BYTES, MODEL_SHAPES, kv_bytes_per_token, weight_bytes
 
     config, device = MODEL_SHAPES[m.model], ACCELERATORS[m.accelerator]
     sequences = m.batch if m.mode == "static" else m.concurrency
@@ -50,9 +49,7 @@ def run(path: str, refit_first: bool, output_dir: str) -> None:
     import matplotlib.pyplot as plt
     from tqdm.auto import tqdm
 
-    from cbjax.metrics import write_json
-    from cbjax.simulator.hardware import ACCELERATORS
-    from cbjax.simulator.published import load, simulate
+    from cbjax.experimental import ACCELERATORS, load_published as load, simulate_published as simulate, write_json
 
     start = time.perf_counter()
     sources, rows = load(path)

@@ -13,8 +13,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 KNOBS = {  # knob -> (LLM keyword, parse)
@@ -48,7 +48,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     from cbjax import LLM
-    from cbjax.metrics import write_json
+    from cbjax.experimental import write_json
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())

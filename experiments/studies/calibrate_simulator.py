@@ -17,7 +17,7 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -59,14 +59,11 @@ def main(argv):
     from tqdm.auto import tqdm
 
     from cbjax import LLM
-    from cbjax.loading import load_model
-    from cbjax.metrics import machine_info
-    from cbjax.simulator.profile import calibrate, profile_rounds
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import calibrate, LengthDist, load_model, machine_info, profile_rounds, synthetic
 
     start = time.perf_counter()
     if FLAGS.host_costs:
-        from cbjax.simulator.profile import measure_host_costs
+        from cbjax.experimental import measure_host_costs
 
         host = measure_host_costs()
         print(f"this engine's host, per round: {1e6 * host['call_overhead_s']:.0f} us + "

@@ -22,8 +22,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory "
@@ -177,7 +177,7 @@ def plot(results: dict, slo_ms: float, path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.metrics import find_capacity, write_json
+    from cbjax.experimental import find_capacity, write_json
 
     start = time.perf_counter()
     if FLAGS["workload"].present:

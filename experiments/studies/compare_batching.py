@@ -30,9 +30,9 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
-from cbjax.models.kv_cache import KV_DTYPES
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
+from cbjax.experimental import KV_DTYPES
 from experiments.lib.hf_peers import load_peer
 
 FLAGS = flags.FLAGS
@@ -135,9 +135,7 @@ def run_column(model, max_gen: int, peer) -> dict:
     from tqdm.auto import tqdm
 
     from cbjax import LLM
-    from cbjax.runtime.engine import Engine
-    from cbjax.models.kv_cache import SlotCache, kv_storage_dtype
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import Engine, kv_storage_dtype, LengthDist, SlotCache, synthetic
 
     max_seq_len = FLAGS.prompt_len + max_gen
     dtype = FLAGS.dtype
@@ -266,7 +264,7 @@ def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int
     import numpy as np
     from tqdm.auto import tqdm
 
-    from cbjax.simulator.profile import profile_rounds
+    from cbjax.experimental import profile_rounds
 
     with tqdm(total=1, desc=f"static gen<={max_gen} profiled") as bar:
         rounds = profile_rounds(static_llm, list(zip(prompts, samplings)))
@@ -367,7 +365,7 @@ def plot(columns: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.metrics import write_json
+    from cbjax.experimental import write_json
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())

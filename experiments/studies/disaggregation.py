@@ -83,8 +83,7 @@ def configurations(n: int) -> list[tuple[str, dict]]:
 
 
 def build(model, options: dict, devices):
-    from cbjax import LLM
-    from cbjax.parallel.replicas import Replicas
+    from cbjax import LLM, Replicas
 
     simulate = FLAGS.simulate or None
     common_options = dict(num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, dtype="bfloat16",
@@ -99,7 +98,7 @@ def build(model, options: dict, devices):
 
 
 def workload(vocab_size: int, rate: float):
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import LengthDist, synthetic
 
     return synthetic(FLAGS.num_requests, prompt_len=LengthDist("uniform", low=FLAGS.prompt_low, high=FLAGS.prompt_high),
                      output_len=LengthDist("uniform", low=FLAGS.output_low, high=FLAGS.output_high),
@@ -107,7 +106,7 @@ def workload(vocab_size: int, rate: float):
 
 
 def attainment(outputs, ttft_ms: float, tpot_ms: float) -> float:
-    from cbjax.metrics import SLO, RequestTimes
+    from cbjax.experimental import RequestTimes, SLO
 
     slo = SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
     times = [RequestTimes.from_output(o) for o in outputs if o.finish_reason in ("stop", "length")]
@@ -127,12 +126,12 @@ def goodput(points: list[tuple[float, float]], target: float) -> float:
 def main(argv):
     del argv
     if not FLAGS.simulate:
-        from cbjax.parallel.distributed import expose_host_devices
+        from cbjax.experimental import expose_host_devices
 
         expose_host_devices(FLAGS.host_devices)
     import jax
 
-    from cbjax.metrics import machine_info, summarize_outputs
+    from cbjax.experimental import machine_info, summarize_outputs
 
     slos = parse_slos(FLAGS.slos)
     model = common.load_model(FLAGS.model, "bfloat16")

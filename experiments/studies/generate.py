@@ -12,7 +12,7 @@ import time
 from experiments.lib import common  # noqa: F401  (quiets transformers and matplotlib)
 
 from absl import app, flags
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, Hugging Face directory, .gguf file or orbax directory.")
@@ -43,8 +43,7 @@ flags.DEFINE_integer("local_device_count", None, "CPU only: host devices this pr
 def main(argv):
     del argv
     from cbjax import LLM, SamplingParams
-    from cbjax.parallel import distributed
-    from cbjax.tokenization import chat_prompt_ids
+    from cbjax.experimental import chat_prompt_ids, distributed
 
     if FLAGS.coordinator_address or FLAGS.num_processes:
         distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,

@@ -15,8 +15,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -60,7 +60,7 @@ def layout_options(model, policy: str, mean_len: float) -> dict:
     """The slot cache sized by --num_slots or --kv_cache_bytes; the paged row gets the same
     memory, with as many sequences as fit at the workload's mean length (prompt + output),
     and prefix caching if asked."""
-    from cbjax.models.kv_cache import SlotCache
+    from cbjax.experimental import SlotCache
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
     budget = FLAGS.kv_cache_bytes or FLAGS.num_slots * FLAGS.max_seq_len * per_token
@@ -78,7 +78,7 @@ def layout_options(model, policy: str, mean_len: float) -> dict:
 def main(argv):
     del argv
     from cbjax import LLM
-    from cbjax.metrics import SLO, write_json
+    from cbjax.experimental import SLO, write_json
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=common.wants_tokenizer())

@@ -20,8 +20,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 common.define_simulate_flag()
@@ -69,8 +69,7 @@ def workload(vocab: int):
 
 def run(model, items, mode: str, budget: int | None) -> dict:
     from cbjax import LLM
-    from cbjax.runtime.engine import Engine
-    from cbjax.metrics import summarize_outputs
+    from cbjax.experimental import Engine, summarize_outputs
 
     common.release_programs()
     llm = LLM(model, num_slots=FLAGS.num_slots, max_seq_len=FLAGS.max_seq_len, kv_cache=FLAGS.kv_cache,
@@ -115,7 +114,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.metrics import write_json
+    from cbjax.experimental import write_json
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype)

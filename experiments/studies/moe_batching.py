@@ -62,7 +62,7 @@ PUBLISHED = ("Baseten, 'Faster Mixtral inference with TensorRT-LLM and quantizat
 
 def published_line() -> str:
     """The published figure beside the simulator's for the same setting."""
-    from cbjax.simulator import Call, load_cost_model, model_for_simulation
+    from cbjax.experimental import Call, load_cost_model, model_for_simulation
 
     source, tokens_per_s, ttft_ms = PUBLISHED
     cost = load_cost_model("a100-80gb", model_for_simulation("mixtral-8x7b").config, 1, 1, "int8")
@@ -100,7 +100,7 @@ def gain_line(name: str, dense: str, falls: tuple, last: int) -> str:
 
 def decode_curve(shape: str, accelerator: str, weight_dtype: str, batches: list[int], expert_parallel: int = 1):
     """{B: simulated seconds per decode step} and the cost model, at --context tokens a sequence."""
-    from cbjax.simulator import Call, load_cost_model, model_for_simulation
+    from cbjax.experimental import Call, load_cost_model, model_for_simulation
 
     config = model_for_simulation(shape).config
     cost = load_cost_model(accelerator, config, 2, 1, weight_dtype, None, expert_parallel)
@@ -122,10 +122,8 @@ def table(title: str, curves: dict, batches: list[int], extra: dict | None = Non
 def run_policies(shape: str, accelerator: str, weight_dtype: str) -> dict:
     """tokens/s of static and continuous batching at equal KV memory, per output cap (simulated)."""
     from cbjax import LLM
-    from cbjax.models.kv_cache import SlotCache
-    from cbjax.simulator import ACCELERATORS, model_for_simulation
-    from cbjax.simulator.hardware import DTYPE_BYTES, weight_bytes
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import ACCELERATORS, DTYPE_BYTES, model_for_simulation, SlotCache, weight_bytes
+    from cbjax.experimental import LengthDist, synthetic
 
     model = model_for_simulation(shape)
     budget = ACCELERATORS[accelerator].kv_budget(weight_bytes(model.config, DTYPE_BYTES[weight_dtype]))
@@ -150,7 +148,7 @@ def main(argv):
     del argv
     from tqdm import tqdm
 
-    from cbjax.runtime.expert_parallel import link_bytes_per_layer
+    from cbjax.experimental import link_bytes_per_layer
 
     lines, record = [], {"published": published_line()}
     curves_for_plot = {}

@@ -20,9 +20,9 @@ from absl import app, flags
 
 from experiments.lib import common
 from cbjax import LLM
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
-from cbjax.simulator.cost_model import CalibratedCost
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
+from cbjax.experimental import CalibratedCost
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -58,7 +58,7 @@ common.validate_list("rows", lambda r: 0 if r in ("none", "device", "device+host
 
 
 def make_workload(model):
-    from cbjax import traces
+    from cbjax.experimental import traces
 
     vocab = model.config.vocab_size
     if FLAGS.workload == "sharegpt_multi_turn":
@@ -75,7 +75,7 @@ def page_reuse(workload, page_size: int) -> dict:
     """The prompts' distinct full pages (the working set), their total, and the pages an
     unbounded prefix cache could skip (leading pages an earlier prompt had; never a page holding
     a prompt's last token, which is always computed)."""
-    from cbjax.scheduling.block_manager import BlockManager
+    from cbjax.experimental import BlockManager
 
     keys = BlockManager(1, page_size)._keys
     seen, total, reusable = set(), 0, 0
@@ -103,8 +103,7 @@ def profiled_cost(model, args: EngineArgs):
     bandwidth of its host-tier copies."""
     import dataclasses
 
-    from cbjax.simulator import profile
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import LengthDist, profile, synthetic
 
     llm = LLM(model, **dataclasses.asdict(args))
     llm.warmup()
@@ -124,7 +123,7 @@ def profiled_cost(model, args: EngineArgs):
 def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str) -> dict:
     import dataclasses
 
-    from cbjax.simulator import profile
+    from cbjax.experimental import profile
 
     llm = LLM(model, simulate=simulate, **dataclasses.asdict(args))
     llm.warmup()
@@ -153,7 +152,7 @@ def run_row(model, workload, args: EngineArgs, simulate: str | None, label: str)
 
 def main(argv):
     del argv
-    from cbjax.models.kv_cache import PagedCache
+    from cbjax.experimental import PagedCache
 
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=FLAGS.workload == "sharegpt_multi_turn")
     workload = make_workload(model)

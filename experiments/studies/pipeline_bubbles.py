@@ -23,8 +23,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.simulator.hardware import ACCELERATORS, MODEL_SHAPES
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import ACCELERATORS, MODEL_SHAPES
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 common.define_workload_flags(prompt_low=16, prompt_high=64, output_mean=48.0, output_cap=96, num_requests=32)
@@ -63,7 +63,7 @@ def stage_pricer(stages: int):
     """Seconds of one stage call on the accelerator, for the cost shape's share of layers."""
     import dataclasses
 
-    from cbjax.simulator import Call, RooflineCost
+    from cbjax.experimental import Call, RooflineCost
 
     shape = MODEL_SHAPES[FLAGS.cost_shape]
     stage_shape = dataclasses.replace(shape, num_layers=-(-shape.num_layers // stages))
@@ -99,13 +99,12 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.parallel.distributed import expose_host_devices
+    from cbjax.experimental import expose_host_devices
 
     expose_host_devices(FLAGS.host_devices)
 
     from cbjax import LLM
-    from cbjax.loading import load_model
-    from cbjax.runtime.pipeline import bubble_fraction
+    from cbjax.experimental import bubble_fraction, load_model
 
     model = load_model(FLAGS.model)
     if model.config.num_layers < FLAGS.stages:

@@ -67,7 +67,7 @@ def better(objective: str, a: float, b: float) -> bool:
 def main(argv):
     del argv
     from cbjax import LLM
-    from cbjax.workload import PROFILES, profile_workload
+    from cbjax.experimental import PROFILES, profile_workload
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, FLAGS.dtype)

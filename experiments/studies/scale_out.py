@@ -20,7 +20,7 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core.engine_args import EngineArgs
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 ROUTINGS = ("round_robin", "least_loaded", "prefix_affinity")
@@ -69,7 +69,7 @@ def workload(vocab: int):
     import numpy as np
 
     from cbjax import SamplingParams
-    from cbjax.workload import arrival_times
+    from cbjax.experimental import arrival_times
 
     rng = np.random.default_rng(FLAGS.seed)
     prefixes = [rng.integers(3, vocab, size=FLAGS.prefix_len).tolist() for _ in range(FLAGS.num_prefixes)]
@@ -102,15 +102,14 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
-    from cbjax.parallel.distributed import expose_host_devices
+    from cbjax.experimental import expose_host_devices
 
     expose_host_devices(FLAGS.host_devices)
     import jax
 
     from cbjax import LLM
-    from cbjax.loading import load_model
-    from cbjax.metrics import summarize_outputs, write_json
-    from cbjax.parallel.replicas import Replicas
+    from cbjax.experimental import load_model, summarize_outputs, write_json
+    from cbjax import Replicas
 
     model = load_model(FLAGS.model)
     work = workload(model.config.vocab_size)

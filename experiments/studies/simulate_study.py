@@ -57,7 +57,7 @@ PUBLISHED = ("Anyscale, OPT-13B on A100-40GB: naive static batching falls to 81 
 
 def make_llm(model, row: str, max_len: int, budget: int, mean_len: float):
     from cbjax import LLM
-    from cbjax.models.kv_cache import SlotCache
+    from cbjax.experimental import SlotCache
 
     per_token = SlotCache.bytes_per_slot(model.config, 1, FLAGS.dtype)
     common_options = dict(simulate=FLAGS.accelerator, dtype=FLAGS.dtype, decode_steps=1)
@@ -79,10 +79,8 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     from cbjax import LLM
-    from cbjax.metrics import summarize_outputs, write_json
-    from cbjax.simulator import ACCELERATORS, model_for_simulation
-    from cbjax.simulator.hardware import weight_bytes
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import ACCELERATORS, model_for_simulation, summarize_outputs, weight_bytes, write_json
+    from cbjax.experimental import LengthDist, synthetic
 
     start = time.perf_counter()
     model = model_for_simulation(FLAGS.model, FLAGS.dtype)

@@ -26,8 +26,8 @@ import numpy as np
 from absl import app, flags
 
 from experiments.lib import common
-from cbjax.core import engine_args
-from cbjax.core.engine_args import EngineArgs
+from cbjax.experimental import engine_args
+from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
@@ -97,8 +97,7 @@ def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
         return out
     if model.tokenizer is None:
         raise ValueError(f"the {workload} workload needs a model with a tokenizer (or --workloads=synthetic)")
-    from cbjax.tokenization import chat_prompt_ids
-    from cbjax.traces import sharegpt_conversations
+    from cbjax.experimental import chat_prompt_ids, sharegpt_conversations
 
     tok = model.tokenizer
     pairs = sharegpt_conversations()
@@ -163,7 +162,7 @@ def closed_batches(model, workload: str) -> dict:
 
 def poisson(model, workload: str) -> dict:
     from cbjax import LLM
-    from cbjax.workload import WorkloadRequest, arrival_times
+    from cbjax.experimental import WorkloadRequest, arrival_times
 
     reqs = requests(model, workload, FLAGS.poisson_requests)
     rows = {}

@@ -44,7 +44,7 @@ def measure(page_size: int, lengths: list[int]) -> dict[int, dict]:
     import numpy as np
 
     from cbjax import LLM, SamplingParams
-    from cbjax.simulator import profile
+    from cbjax.experimental import profile
 
     max_len = -(-(max(lengths) + 16) // page_size) * page_size
     llm = LLM(FLAGS.model, num_slots=2, max_seq_len=max_len, dtype=FLAGS.dtype, kv_cache="paged", page_size=page_size,
@@ -79,10 +79,8 @@ def simulate(page_size: int, lengths: list[int], per_page: bool = False) -> dict
     kernels: causal pairs, live pages), in steps of at most 2,048 tokens. `per_page`: the swap
     copies page by page, a copy per page, layer, keys and values each paying the link's latency
     (vLLM v0's block-by-block swap, whose cost the paper's figure shows falling with block size)."""
-    from cbjax.runtime.kv_transfer import padded_length
-    from cbjax.simulator import ACCELERATORS, MODEL_SHAPES, Call, RooflineCost
-    from cbjax.simulator.hardware import DTYPE_BYTES, kv_bytes_per_token
-    from cbjax.simulator.sim_engine import causal_pairs
+    from cbjax.experimental import ACCELERATORS, Call, MODEL_SHAPES, padded_length, RooflineCost
+    from cbjax.experimental import causal_pairs, DTYPE_BYTES, kv_bytes_per_token
 
     config = MODEL_SHAPES[FLAGS.sim_model]
     cost = RooflineCost(ACCELERATORS[FLAGS.accelerator], config, DTYPE_BYTES[FLAGS.sim_dtype])

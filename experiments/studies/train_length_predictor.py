@@ -52,8 +52,7 @@ common.validate_list("weight_decay", float, 0.0, "non-negative weight decays")
 
 def generate_data(model) -> dict:
     from cbjax import LLM, SamplingParams
-    from cbjax.tokenization import chat_prompt_ids
-    from cbjax.workload import chat_messages
+    from cbjax.experimental import chat_messages, chat_prompt_ids
 
     messages = chat_messages(FLAGS.num_prompts, seed=FLAGS.seed)
     prompts = [chat_prompt_ids(model.tokenizer, m) for m in messages]
@@ -71,7 +70,7 @@ def main(argv):
     import numpy as np
     from tqdm import tqdm
 
-    from cbjax.models import length_predictor as lp
+    from cbjax.experimental import length_predictor as lp
 
     start = time.perf_counter()
     model = common.load_model(FLAGS.model, "float32", with_tokenizer=True)

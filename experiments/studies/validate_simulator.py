@@ -50,7 +50,7 @@ METRICS = ("output_throughput", "median_ttft_ms", "median_e2el_ms")
 
 
 def throughput_run(llm, work) -> dict:
-    from cbjax.metrics import summarize_outputs
+    from cbjax.experimental import summarize_outputs
 
     llm.warmup()
     t0 = llm.clock()
@@ -73,11 +73,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     from cbjax import LLM
-    from cbjax.loading import load_model
-    from cbjax.models.kv_cache import SlotCache
-    from cbjax.metrics import write_json
-    from cbjax.simulator import CalibratedCost
-    from cbjax.workload import LengthDist, synthetic
+    from cbjax.experimental import CalibratedCost, LengthDist, load_model, SlotCache, synthetic, write_json
 
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype, with_tokenizer=False)

@@ -1,5 +1,5 @@
-"""The engine's absl flags, shared by `python -m cbjax.serve` and experiments/benchmarks/serve_bench.py
-(which starts the server with the same options it replays in process). Every `EngineArgs`
+"""The engine's absl flags, shared by `python -m cbjax.serve` and the benchmarks that start a
+server with the same options they replay in process (experiments/benchmarks/serve_bench.py). Every `EngineArgs`
 field is a flag, its name, default, bounds and help defined there; `seed` is left to each
 script (the server's is the engine's, serve_bench's seeds its workload)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cbjax.core import EngineArgs
+from cbjax.core import engine_args as engine_args_module
+from cbjax.core.engine_args import EngineArgs
 
 ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name != "seed")
 
@@ -16,8 +17,6 @@ def define_engine_flags(num_slots: int = 8, max_seq_len: int = 512) -> None:
     """Define them; a script lists them in its --help with `flags.adopt_module_key_flags` of
     this module."""
     from absl import flags
-
-    from cbjax.core import engine_args as engine_args_module
 
     EngineArgs.define_flags(ENGINE_FLAGS, num_slots=num_slots, max_seq_len=max_seq_len)
     flags.adopt_module_key_flags(engine_args_module)
