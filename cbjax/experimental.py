@@ -52,7 +52,7 @@ _WHERE = {
     "kernels": "cbjax.runtime.cpu.kernels:",  # the module itself
     "link_bytes_per_layer": "cbjax.runtime.expert_parallel",
     "padded_length": "cbjax.runtime.kv_transfer",
-    "split_logprobs": "cbjax.runtime.step",
+    "split_logprobs": "cbjax.runtime.packing",
     "LARGE_CHUNK": "cbjax.runtime.prompt_logprobs",
     "SMALL_CHUNK": "cbjax.runtime.prompt_logprobs",
     # scheduling

@@ -16,7 +16,7 @@ import jax
 
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.engine import Engine, EngineConfig
-from cbjax.runtime.step import split_logprobs, to_host
+from cbjax.runtime.packing import split_logprobs, to_host
 from cbjax.scheduling.plan import Row
 from cbjax.scheduling.speculation import check_draft_vocabulary
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from cbjax.core.step_stats import StepStats
-from cbjax.runtime.step import split_logprobs, to_host
+from cbjax.runtime.packing import split_logprobs, to_host
 from cbjax.scheduling import BlockManager, Call, CallResult, Plan, RoundResult, Row
 
 

@@ -1,5 +1,5 @@
 """The device engine: `run` puts a round's rows (prompt chunks, decodes, or both) through
-the one jitted step (step.py), in calls of at most the step budget.
+the one jitted step (step.py; its inputs packed by packing.py), in calls of at most the step budget.
 
 JetStream's vocabulary: `prefill` computes a prompt chunk's keys and values and
 `insert`s them into a slot; `generate`/`decode` advances every active slot. Here both are
@@ -24,7 +24,7 @@ import numpy as np
 from cbjax.models.fusion import is_fused
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import ALL, SamplingParams, Sampler
-from cbjax.runtime import kernel_tuning, programs, sharding, step
+from cbjax.runtime import kernel_tuning, packing, programs, sharding
 from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_choices import choose_attention, kv_dtype
@@ -33,7 +33,7 @@ from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, 
                                          prefill_buckets)
 from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
-from cbjax.runtime.step import pack, row_bucket, token_buckets
+from cbjax.runtime.packing import pack, row_bucket, token_buckets
 from cbjax.runtime.interface import EngineInfo
 from cbjax.runtime.step_programs import SamplerVariants, StepPrograms, reachable_programs
 from cbjax.runtime.warmup import warm_up
@@ -101,33 +101,33 @@ class EngineBase:
         return 1 if self.mesh is None else self.mesh.devices.size
 
     def stop_ids_for(self, sampling: SamplingParams) -> np.ndarray:
-        return step.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
+        return packing.stop_ids(sampling, self.eos_ids, self.config.max_stop_tokens)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (ValueError) sampling parameters this engine cannot apply."""
         self.stop_ids_for(sampling)  # refuses too many stop ids
-        step.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
+        packing.check_sampling(sampling, self.max_logprobs, self.config.max_logit_bias, self.model.config.vocab_size)
 
     def sampling_row(self, row: Row | None) -> tuple[np.ndarray, np.ndarray]:
         """A row's packed sampling parameters; None: a row that samples nothing."""
         stops = self.stop_ids_for(row.sampling) if row is not None else None
-        return step.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
+        return packing.sampling_row(row, stops, self.config.max_stop_tokens, self.config.max_logit_bias)
 
     @property
     def mixed(self) -> bool:
         return self.config.merge_mode != "prefill_first"
 
     def token_buckets(self) -> list[int]:
-        """The flat-buffer sizes a step is compiled for, up to the step budget (`step.token_buckets`)."""
+        """The flat-buffer sizes a step is compiled for, up to the step budget (`packing.token_buckets`)."""
         return list(self._token_buckets)
 
     def history_block(self) -> int:
-        """Positions per block of the reference attention's history read (`step.history_block`)."""
-        return step.history_block(self.config, self.max_len)
+        """Positions per block of the reference attention's history read (`packing.history_block`)."""
+        return packing.history_block(self.config, self.max_len)
 
     def split(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
-        """The round's rows in calls of at most the step budget (`step.split_rows`)."""
-        return step.split_rows(rows, self.step_tokens)
+        """The round's rows in calls of at most the step budget (`packing.split_rows`)."""
+        return packing.split_rows(rows, self.step_tokens)
 
     def call_tokens(self, rows: list[Row]) -> int:
         """The token bucket of one call; a call with prompt rows pads to at least `prefill_floor`."""
@@ -198,7 +198,7 @@ class Engine(EngineBase):
         for row in rows:
             if row.history or row.starts_history:
                 self.state = programs.record_history(self.state, np.int32(row.slot),
-                                                     step.history_tokens(row, self.buckets),
+                                                     packing.history_tokens(row, self.buckets),
                                                      np.int32(row.prompt_len))
 
     def run(self, rows: list[Row], steps: int = 1) -> list[Call]:
@@ -219,14 +219,14 @@ class Engine(EngineBase):
 
     def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
         """The step's host arrays, and the structured-output masks if a sampling row has a constraint."""
-        key, num_rows = step.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
+        key, num_rows = packing.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
         if key is not None:  # the overlap's decode calls, the same step after step: packed once, and
             # kept on the device (one engine device), so such a call copies nothing to it
-            return step.packed_once(self._slot_decodes, key, lambda: tuple(
+            return packing.packed_once(self._slot_decodes, key, lambda: tuple(
                 a if self.mesh is not None else jax.device_put(a)
                 for a in pack(rows, num_tokens, num_rows, self.sampling_row)))
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
-        masks = step.grammar_masks(rows, num_rows, self.model.config.vocab_size)
+        masks = packing.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)
 
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL,
@@ -319,7 +319,7 @@ class Engine(EngineBase):
     def copy_kv(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy KV (source, destination): pages of a paged cache, whole slots of the slot cache
         (forks of a sibling's prompt). Padded to a power of two, so programs stay few."""
-        src, dst = step.copy_pairs(copies)
+        src, dst = packing.copy_pairs(copies)
         self.cache = programs.copy_kv(self.cache, self.put(src), self.put(dst))
 
     def move_kv(self, ops: list) -> None:

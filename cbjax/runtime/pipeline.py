@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from cbjax import checks
 from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
-from cbjax.runtime import programs, step
+from cbjax.runtime import packing, programs
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import kv_dtype
 from cbjax.runtime.packed import QLEN, START, resolve
@@ -155,7 +155,7 @@ class PipelineEngine(Engine):
 
     @override
     def copy_kv(self, copies) -> None:
-        src, dst = step.copy_pairs(copies)
+        src, dst = packing.copy_pairs(copies)
         for s, d in enumerate(self.devices):  # each stage holds its own layers of every slot
             self.caches[s] = programs.copy_kv(self.caches[s], jax.device_put(src, d), jax.device_put(dst, d))
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from cbjax import grammar
-from cbjax.runtime.step import row_bucket
+from cbjax.runtime.packing import row_bucket
 from cbjax.scheduling.plan import Row
 
 

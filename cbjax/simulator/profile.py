@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from cbjax.runtime.step import split_logprobs
+from cbjax.runtime.packing import split_logprobs
 from cbjax.simulator.cost_model import CalibratedCost, Call
 from cbjax.simulator.sim_engine import SimClock, SimulatedEngine
 

@@ -14,7 +14,7 @@ import numpy as np
 from typing_extensions import override
 
 from cbjax.runtime.engine import Engine, EngineConfig
-from cbjax.runtime.step import row_bucket
+from cbjax.runtime.packing import row_bucket
 from cbjax.scheduling.plan import Row
 from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call, kv_transfer_cost
