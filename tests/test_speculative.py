@@ -404,3 +404,18 @@ def test_missing_and_short_proposals_count_against_the_acceptance():
     spec.record(requests[1], 2, 2)  # both proposed tokens kept, but 4 were asked: one more tried
     assert lengths.acceptance == pytest.approx(2 / 4, rel=0.01)  # tried: 1 (no guess) + 3; kept: 2
     assert spec.proposed == 2 and spec.accepted == 2 and requests[1].metrics.num_accepted_tokens == 2
+
+
+def test_aborting_a_speculating_request_frees_it_and_its_proposal_index():
+    """An abort mid-generation (speculation on): the request ends, its slot is free, and the
+    n-gram proposer drops what it kept for it (it raised AttributeError before the scheduler
+    owned the speculator)."""
+    llm = LLM("tiny-llama", num_slots=2, max_seq_len=64, speculative_method="ngram")
+    rid = llm.add_request([1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.step()
+    llm.step()
+    proposer = scheduler_of(llm).speculator.proposer
+    assert rid in proposer._index  # it has proposed for the request
+    assert llm.abort(rid).finish_reason == "abort"
+    assert rid not in proposer._index and not llm.has_unfinished_requests()
+    assert llm.snapshot().slots == (None, None)
