@@ -154,7 +154,8 @@ def end_failed_constraints(sched, touched: list[Request], now: float) -> None:
         error = r.grammar.error if r.grammar is not None and r.finish_reason != FinishReason.ABORT else None
         if error is None:
             continue
-        if not r.finished:
+        if r.finished:
+            r.finish_reason, r.error = FinishReason.ERROR, error
+        else:
             sched.preempted_slots.append(r.slot)
             sched.finish(r, FinishReason.ERROR, now, error)
-        r.finish_reason, r.error = FinishReason.ERROR, error
