@@ -22,8 +22,8 @@ def check_invariants(bm: BlockManager):
     assert set(free) == {p for p in range(bm.num_pages) if refs[p] == 0}, "free list == unreferenced pages"
     for seq, table in bm.tables.items():
         assert len(table) == bm.pages_needed(bm.lengths[seq])
-    for key, page in bm.cached.items():
-        assert bm.page_key[page] == key
+    for key, page in (bm.prefix.cached.items() if bm.prefix else []):
+        assert bm.prefix.page_key[page] == key
 
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "grow", "free"]), st.integers(0, 7),

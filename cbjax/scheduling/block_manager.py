@@ -1,12 +1,12 @@
-"""Host-side page allocator for the paged KV cache: free list, reference counts, prefix cache.
+"""Host-side page allocator for the paged KV cache: free list, reference counts, and the
+prefix cache's pages (their index is prefix_index.py).
 
 A sequence's pages are taken as it grows (`allocate` for the prompt, `append` one
 token at a time), not reserved up front, and released by `free`. With prefix
-caching, every full page is keyed by a hash chain over its tokens (the key of page
-i covers tokens [0, (i+1) * page_size)), so two sequences that share a prefix share
-its full pages by reference count, and a later prompt with that prefix skips
-prefilling them. A freed page keeps its key until it is handed out again, so a
-prefix stays cached after its sequences end, as long as the page is not reused.
+caching, two sequences that share a prefix share its full pages by reference count,
+and a later prompt with that prefix skips prefilling them. A freed page keeps its
+key until it is handed out again, so a prefix stays cached after its sequences end,
+as long as the page is not reused.
 
 Eviction, as in vLLM: free pages that hold no cached prefix are handed out first;
 then cached ones, least recently freed first, and a sequence's pages are freed last
@@ -22,24 +22,9 @@ loaded back into fresh device pages instead of being prefilled.
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from cbjax.scheduling.host_tier import HostTier
-
-
-@dataclasses.dataclass
-class PrefixStats:
-    queries: int = 0  # full prompt pages looked up
-    hits: int = 0  # found in device pages
-    host_hits: int = 0  # found in the host tier (loaded back)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def host_hit_rate(self) -> float:
-        return self.host_hits / self.queries if self.queries else 0.0
+from cbjax.scheduling.prefix_index import PrefixIndex, PrefixStats
 
 
 class BlockManager:
@@ -49,17 +34,24 @@ class BlockManager:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
         self._free_plain: collections.deque[int] = collections.deque(range(num_pages))  # no cached prefix
         self._free_cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # eviction order
         self.ref_counts = [0] * num_pages
         self.tables: dict[str, list[int]] = {}  # sequence id -> its pages, in order
         self.lengths: dict[str, int] = {}
-        self.page_key: dict[int, int] = {}  # page -> prefix key (full, cached pages)
-        self.cached: dict[int, int] = {}  # prefix key -> page
-        self._seq_keys: dict[str, list[int]] = {}  # sequence id -> keys of its computed full pages
-        self.stats = PrefixStats()
-        self.host = host if enable_prefix_caching else None  # prefix pages behind the device's
+        self.prefix = PrefixIndex(page_size, host) if enable_prefix_caching else None
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix is not None
+
+    @property
+    def host(self) -> HostTier | None:  # prefix pages behind the device's
+        return self.prefix.host if self.prefix is not None else None
+
+    @property
+    def stats(self) -> PrefixStats:
+        return self.prefix.stats if self.prefix is not None else PrefixStats()
 
     # ------------------------------------------------------------ queries
     def pages_needed(self, num_tokens: int) -> int:
@@ -74,31 +66,8 @@ class BlockManager:
         """The free pages in the order they are handed out."""
         return list(self._free_plain) + list(self._free_cached)
 
-    def _keys(self, tokens: list[int], known: tuple[int, ...] | list[int] = ()) -> list[int]:
-        """Hash-chain keys of the full pages of `tokens`, extending the `known` leading ones."""
-        keys = list(known)
-        key = keys[-1] if keys else 0
-        for i in range(len(keys), len(tokens) // self.page_size):
-            key = hash((key, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])))
-            keys.append(key)
-        return keys
-
     def _cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        """The cached pages a prompt can reuse, on the device and then (their keys) in the host
-        tier: whole pages, and never one holding its last token, which must be computed to
-        produce the first output token."""
-        if not self.enable_prefix_caching:
-            return [], []
-        pages, host_keys = [], []
-        for key in self._keys(tokens[:len(tokens) - 1]):
-            page = self.cached.get(key)
-            if page is not None and not host_keys:
-                pages.append(page)
-            elif self.host is not None and self.host.has_page(key):
-                host_keys.append(key)
-            else:
-                break
-        return pages, host_keys
+        return self.prefix.lookup(tokens) if self.prefix is not None else ([], [])
 
     def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0, lookup: bool = True) -> bool:
         """Whether `tokens` (grown to `num_tokens` positions, if more) fit in the free pages
@@ -114,11 +83,8 @@ class BlockManager:
             page = self._free_plain.popleft()
         else:
             page, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
-        key = self.page_key.pop(page, None)
-        if key is not None and self.cached.get(key) == page:
-            del self.cached[key]
-            if self.host is not None:
-                self.host.page_out(key, page)
+        if self.prefix is not None:
+            self.prefix.release(page)
         self.ref_counts[page] = 1
         return page
 
@@ -134,26 +100,17 @@ class BlockManager:
         if not self.can_allocate(tokens, lookup=lookup):
             raise MemoryError(f"not enough free pages for {len(tokens)} tokens")
         cached, host_keys = self._cached_prefix(tokens) if lookup else ([], [])
-        if self.enable_prefix_caching and lookup:
-            self.stats.queries += len(tokens) // self.page_size
-            self.stats.hits += len(cached)
-            self.stats.host_hits += len(host_keys)
+        if self.prefix is not None and lookup:
+            self.prefix.count(len(tokens), len(cached), len(host_keys))
         table = []
         for page in cached:
             if self.ref_counts[page] == 0:
                 del self._free_cached[page]
             self.ref_counts[page] += 1
             table.append(page)
-        for key in host_keys:  # out of the host tier before any eviction below could drop them
-            self.host.claim_page(key)
-        for key in host_keys:
-            page = self._take_free()
-            self.host.page_in(key, page)
-            self.cached[key] = page
-            self.page_key[page] = key
-            table.append(page)
-        if self.enable_prefix_caching:
-            self._seq_keys[seq_id] = [self.page_key[p] for p in table]
+        if self.prefix is not None:
+            table += self.prefix.load_back(host_keys, self._take_free)
+            self.prefix.seq_keys[seq_id] = [self.prefix.page_key[p] for p in table]
         for _ in range(self.pages_needed(len(tokens)) - len(table)):
             table.append(self._take_free())
         self.tables[seq_id] = table
@@ -192,27 +149,14 @@ class BlockManager:
             copy = (copy[0], table[len(by_reference)])
         self.tables[seq_id] = table
         self.lengths[seq_id] = len(tokens)
-        if self.enable_prefix_caching:
-            self._seq_keys[seq_id] = self._keys(tokens[:len(by_reference) * self.page_size])
+        if self.prefix is not None:
+            self.prefix.seq_keys[seq_id] = self.prefix.keys(tokens[:len(by_reference) * self.page_size])
         return copy
 
     def register(self, seq_id: str, tokens: list[int], num_computed: int) -> None:
-        """Offer the sequence's full pages whose keys and values are now computed (the first
-        `num_computed` of `tokens`) to later prompts. Registering only computed pages means a
-        prefix hit never reads a page another prefill has yet to write."""
-        if not self.enable_prefix_caching:
-            return
-        table = self.tables[seq_id]
-        known = self._seq_keys[seq_id]
-        if num_computed // self.page_size <= len(known):
-            return
-        keys = self._keys(tokens[:num_computed], known)
-        for i in range(len(known), len(keys)):
-            key = keys[i]
-            if key not in self.cached and table[i] not in self.page_key:
-                self.cached[key] = table[i]
-                self.page_key[table[i]] = key
-        self._seq_keys[seq_id] = keys
+        """Offer the sequence's computed full pages to later prompts (`PrefixIndex.register`)."""
+        if self.prefix is not None:
+            self.prefix.register(seq_id, self.tables[seq_id], tokens, num_computed)
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
         return self.pages_needed(num_tokens) - len(self.tables[seq_id]) <= self.num_free
@@ -241,14 +185,15 @@ class BlockManager:
         for page in reversed(self.tables.pop(seq_id)):  # last page first: evicted before the head
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
-                if page in self.page_key:
+                if self.prefix is not None and self.prefix.holds(page):
                     self._free_cached[page] = None
                 else:
                     self._free_plain.append(page)
             elif self.ref_counts[page] < 0:
                 raise AssertionError(f"page {page} freed twice")
         del self.lengths[seq_id]
-        self._seq_keys.pop(seq_id, None)
+        if self.prefix is not None:
+            self.prefix.seq_keys.pop(seq_id, None)
 
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id]
