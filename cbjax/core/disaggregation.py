@@ -32,20 +32,12 @@ from cbjax.core.builder import build_core
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.core.engine_queries import EngineQueries
+from cbjax.core.kv_hand_off import KVHandOff
 from cbjax.core.step_stats import Load
 from cbjax.core.step_stats import StepStats
 from cbjax.loading import Model, load_model
 from cbjax.request import Request, RequestState
-from cbjax.runtime import kv_transfer
 from cbjax.scheduling.roles import PrefillScheduler
-
-
-@dataclasses.dataclass
-class TransferStats:
-    moved: int = 0
-    failed: int = 0
-    bytes: int = 0  # KV and state moved (simulated: KV modelled)
-    seconds: float = 0.0  # simulated transfer time, summed over moves
 
 
 class DisaggregatedCore(EngineQueries):
@@ -56,9 +48,7 @@ class DisaggregatedCore(EngineQueries):
         self.cores = prefill + decode
         self.clock = clock
         self.simulated = simulated
-        self.transfer_seconds = transfer_seconds
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.transfers = TransferStats()
+        self.kv = KVHandOff(prefill, decode, simulated, transfer_seconds, kv_bytes_per_token)
         self._overlap = [d.executor.overlap for d in decode]
         self.owner: dict[str, EngineCore] = {}  # live request id -> the instance holding it
         self._stalled: set[int] = set()  # cores whose last round ran nothing (ids): run again on a change
@@ -73,6 +63,9 @@ class DisaggregatedCore(EngineQueries):
     idle = property(lambda self: self._idle)
     wake_time = None  # continuous instances only: nothing wakes without an arrival
     arrivals_pending: Callable[[], bool] | None = None  # its rounds never run ahead of the front
+
+    transfers = property(lambda self: self.kv.transfers)
+    kv_bytes_per_token = property(lambda self: self.kv.kv_bytes_per_token)
 
     @property
     def predict_len(self):
@@ -145,18 +138,7 @@ class DisaggregatedCore(EngineQueries):
         for cores, only in ((self.prefill, "prefill"), (self.decode, "decode")):
             for c in cores:
                 count += c.engine.warmup(only=only)
-        if self.simulated:
-            return count
-        lengths = sorted({self._padded(n) for n in range(1, self.engine.max_len)})
-        for p in self.prefill:
-            for n in lengths:
-                seq = kv_transfer.get_sequence(p.engine, 0, n, [0] * n, n)
-                for d in self.decode:
-                    kv_transfer.insert_sequence(d.engine, kv_transfer.move(seq, d.engine), 0, [])
-                    count += 1
-        for d in self.decode:
-            d.engine.reset()
-        return count
+        return count + (0 if self.simulated else self.kv.warmup())
 
     def load(self) -> Load:
         loads = [c.load() for c in self.cores]
@@ -203,78 +185,22 @@ class DisaggregatedCore(EngineQueries):
                 self._give(min(self.prefill, key=_prefill_load), r, d.clock())
 
     # ------------------------------------------------------------ hand-off
-    def _padded(self, length: int) -> int:
-        page = max((c.engine.config.page_size for c in self.decode if c.pages is not None), default=1)
-        return kv_transfer.padded_length(length, self.engine.max_len, page)
-
     def _hand_off(self, touched: dict[str, Request]) -> None:
-        """Move every prefilled request a decode instance has room for (simulated: whose KV
-        has arrived by that instance's time)."""
-        for p in self.prefill:
-            for r in sorted(p.scheduler.prefilled(), key=lambda r: r.metrics.token_times[-1]):
-                ready = None
-                if self.simulated:
-                    seconds = self.transfer_seconds(r.num_tokens - 1)
-                    ready = r.metrics.token_times[-1] + seconds
-                room = [d for d in self.decode if not d.in_flight and d.scheduler.can_insert(r)]
-                if not room:
-                    continue
-                d = min(room, key=lambda d: len(d.scheduler.running))
-                if self.simulated:
-                    if d.scheduler.running and d.clock() < ready:
-                        continue  # in flight: that instance takes it once its own time reaches `ready`
-                    self.transfers.seconds += seconds
-                    self.transfers.bytes += self.kv_bytes_per_token * (r.num_tokens - 1)
-                waiting = self._waiting(p), self._waiting(d)
-                self._move(p, d, r, touched)
-                self._wake(p, ready if waiting[0] else None)
-                self._wake(d, ready if waiting[1] else None)
-
-    def _move(self, p: EngineCore, d: EngineCore, r: Request, touched: dict[str, Request]) -> None:
-        slot_p = r.slot
-        try:
-            seq = None
-            if not self.simulated:
-                seq = kv_transfer.move(held_sequence(p, r, self._padded(r.num_tokens - 1)), d.engine)
-                self.transfers.bytes += seq.num_bytes
-            p.scheduler.release(r)
-            insert_held(d, r, seq)
-        except Exception as e:  # noqa: BLE001 (any failure of the move: the request ends, nothing leaks)
-            p.scheduler.fail(r, f"KV transfer to a decode instance failed: {type(e).__name__}: {e}", p.clock())
-            p.engine.deactivate(slot_p)
-            self.owner.pop(r.request_id, None)
-            self.transfers.failed += 1
-            touched[r.request_id] = r
-            return
-        p.engine.deactivate(slot_p)
-        self.owner[r.request_id] = d
-        self.transfers.moved += 1
+        """Move every prefilled request a decode instance has room for (`KVHandOff`); a failed
+        move has ended its request."""
+        for p, d, r, ready in self.kv.ready_moves():
+            waiting = self._waiting(p), self._waiting(d)
+            if self.kv.move(p, d, r):
+                self.owner[r.request_id] = d
+            else:
+                self.owner.pop(r.request_id, None)
+                touched[r.request_id] = r
+            self._wake(p, ready if waiting[0] else None)
+            self._wake(d, ready if waiting[1] else None)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-
-
-def held_sequence(core: EngineCore, r: Request, padded: int) -> kv_transfer.SequenceKV:
-    """The KV and state row of a request a prefill instance holds prefilled."""
-    pages = core.pages.table(r.request_id) if core.pages is not None else None
-    return kv_transfer.get_sequence(core.engine, r.slot, r.num_tokens - 1, pages, padded)
-
-
-def insert_held(core: EngineCore, r: Request, seq: kv_transfer.SequenceKV | None) -> None:
-    """Place a prefilled request in a decode instance (`can_insert` checked) with its moved
-    KV `seq` (None on a simulated engine, which only keeps the slot's counters); if the
-    write fails, the slot and pages are given back and the error raised."""
-    slot, pages = core.scheduler.insert(r)
-    try:
-        if seq is None:
-            core.engine.insert_prefilled(slot, r.num_tokens - 1, r.sampling, len(r.output_token_ids))
-        else:
-            kv_transfer.insert_sequence(core.engine, seq, slot, pages)
-    except Exception:
-        core.scheduler.release(r)
-        core.engine.deactivate(slot)
-        raise
 
 
 def _prefill_load(core: EngineCore) -> int:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import transfer
 
-from cbjax.core.disaggregation import held_sequence, insert_held
+from cbjax.core.kv_hand_off import held_sequence, insert_held
 from cbjax.core.engine_core import EngineCore
 from cbjax.request import Request
 from cbjax.runtime import kv_transfer, sharding
