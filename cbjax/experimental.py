@@ -56,7 +56,7 @@ _WHERE = {
     "LARGE_CHUNK": "cbjax.runtime.prompt_logprobs",
     "SMALL_CHUNK": "cbjax.runtime.prompt_logprobs",
     # scheduling
-    "BlockManager": "cbjax.scheduling.block_manager",
+    "PrefixIndex": "cbjax.scheduling.prefix_index",
     "Row": "cbjax.scheduling.plan",
     # simulator
     "ACCELERATORS": "cbjax.simulator",

@@ -49,7 +49,66 @@ def drive(core, clock, bar) -> list[Request]:
     return finished
 
 
-class LLM:
+class OfflineRuns:
+    """A front's workloads run to completion: `generate` (every prompt at once), `replay`
+    (each at its arrival time) and `run_until_done`. `LLM` is the front; this is the loop
+    that drives its core until the workload has finished (through the front's `add_request`
+and `error_output`)."""
+
+    core: Core
+    book: RequestBook
+    clock: Callable[[], float]
+    args: EngineArgs
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, desc: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order. A bad prompt gets an
+        `error` output with its message; the others run unharmed."""
+        workload = offline_workload(prompts, sampling_params)
+        bar = progress_bar(len(workload), use_tqdm, desc or self._desc())
+        ids, errors = [], {}  # request ids in order (None: refused), refusals' messages by index
+        for i, (_, prompt, sampling) in enumerate(workload):
+            try:
+                ids.append(self.add_request(prompt, sampling))
+            except ValueError as e:
+                ids.append(None)
+                errors[i] = str(e)
+                bar.update(1)
+        return self._collect(ids, errors, drive(self.core, self.clock, bar), workload)
+
+    def _collect(self, ids, errors, finished, workload) -> list[RequestOutput]:
+        """Outputs in workload order. Requests added online that finished while this call drove
+        the loop are kept for the next `step()`."""
+        self.book.keep_others(ids, finished)
+        return [self.error_output(f"error-{i}", workload[i][1], errors[i]) if i in errors
+                else self.book.final_output(rid) for i, rid in enumerate(ids)]
+
+    def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until every request has finished; returns (and releases) the outputs of the
+        requests that finished meanwhile, in the order they finished."""
+        finished = self.book.take_unreturned()
+        finished += drive(self.core, self.clock, progress_bar(None, use_tqdm, self._desc()))
+        return self.outputs_of(finished)
+
+    def outputs_of(self, finished: list[Request]) -> list[RequestOutput]:
+        """Hand back (and release) the outputs of requests that finished in rounds run
+        outside `step` (`finish_round`, the engine core's `run_round`)."""
+        return self.book.hand_back(finished, stream=False)
+
+    def _desc(self) -> str:
+        return self.args.policy + ("-paged" if self.args.kv_cache == "paged" else "")
+
+    def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
+               desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]:
+        """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock (or,
+        with `concurrency`, from a closed-loop client); outputs in workload order."""
+        bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.args.policy}")
+        ids, errors, finished = run_arrivals(self, workload, bar, concurrency=concurrency)
+        return self._collect(ids, errors, finished, workload)
+
+
+class LLM(OfflineRuns):
     def __init__(self, model: str | Model, args: EngineArgs | None = None, *,
                  clock: Callable[[], float] = time.perf_counter, simulate=None, devices: Sequence | None = None,
                  mesh=None, core: Core | None = None, **engine_args):
@@ -213,55 +272,6 @@ class LLM:
     def error_output(self, request_id: str, prompt, message: str) -> RequestOutput:
         """The output of a request refused with `message`."""
         return error_output(self.clock(), request_id, prompt, message)
-
-    # ------------------------------------------------------------- offline
-    def generate(self, prompts: Sequence[Prompt] | Prompt,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, desc: str | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order. A bad prompt gets an
-        `error` output with its message; the others run unharmed."""
-        workload = offline_workload(prompts, sampling_params)
-        bar = progress_bar(len(workload), use_tqdm, desc or self._desc())
-        ids, errors = [], {}  # request ids in order (None: refused), refusals' messages by index
-        for i, (_, prompt, sampling) in enumerate(workload):
-            try:
-                ids.append(self.add_request(prompt, sampling))
-            except ValueError as e:
-                ids.append(None)
-                errors[i] = str(e)
-                bar.update(1)
-        return self._collect(ids, errors, drive(self.core, self.clock, bar), workload)
-
-    def _collect(self, ids, errors, finished, workload) -> list[RequestOutput]:
-        """Outputs in workload order. Requests added online that finished while this call drove
-        the loop are kept for the next `step()`."""
-        self.book.keep_others(ids, finished)
-        return [self.error_output(f"error-{i}", workload[i][1], errors[i]) if i in errors
-                else self.book.final_output(rid) for i, rid in enumerate(ids)]
-
-    def run_until_done(self, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Step until every request has finished; returns (and releases) the outputs of the
-        requests that finished meanwhile, in the order they finished."""
-        finished = self.book.take_unreturned()
-        finished += drive(self.core, self.clock, progress_bar(None, use_tqdm, self._desc()))
-        return self.outputs_of(finished)
-
-    def outputs_of(self, finished: list[Request]) -> list[RequestOutput]:
-        """Hand back (and release) the outputs of requests that finished in rounds run
-        outside `step` (`finish_round`, the engine core's `run_round`)."""
-        return self.book.hand_back(finished, stream=False)
-
-    def _desc(self) -> str:
-        return self.args.policy + ("-paged" if self.args.kv_cache == "paged" else "")
-
-    # -------------------------------------------------------------- replay
-    def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
-               desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]:
-        """Admit each `(arrival_offset_s, prompt, sampling)` at its time on the wall clock (or,
-        with `concurrency`, from a closed-loop client); outputs in workload order."""
-        bar = progress_bar(len(workload), use_tqdm, desc or f"replay {self.args.policy}")
-        ids, errors, finished = run_arrivals(self, workload, bar, concurrency=concurrency)
-        return self._collect(ids, errors, finished, workload)
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt) -> tuple[list[int], str | None]:

@@ -14,7 +14,7 @@ PACKAGES = ("cbjax", "pallas_kernels")
 # Bottom to top; a module may import from its own layer or any layer below. The longest
 # matching prefix places a module.
 LAYERS = [
-    ("leaves", ["cbjax.checks", "cbjax.config", "cbjax.request", "cbjax.metrics", "cbjax.workload",
+    ("leaves", ["cbjax.checks", "cbjax.knobs", "cbjax.config", "cbjax.request", "cbjax.metrics", "cbjax.workload",
                 "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "cbjax.traces",
                 "cbjax.shipped_predictors", "pallas_kernels"]),
     ("models", ["cbjax.models"]),
@@ -192,7 +192,8 @@ OURS = ("cbjax", "experiments", "pallas_kernels")
 
 def private_reaches(source: str) -> list[str]:
     """Where `source` touches another of our modules' `_underscore` names: imports them, or reads
-    them off an imported module or an imported name (`module._helper`, `Class._attr`)."""
+    them off an imported module or an imported name (`module._helper`, `Class._attr`), or off
+    what calling one made (`Class(...)._attr`)."""
     tree = ast.parse(source)
     imported: set[str] = set()
     found = []
@@ -205,15 +206,20 @@ def private_reaches(source: str) -> list[str]:
         elif isinstance(node, ast.Import):
             imported.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in OURS)
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and isinstance(node.value, ast.Name) and node.value.id in imported):
-            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
-    return found
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value.func if isinstance(node.value, ast.Call) else node.value
+        if isinstance(owner, ast.Name) and owner.id in imported:
+            called = "(...)" if owner is not node.value else ""
+            found.append(f"{node.lineno}: {owner.id}{called}.{node.attr}")
+    return sorted(found, key=lambda hit: int(hit.split(":")[0]))
 
 
 def test_the_private_reach_finder_finds_both_kinds():
-    source = "from cbjax.models.transformer import _qkv\nfrom experiments.lib import common\ncommon._ok(1)\n"
-    assert private_reaches(source) == ["1: from cbjax.models.transformer import _qkv", "3: common._ok"]
+    source = ("from cbjax.models.transformer import _qkv\nfrom experiments.lib import common\ncommon._ok(1)\n"
+              "from cbjax.experimental import BlockManager\nkeys = BlockManager(1, 4)._keys\n")
+    assert private_reaches(source) == ["1: from cbjax.models.transformer import _qkv", "3: common._ok",
+                                       "5: BlockManager(...)._keys"]
 
 
 def test_nothing_touches_another_modules_private_names():

@@ -2,15 +2,7 @@
 
 Each replica is a whole engine (scheduler, KV cache, params) on its own group of
 `tensor_parallel` devices; the front routes each request to one replica and steps
-them all. Routing policies:
-
-- `round_robin`: the next replica in turn.
-- `least_loaded`: the replica with the least queued work, scored as vLLM's
-  data-parallel balancer does (4 x waiting + running).
-- `prefix_affinity`: requests whose first `affinity_tokens` prompt tokens agree go to
-  the same replica (a hash of them), so its prefix cache sees every request of a
-  shared system prompt; a replica more than `affinity_slack` requests busier than the
-  least loaded one is passed over for it (SGLang's cache-aware router does the same).
+them all; routing.py says which replica a request goes to.
 
 Replicas step concurrently from a thread each: JAX releases the GIL while a device
 runs and while the host waits for its result, so one replica's device work overlaps
@@ -24,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -35,10 +26,8 @@ from cbjax.core.step_stats import Load
 from cbjax.core.replay import run_arrivals
 from cbjax.llm import LLM, Prompt, offline_workload, progress_bar
 from cbjax.loading import Model, load_model
+from cbjax.parallel.routing import Router
 from cbjax.request import RequestOutput, SamplingParams
-
-ROUTING = ("round_robin", "least_loaded", "prefix_affinity")
-
 
 class Replicas:
     def __init__(self, model: str | Model, *, data_parallel: int = 2, tensor_parallel: int = 1,
@@ -49,10 +38,7 @@ class Replicas:
         is cut into `data_parallel` groups of `tensor_parallel`."""
         self.data_parallel = checks.integer("data_parallel", data_parallel, 1)
         tensor_parallel = checks.integer("tensor_parallel", tensor_parallel, 1)
-        if routing not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-        self.routing = routing
-        self.affinity_tokens = checks.integer("affinity_tokens", affinity_tokens, 1)
+        self.router = Router(routing, affinity_tokens, affinity_slack)
         self.simulated = simulate is not None
         self.clock: Callable[[], float]
         if self.simulated:
@@ -73,9 +59,7 @@ class Replicas:
                                  devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel], **llm_options)
                              for i in range(self.data_parallel)]
             self.clock = self.replicas[0].clock
-        slots = self.replicas[0].scheduler_config.num_slots
-        self.affinity_slack = slots if affinity_slack is None else checks.integer("affinity_slack",
-                                                                                  affinity_slack, 0)
+        self.router.attach([r.load for r in self.replicas], self.replicas[0].scheduler_config.num_slots)
         self.model, self.tokenizer = model, model.tokenizer
         self.grammars = self.replicas[0].grammars  # one structured-output compiler: the tokenizer is read once
         for r in self.replicas[1:]:
@@ -84,27 +68,9 @@ class Replicas:
         self._pool = ThreadPoolExecutor(self.data_parallel) if many else None
         self._owner: dict[str, int] = {}  # live request id -> replica index
         self._ids = itertools.count()
-        self._accepted = 0  # requests queued so far: round robin's turn
-        self.routed = [0] * self.data_parallel  # requests sent to each replica
 
-    # ------------------------------------------------------------ routing
-    def queued_work(self, i: int) -> int:
-        load = self.replicas[i].load()
-        return 4 * load.waiting + load.running
-
-    def _least_loaded(self) -> int:
-        return min(range(self.data_parallel), key=lambda i: (self.queued_work(i), i))
-
-    def route(self, prompt_ids: list[int] | None) -> int:
-        """The replica a request goes to (only prefix affinity reads its prompt tokens)."""
-        if self.routing == "round_robin":
-            return self._accepted % self.data_parallel
-        least = self._least_loaded()
-        if self.routing == "least_loaded":
-            return least
-        key = ",".join(map(str, prompt_ids[:self.affinity_tokens])).encode()
-        preferred = zlib.crc32(key) % self.data_parallel
-        return preferred if self.queued_work(preferred) <= self.queued_work(least) + self.affinity_slack else least
+    routing = property(lambda self: self.router.routing)
+    routed = property(lambda self: self.router.routed)
 
     # ----------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
@@ -113,20 +79,19 @@ class Replicas:
         """Route and queue a request; raises ValueError for a bad one (nothing else is touched).
         `scored_prompt`: as `LLM.add_request` (the replicas' engines score alike)."""
         # Only prefix affinity needs the token ids before the replica tokenizes the prompt itself.
-        ids = self.replicas[0].prompt_ids(prompt)[0] if self.routing == "prefix_affinity" else None
+        ids = self.replicas[0].prompt_ids(prompt)[0] if self.router.reads_prompt else None
         if request_id is None:
             while (request_id := str(next(self._ids))) in self._owner:
                 pass
         elif str(request_id) in self._owner:
             raise ValueError(f"duplicate request id {request_id!r}")
-        i = self.route(ids)
+        i = self.router.route(ids)
         if self.simulated and not self.replicas[i].has_unfinished_requests():  # an idle lane starts now
             self.replicas[i].clock.catch_up(self.clock() if arrival_time is None else arrival_time)
         rid = self.replicas[i].add_request(prompt, sampling_params, request_id=request_id, priority=priority,
                                            arrival_time=arrival_time, scored_prompt=scored_prompt)
         self._owner[rid] = i
-        self._accepted += 1
-        self.routed[i] += 1
+        self.router.routed_to(i)
         return rid
 
     def abort(self, request_id: str, index: int | None = None):

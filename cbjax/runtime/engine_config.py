@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from cbjax import checks
+from cbjax import checks, knobs
+from cbjax.knobs import knob, like
 from cbjax.models.kv_cache import KV_DTYPES
-from cbjax.scheduling.config import MERGE_MODES
+from cbjax.scheduling.config import SchedulerConfig
 
 
 CPU_KERNEL_CHOICES = ("auto", "on", "off")
@@ -45,90 +46,67 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclasses.dataclass
 class EngineConfig:
-    num_slots: int = 8
-    max_seq_len: int = 512
-    prefill_floor: int = 16
-    # Token buckets per doubling from prefill_floor on: 1 keeps powers of two (a prompt pads to
-    # up to twice its length); 2 adds the 1.5x sizes (24, 48, 96, ...: up to 1.33x, at one
-    # more program per doubling). A power of two.
-    token_bucket_steps: int = 1
-    decode_steps: int = 1
-    max_stop_tokens: int = 16
-    kv_cache: str = "slots"  # or "paged"
-    page_size: int = 16
-    num_pages: int | None = None  # paged: pool size (default: enough for every slot at max_seq_len)
-    # Attention over either cache layout: "reference" (pure JAX, everywhere), "pallas" (the ragged
-    # kernels of pallas_kernels/ragged_paged_attention: Triton on a GPU, Mosaic on a TPU, interpret
-    # mode on a CPU), or "auto": the kernels on a GPU or TPU, the reference path (and the C++
-    # CPU kernels) on a CPU (`engine_choices.choose_attention`).
-    attention: str = "auto"
-    # "prefill_first": a step of prompt rows, then one of decode rows. "fused" / "chunked": one
-    # step of both per round over at most `max_num_batched_tokens` tokens (runtime/step.py).
-    merge_mode: str = "prefill_first"
-    max_num_batched_tokens: int | None = None
-    # The most tokens one step holds, its largest token bucket (so it bounds the programs): a
-    # round's rows beyond it go in further calls, a long prompt chunk split across them.
-    # Default: max_num_batched_tokens, else DEFAULT_STEP_TOKENS for the engine's platform.
-    max_step_tokens: int | None = None
-    # The least tokens a step is compiled for, its smallest token bucket (rows of fewer pad up
-    # to it). Default: DEFAULT_MIN_STEP_TOKENS for the engine's platform.
-    min_step_tokens: int | None = None
-    # Decode-sized f32 matmuls and one-token attention reads: "auto" (the kernels of
-    # cbjax/runtime/cpu/kernels.py on a single-device CPU engine when they build, else XLA),
-    # "on" (those, or an error) or "off" (XLA).
-    cpu_kernels: str = "auto"
-    # Decode-sized products: "auto" (on one GPU the Pallas kernel of pallas_kernels/decode_matmul
-    # for int8/fp8 weights and where the device's tuning chose it for float ones, XLA's dot
-    # elsewhere), "pallas" (the kernel for every product it takes; on a CPU for 8-bit weights,
-    # interpreted) or "xla" (runtime/engine_ops.py).
-    quantized_matmul: str = "auto"
-    # The Pallas kernels' launch settings: "auto" (on a GPU, timed at warm-up on the engine's own
-    # shapes and cached on disk by device kind, JAX version and shape: runtime/kernel_tuning.py)
-    # or "off" (the kernels' defaults).
-    kernel_tuning: str = "auto"
-    # The KV cache's storage: "auto" (the model's dtype), or "int8" / "fp8" (e4m3) with a float32
-    # scale per position and head (cbjax/models/kv_cache.py), about half of bf16's bytes.
-    kv_cache_dtype: str = "auto"
-    # Logprobs: the most top-k alternatives a request may ask for (vLLM's max_logprobs); 0
-    # leaves them out of every program. Computed only in steps where some row asks.
-    max_logprobs: int = 20
-    max_logit_bias: int = 64  # logit_bias entries per request
-    # Speculative decoding: the most tokens proposed for a request per step (0: none). A verify
-    # row is its last token and these: the programs of calls with such rows sample 1 + this
-    # many positions per row (runtime/speculative.py).
-    num_speculative_tokens: int = 0
+    """The device engine's knobs, each declared here once unless the scheduler's config
+    declares it (`EngineArgs` takes them from both)."""
+
+    num_slots: int = like(SchedulerConfig, "num_slots")
+    max_seq_len: int = knob(512, "Prompt plus output tokens per request (the cache's length).", lower=2)
+    prefill_floor: int = knob(16, "Smallest token bucket of a step that holds prompt tokens.", lower=1)
+    token_bucket_steps: int = knob(1, "Token buckets per doubling from prefill_floor on (a power of two): 1 = "
+                                   "powers of two; 2 adds 24, 48, 96, ...: a prompt pads to at most 1.33x its "
+                                   "length instead of 2x, at one more program per doubling.", lower=1)
+    decode_steps: int = like(SchedulerConfig, "decode_steps")
+    max_stop_tokens: int = knob(16, "Stop token ids per request the programs hold.", lower=1)
+    kv_cache: str = knob("slots", "KV-cache layout: slots (one row per sequence) or paged.", ("slots", "paged"))
+    page_size: int = knob(16, "Tokens per page (paged cache).", lower=1)
+    num_pages: int | None = knob(None, "Pages in the paged cache (default: num_slots x max_seq_len worth).",
+                                 lower=1)
+    # "pallas" runs the kernels of pallas_kernels/ragged_paged_attention: Triton on a GPU, Mosaic
+    # on a TPU, interpret mode on a CPU (`engine_choices.choose_attention`).
+    attention: str = knob("auto", "Attention: auto (the Pallas kernels on a GPU or TPU, the reference path and "
+                          "the C++ kernels on a CPU), reference (pure JAX) or pallas (the ragged kernels, over "
+                          "either cache layout).", ATTENTION_CHOICES)
+    merge_mode: str = like(SchedulerConfig, "merge_mode")
+    max_num_batched_tokens: int | None = like(SchedulerConfig, "max_num_batched_tokens")
+    # A round's rows beyond the largest bucket go in further calls, a long prompt chunk split
+    # across them.
+    max_step_tokens: int | None = knob(None, "Most tokens in one device step, its largest token bucket (longer "
+                                       "prompts prefill over several steps); default max_num_batched_tokens, "
+                                       "else 512 on a CPU, 2048 on an accelerator.", lower=1)
+    min_step_tokens: int | None = knob(None, "Least tokens in one device step, its smallest token bucket (fewer "
+                                       "rows pad up to it); default 1 on a CPU, 16 on an accelerator, where a "
+                                       "step that small costs one read of the weights whatever its rows.", lower=1)
+    # The kernels of cbjax/runtime/cpu/kernels.py.
+    cpu_kernels: str = knob("auto", "Decode-sized f32 matmuls and one-token attention through C++ kernels: auto "
+                            "(on a single-device CPU engine when a C++ compiler builds them), on or off.",
+                            CPU_KERNEL_CHOICES)
+    # runtime/engine_ops.py; the kernel is pallas_kernels/decode_matmul.
+    quantized_matmul: str = knob("auto", "Decode-sized products (up to 64 rows): auto (on one GPU the Pallas "
+                                 "kernel for int8/fp8 weights and for bf16 ones where kernel_tuning found it "
+                                 "faster, the C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), "
+                                 "pallas (the kernel for every product it takes; on a CPU 8-bit ones, "
+                                 "interpreted) or xla.", QUANTIZED_MATMUL_CHOICES)
+    # runtime/kernel_tuning.py.
+    kernel_tuning: str = knob("auto", "The Pallas kernels' launch settings on a GPU: auto (timed at warm-up on the "
+                              "engine's shapes, cached on disk by device kind, JAX version and shape) or off "
+                              "(their defaults).", KERNEL_TUNING_CHOICES)
+    # The 8-bit formats (cbjax/models/kv_cache.py) keep a float32 scale per position and head.
+    kv_cache_dtype: str = knob("auto", "KV-cache storage: auto (dtype); float16 or bfloat16 (half of float32's "
+                               "bytes: the CPU kernels read float16); int8 or fp8 (e4m3), each 8-bit vector with "
+                               "a float32 scale per position and head: about twice the sequences of bf16 in "
+                               "kv_cache_bytes.", KV_DTYPES)
+    # vLLM's max_logprobs; computed only in steps where some row asks.
+    max_logprobs: int = knob(20, "Most top-k logprobs a request may ask for; 0 compiles logprobs out.",
+                             lower=0, upper=1024)
+    max_logit_bias: int = knob(64, "logit_bias entries per request the programs hold.", lower=0, upper=4096)
+    # A verify row is its last token and these: the programs of calls with such rows sample
+    # 1 + this many positions per row (runtime/speculative.py).
+    num_speculative_tokens: int = like(SchedulerConfig, "num_speculative_tokens")
 
     def __post_init__(self):
-        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
-        self.max_seq_len = checks.integer("max_seq_len", self.max_seq_len, 2)
-        for name in ("prefill_floor", "decode_steps", "max_stop_tokens", "page_size", "token_bucket_steps"):
-            setattr(self, name, checks.integer(name, getattr(self, name), 1))
+        knobs.check(self)
         if self.token_bucket_steps & (self.token_bucket_steps - 1):
             raise ValueError(f"token_bucket_steps must be a power of two, got {self.token_bucket_steps}")
-        self.max_logprobs = checks.integer("max_logprobs", self.max_logprobs, 0, 1024)
-        self.max_logit_bias = checks.integer("max_logit_bias", self.max_logit_bias, 0, 4096)
-        self.num_speculative_tokens = checks.integer("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
-        if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
-        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
-            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
-        if self.quantized_matmul not in QUANTIZED_MATMUL_CHOICES:
-            raise ValueError(f"quantized_matmul must be one of {QUANTIZED_MATMUL_CHOICES}, "
-                             f"got {self.quantized_matmul!r}")
-        if self.kernel_tuning not in KERNEL_TUNING_CHOICES:
-            raise ValueError(f"kernel_tuning must be one of {KERNEL_TUNING_CHOICES}, got {self.kernel_tuning!r}")
-        if self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
-        if self.merge_mode not in MERGE_MODES:
-            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
-        if self.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.max_step_tokens is not None:
-            self.max_step_tokens = checks.integer("max_step_tokens", self.max_step_tokens, 1)
-        if self.min_step_tokens is not None:
-            self.min_step_tokens = checks.integer("min_step_tokens", self.min_step_tokens, 1)
         if self.kv_cache == "paged":
             if self.max_seq_len % self.page_size:
                 raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of page_size "

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from cbjax import checks
+from cbjax import checks, knobs
+from cbjax.knobs import knob
 
 POLICIES = ("static", "dynamic", "continuous")
-# fcfs: arrival; priority: lower `priority` first (vLLM's convention), then arrival; score:
-# source note 004's score, highest first; sjf: shortest predicted remaining output first.
 ORDERINGS = ("fcfs", "priority", "score", "sjf")
 MERGE_MODES = ("prefill_first", "fused", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -16,69 +15,57 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    policy: str = "continuous"
-    num_slots: int = 8
-    batch_size: int | None = None  # static/dynamic; default num_slots
-    window_ms: float = 50.0
-    refill_interval: int = 1
-    waiting_served_ratio: float = 0.0
-    max_waiting_steps: int = 20
-    max_prefill_tokens: int | None = None  # prompt tokens per round; None: whole prompts
-    ordering: str = "fcfs"
+    """The scheduler's knobs, each declared here once (`EngineArgs` takes them from here)."""
+
+    policy: str = knob("continuous", "Batching policy: static, dynamic or continuous.", POLICIES)
+    num_slots: int = knob(8, "KV-cache slots: sequences decoded together.", lower=1)
+    batch_size: int | None = knob(None, "Static/dynamic batch size (default: num_slots).", lower=1)
+    window_ms: float = knob(50.0, "Dynamic batching: wait at most this long after a batch's first arrival.",
+                            lower=0.0)
+    refill_interval: int = knob(1, "Continuous: decode steps between admissions.", lower=1)
+    waiting_served_ratio: float = knob(0.0, "Continuous (TGI): waiting/running ratio at which prefills may "
+                                       "interrupt decodes.", lower=0.0)
+    max_waiting_steps: int = knob(20, "Continuous (TGI): decode steps a waiting prefill waits at most.", lower=1)
+    max_prefill_tokens: int | None = knob(None, "Prompt tokens prefilled per round (chunked prefill); "
+                                          "default whole prompts.", lower=1)
+    # fcfs: arrival; priority: lower `priority` first (vLLM's convention), then arrival; score:
+    # source note 004's score, highest first; sjf: shortest predicted remaining output first.
+    ordering: str = knob("fcfs", "Admission order of waiting requests: fcfs, priority (lower first), score "
+                         "(note 004: wait, predicted remaining length, priority) or sjf (shortest predicted "
+                         "remaining output first).", ORDERINGS)
     # ordering="score" (source note 004): score = score_wait x seconds waited
     # + score_short / predicted remaining tokens - score_priority x priority (lower priority
     # values are more important), the note's weights by default. score_wait > 0 is aging: a
     # waiting request's score grows until it outranks every later arrival.
-    score_wait: float = 1.0
-    score_short: float = 0.5
-    score_priority: float = 2.0
-    # priority / score orderings (continuous policy): a waiting request that outranks the least
-    # important request holding a slot takes that slot when none is free (the other is
-    # preempted and recomputed later, as in vLLM's priority policy).
-    priority_preemption: bool = True
-    length_aware: bool = False
-    decode_steps: int = 1
-    # How prefill meets decode: "prefill_first" (prefill calls, then a decode call), "fused"
-    # (Orca: whole new prompts in the same step as the decodes) or "chunked" (Sarathi-Serve:
-    # decodes first, then prompt chunks, within `max_num_batched_tokens` tokens per step).
-    merge_mode: str = "prefill_first"
-    max_num_batched_tokens: int | None = None
-    # What a preempted decoding request keeps: nothing ("recompute": its tokens are prefilled
-    # again, vLLM's default) or its KV and state, in the host tier ("swap").
-    preemption_mode: str = "recompute"
-    # Speculative decoding: the most tokens proposed per request and step. A speculating
-    # request's step writes up to this many positions past a decode's: the paged cache's
-    # look-ahead and the mixed step's token budget count them.
-    num_speculative_tokens: int = 0
+    score_wait: float = knob(1.0, "ordering=score: weight of each second waited (aging; 0 turns it off).",
+                             lower=0.0)
+    score_short: float = knob(0.5, "ordering=score: weight of 1 / predicted remaining output tokens.", lower=0.0)
+    score_priority: float = knob(2.0, "ordering=score: weight of the priority (lower values rank higher).",
+                                 lower=0.0)
+    # As vLLM's priority policy: the preempted request is recomputed later.
+    priority_preemption: bool = knob(True, "ordering=priority/score, continuous: a waiting request that outranks "
+                                     "a running one takes its slot when none is free (recompute).")
+    length_aware: bool = knob(False, "Static/dynamic: batch requests of similar expected length.")
+    decode_steps: int = knob(1, "Decode steps per device call (the host syncs once per call).", lower=1)
+    # "fused": whole new prompts in the same step as the decodes; "chunked": decodes first,
+    # then prompt chunks, within `max_num_batched_tokens` tokens per step.
+    merge_mode: str = knob("prefill_first", "How prefills meet running decodes: prefill_first, fused (Orca) "
+                           "or chunked (Sarathi-Serve).", MERGE_MODES)
+    max_num_batched_tokens: int | None = knob(None, "Token budget of a mixed step (fused/chunked); default "
+                                              "max(256, 2 x slots) chunked, max_seq_len + slots fused.", lower=1)
+    preemption_mode: str = knob("recompute", "What a preempted decoding request keeps: recompute (its tokens "
+                                "are prefilled again, vLLM's default) or swap (its KV and state wait in host "
+                                "memory, host_kv_cache_bytes).", PREEMPTION_MODES)
+    # A speculating request's step writes up to this many positions past a decode's: the paged
+    # cache's look-ahead and the mixed step's token budget count them.
+    num_speculative_tokens: int = knob(0, "Speculation: the most tokens proposed per request and step (0: none).",
+                                       lower=0, upper=64)
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
-        for name in ("score_wait", "score_short", "score_priority"):
-            setattr(self, name, checks.real(name, getattr(self, name), 0.0))
-        if not isinstance(self.priority_preemption, bool):
-            raise ValueError(f"priority_preemption must be a bool, got {self.priority_preemption!r}")
-        self.num_slots = checks.integer("num_slots", self.num_slots, 1)
+        knobs.check(self)
         if self.batch_size is None:
             self.batch_size = self.num_slots
         self.batch_size = checks.integer("batch_size", self.batch_size, 1, self.num_slots)
-        self.num_speculative_tokens = checks.integer("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
-        for name in ("refill_interval", "decode_steps", "max_waiting_steps"):
-            setattr(self, name, checks.integer(name, getattr(self, name), 1))
-        self.window_ms = checks.real("window_ms", self.window_ms, 0.0)
-        self.waiting_served_ratio = checks.real("waiting_served_ratio", self.waiting_served_ratio, 0.0)
-        if self.max_prefill_tokens is not None:
-            self.max_prefill_tokens = checks.integer("max_prefill_tokens (or None)", self.max_prefill_tokens, 1)
-        if not isinstance(self.length_aware, bool):
-            raise ValueError(f"length_aware must be a bool, got {self.length_aware!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.merge_mode not in MERGE_MODES:
-            raise ValueError(f"merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
-        if self.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = checks.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.merge_mode != "prefill_first":
             if self.policy != "continuous":
                 raise ValueError(f"merge_mode={self.merge_mode!r} is iteration-level: it needs policy='continuous'")

@@ -75,9 +75,9 @@ def page_reuse(workload, page_size: int) -> dict:
     """The prompts' distinct full pages (the working set), their total, and the pages an
     unbounded prefix cache could skip (leading pages an earlier prompt had; never a page holding
     a prompt's last token, which is always computed)."""
-    from cbjax.experimental import BlockManager
+    from cbjax.experimental import PrefixIndex
 
-    keys = BlockManager(1, page_size)._keys
+    keys = PrefixIndex(page_size).keys
     seen, total, reusable = set(), 0, 0
     for w in workload:
         chain = keys(w.prompt[:len(w.prompt) - 1])
