@@ -47,10 +47,10 @@ _WHERE = {
     # runtime
     "Engine": "cbjax.runtime.engine",
     "EngineConfig": "cbjax.runtime.engine",
-    "bubble_fraction": "cbjax.runtime.pipeline",
-    "default_cache": "cbjax.runtime.kernel_tuning",
+    "bubble_fraction": "cbjax.runtime.scale.pipeline",
+    "default_cache": "cbjax.runtime.compiled.kernel_tuning",
     "kernels": "cbjax.runtime.cpu.kernels:",  # the module itself
-    "link_bytes_per_layer": "cbjax.runtime.expert_parallel",
+    "link_bytes_per_layer": "cbjax.runtime.scale.expert_parallel",
     "padded_length": "cbjax.runtime.kv_transfer",
     "split_logprobs": "cbjax.runtime.packing",
     "LARGE_CHUNK": "cbjax.runtime.prompt_logprobs",

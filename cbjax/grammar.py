@@ -1,7 +1,7 @@
 """Structured output on the host: a request's `StructuredOutput` compiled by llguidance into a
 matcher that follows the request's output tokens and, before each step that samples for it,
 writes the bitmask of the tokens that may come next (one bit per vocabulary id, 32 ids to an
-int32 word). The device applies the masks inside the batched step (runtime/sampling.py); a
+int32 word). The device applies the masks inside the batched step (runtime/traced/sampling.py); a
 step with no constrained row is the program compiled without a mask, so requests without a
 constraint pay nothing while none is running.
 

@@ -120,9 +120,9 @@ class LLM(OfflineRuns):
         simulated, and `model` may name a shape from cbjax.simulator.MODEL_SHAPES.
         `tensor_parallel`: shard the params and the KV cache over that many of `devices`
         (default: `jax.devices()`, every process's); or pass a ready `mesh` with a "tp" axis
-        (runtime/sharding.py). `devices` alone pins a single-device engine to `devices[0]`.
+        (runtime/scale/sharding.py). `devices` alone pins a single-device engine to `devices[0]`.
         `pipeline_stages`: split the layers over that many devices instead, decoding the
-        slots in `micro_batches` groups (runtime/pipeline.py). `prefill_instances`: prefill and decode apart.
+        slots in `micro_batches` groups (runtime/scale/pipeline.py). `prefill_instances`: prefill and decode apart.
         `core`: one built apart from `model` (a `Model`) and `args` (`build_core`), for a study that
         reads the engine behind it through the core's own surface (`Core`, cbjax/core/interface.py)."""
         args = EngineArgs(**engine_args) if args is None else dataclasses.replace(args, **engine_args)
@@ -233,7 +233,7 @@ class LLM(OfflineRuns):
 
     def wait_for_compiles(self) -> int:
         """Block until the programs compiling in the background are ready (on a GPU, the narrower
-        sampler variants: runtime/step_programs.py), as a benchmark does before it times.
+        sampler variants: runtime/compiled/step_programs.py), as a benchmark does before it times.
         Returns how many there were."""
         return self.core.wait_for_compiles()
 

@@ -53,8 +53,8 @@ class StructuredOutput:
 
 class Sampler(enum.IntFlag):
     """The parts of sampling a request needs, and a step's program holds (its static argument,
-    cbjax/runtime/sampling.py): the host, which packs every row's sampling parameters, ORs
-    them over a call's rows and picks a program that covers them (runtime/step_programs.py). Where a
+    cbjax/runtime/traced/sampling.py): the host, which packs every row's sampling parameters, ORs
+    them over a call's rows and picks a program that covers them (runtime/compiled/step_programs.py). Where a
     branch skips work on the device (CPU, TPU) one program holding them all costs nothing for
     rows that need less; on a GPU `skip_unless` computes both sides, so a program for greedy
     rows alone is the only way they skip the vocabulary sort (what it cost: docs/engine.md,

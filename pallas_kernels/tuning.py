@@ -176,7 +176,7 @@ def note(kernel: str, shape: tuple, example) -> None:
 
 def choices_digest() -> str:
     """This process's choices as one string: part of the key of anything compiled from a trace
-    that read them (cbjax/runtime/executables.py)."""
+    that read them (cbjax/runtime/compiled/executables.py)."""
     return repr(sorted(_chosen.items()))
 
 

@@ -11,9 +11,10 @@ import pytest
 
 from cbjax import compile_cache
 from cbjax.parallel.distributed import expose_host_devices
-from cbjax.runtime import engine_config, executables
+from cbjax.runtime import engine_config
 
 # JAX's persistent compilation cache, shared by the test processes (pytest-xdist workers)
+from cbjax.runtime.compiled import executables
 # and the experiment scripts they start: the suite compiles the same tiny-model programs
 # in many processes, and after the mapping guard below clears the in-memory caches. Keyed
 # by the program and the JAX version, so a hit is the same executable. A fresh directory

@@ -21,7 +21,7 @@ from cbjax.front import Front
 from cbjax.parallel.replicas import Replicas
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.interface import EngineInfo, StepEngine
-from cbjax.runtime.pipeline import PipelineEngine
+from cbjax.runtime.scale.pipeline import PipelineEngine
 from cbjax.simulator import SimulatedEngine
 from tests.internals import engine_of
 

@@ -20,7 +20,7 @@ from cbjax.loading.model import Model
 from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.models.params import flatten_shapes, param_shapes, unflatten
 from cbjax.runtime.engine import Engine
-from cbjax.runtime.lowering import lower_programs
+from cbjax.runtime.compiled.lowering import lower_programs
 from cbjax.runtime.engine_config import EngineConfig
 from tests.tiers import sweep
 
@@ -258,7 +258,8 @@ def test_tuned_launches_lower_for_cuda(attention):
     every program lowers for cuda with no data-dependent control flow; the decode-sized programs
     call the Mosaic GPU kernel for every matrix, the larger ones for the LM head only; the
     attention is the Triton call or one more Mosaic GPU call, as chosen."""
-    from cbjax.runtime import engine_ops, kernel_tuning
+    from cbjax.runtime import engine_ops
+    from cbjax.runtime.compiled import kernel_tuning
     from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
 
     model = abstract_model(SHAPES["llama-3-8b"], jnp.bfloat16)

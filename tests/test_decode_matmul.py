@@ -200,7 +200,7 @@ def test_lowers_for_cuda(form, rows, dtype):
     """The Triton and Mosaic GPU lowering rules run here at Llama-3-8B's w_down shape; only the final
     compile needs a GPU (under `lowering_target("cuda")`: from JAX 0.11 the Triton lowering reads the
     target GPU's compute capability, which an abstract H100 gives it)."""
-    from cbjax.runtime.lowering import lowering_target
+    from cbjax.runtime.compiled.lowering import lowering_target
 
     groups = 1 if form == "mosaic" else 112
     scale = None if dtype == jnp.bfloat16 else jax.ShapeDtypeStruct((4096, groups), jnp.float32)

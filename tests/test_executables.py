@@ -1,4 +1,4 @@
-"""The on-disk store of compiled step programs (cbjax/runtime/executables.py): a second
+"""The on-disk store of compiled step programs (cbjax/runtime/compiled/executables.py): a second
 engine of the same shapes reads its programs instead of tracing them, with the same tokens;
 anything the trace depends on changes the key; a damaged file is compiled again."""
 
@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from cbjax import LLM, SamplingParams, compile_cache
-from cbjax.runtime import executables
+from cbjax.runtime.compiled import executables
 from cbjax.runtime.engine import TRACE_COUNTS
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12] * 20]

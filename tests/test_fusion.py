@@ -15,7 +15,7 @@ from cbjax.models import fusion, quant
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_config import EngineConfig
-from cbjax.runtime.lowering import lower_programs
+from cbjax.runtime.compiled.lowering import lower_programs
 from cbjax.request import ALL
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 from tests.tiers import sweep

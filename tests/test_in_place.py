@@ -21,7 +21,7 @@ import pallas_kernels.ragged_paged_attention as rpa
 from cbjax.loading import load_model
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_config import EngineConfig
-from cbjax.runtime.step import ragged_step
+from cbjax.runtime.traced.step import ragged_step
 from tests.tiers import sweep
 
 

@@ -1,4 +1,4 @@
-"""Launch settings tuned on the device (pallas_kernels/tuning.py, cbjax/runtime/kernel_tuning.py),
+"""Launch settings tuned on the device (pallas_kernels/tuning.py, cbjax/runtime/compiled/kernel_tuning.py),
 checked on this CPU with a fake timer: the fastest candidate is chosen, written to the cache keyed
 by kernel, device kind, JAX version and shape, read back by a second start without timing, timed
 again for another device kind; refused candidates are left out; and an engine's programs, traced
@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from cbjax import LLM, SamplingParams
-from cbjax.runtime import kernel_tuning
+from cbjax.runtime.compiled import kernel_tuning
 from pallas_kernels import decode_matmul, ragged_paged_attention, tuning
 from tests.tiers import slow
 from tests.internals import engine_of

@@ -81,7 +81,7 @@ EXPERT_PARALLEL = [(f, ep, 1) for f in FAMILIES for ep in (2, 4, 8)] + [(f, 2, 2
     EXPERT_PARALLEL, quick={("mixtral", 2, 1), ("qwen3_moe", 8, 1), ("qwen2_moe", 2, 2)}))
 def test_expert_parallel_equals_transformers(family_setup, family, expert_parallel, tensor_parallel):
     """The experts spread over devices, tokens moved to them and back by all-to-all
-    (cbjax/runtime/expert_parallel.py), beside tensor parallelism; chunked and paged (the layout
+    (cbjax/runtime/scale/expert_parallel.py), beside tensor parallelism; chunked and paged (the layout
     and mode the sweep above checks on one device) alternate with the case."""
     model, prompts, max_tokens, expected = family_setup(family)
     layout = LAYOUTS["paged" if expert_parallel % 4 else "slots"]
@@ -108,7 +108,7 @@ def test_bad_expert_parallel_settings_are_refused_by_name(options, match):
 
 
 def test_the_link_bytes_per_layer():
-    from cbjax.runtime.expert_parallel import link_bytes_per_layer
+    from cbjax.runtime.scale.expert_parallel import link_bytes_per_layer
 
     assert link_bytes_per_layer(64, 2, 4096, 1, 2) == 0
     # ep 4: 16 tokens a device, 32 pairs; two exchanges of 4 x 32 rows, 3/4 leaving; a gather of 3 x 16 rows.

@@ -138,7 +138,7 @@ def test_mosaic_launches_are_tuned_where_the_form_takes_the_call():
 def test_mosaic_form_lowers_for_cuda(decode, head_dim, window):
     """Mosaic GPU's lowering runs here at Llama-3-8B's shape (64 decodes; a 128-token ragged batch
     of 8 sequences) and a windowed head_dim-64 one; only the final compile needs a GPU."""
-    from cbjax.runtime.lowering import lowering_target
+    from cbjax.runtime.compiled.lowering import lowering_target
 
     seqs, tokens = (64, 64) if decode else (8, 128)
     args = (jax.ShapeDtypeStruct((tokens, 32, head_dim), jnp.bfloat16),
@@ -163,7 +163,7 @@ def test_an_engine_tuned_to_the_mosaic_form_gives_the_reference_engines_tokens(t
     from cbjax.loading.model import Model
     from cbjax.loading.presets import RANDOM_PRESETS
     from cbjax.models.params import init_params
-    from cbjax.runtime import kernel_tuning
+    from cbjax.runtime.compiled import kernel_tuning
     from pallas_kernels import tuning
 
     config = dataclasses.replace(RANDOM_PRESETS["tiny-llama"], head_dim=64)

@@ -241,7 +241,7 @@ def test_finished_requests_are_released_once_returned(model):
 def test_seeded_sampling_draws_per_token_id_not_per_rank():
     """Logits with exact ties, then a 1e-6 perturbation that reorders the tied tokens: the
     distribution is the same to float32 precision, so the same seed must pick the same token."""
-    from cbjax.runtime.sampling import sample
+    from cbjax.runtime.traced.sampling import sample
 
     rng = np.random.default_rng(8)
     rows = 256  # one row per seed, all in one call

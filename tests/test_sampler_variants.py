@@ -1,4 +1,4 @@
-"""Sampler variants (runtime/step_programs.py): the program of an all-greedy step lowered for
+"""Sampler variants (runtime/compiled/step_programs.py): the program of an all-greedy step lowered for
 cuda holds no vocabulary sort and no top-k; a GPU's choice of variants, forced on this CPU,
 draws the same tokens and logprobs as the one program that holds every part of sampling."""
 
@@ -13,8 +13,8 @@ from cbjax.request import ALL, GREEDY, Sampler
 from cbjax.loading.presets import RANDOM_PRESETS
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_config import EngineConfig
-from cbjax.runtime.lowering import lower_programs
-from cbjax.runtime.step_programs import SamplerVariants
+from cbjax.runtime.compiled.lowering import lower_programs
+from cbjax.runtime.compiled.step_programs import SamplerVariants
 from cbjax.scheduling.plan import Row
 from tests.test_cross_lowering import LLAMA3_8B, abstract_model
 from tests.tiers import sweep
@@ -144,7 +144,7 @@ def test_a_program_is_traced_for_its_engines_platform_alone():
     `platform_dependent` left (the sampler's skips and the attention kernel chosen at the trace,
     not all of them traced to be chosen at lowering), and fewer equations than the program for
     any platform."""
-    from cbjax.runtime.step import ragged_step
+    from cbjax.runtime.traced.step import ragged_step
 
     engine = Engine(abstract_model(RANDOM_PRESETS["tiny-llama"], jnp.float32),
                     EngineConfig(num_slots=2, max_seq_len=64, kv_cache="paged", page_size=16, attention="pallas",

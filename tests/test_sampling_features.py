@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from cbjax import LLM, SamplingParams
-from cbjax.runtime.device_state import FREQUENCY, PRESENCE, REPETITION, SlotState
-from cbjax.runtime.sampling import process_logits
+from cbjax.runtime.traced.device_state import FREQUENCY, PRESENCE, REPETITION, SlotState
+from cbjax.runtime.traced.sampling import process_logits
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.internals import pages_of, scheduler_of
 
@@ -150,7 +150,7 @@ def test_presence_frequency_and_bias_in_generation(hf_and_dir):
 def test_min_p_cuts_relative_to_the_likeliest_token(hf_and_dir):
     import jax.numpy as jnp
 
-    from cbjax.runtime.sampling import sample
+    from cbjax.runtime.traced.sampling import sample
 
     rows = 256  # one seed per row
     logits = jnp.tile(jnp.array([[0.0, -1.0, -10.0, -1.2]]), (rows, 1))
@@ -304,7 +304,7 @@ def test_sampling_without_top_k_or_top_p_skips_the_sort_and_draws_the_same_token
     import jax
     import jax.numpy as jnp
 
-    from cbjax.runtime import sampling
+    from cbjax.runtime.traced import sampling
 
     rng = np.random.default_rng(0)
     rows = 64

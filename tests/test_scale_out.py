@@ -16,7 +16,7 @@ import pytest
 
 from cbjax import LLM, SamplingParams
 from cbjax.loading import load_hf_dir
-from cbjax.runtime.pipeline import StageCall, bubble_fraction, stage_bounds
+from cbjax.runtime.scale.pipeline import StageCall, bubble_fraction, stage_bounds
 from cbjax.parallel.replicas import Replicas
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_engine_parity import hf_greedy

@@ -21,7 +21,7 @@ import pytest
 from cbjax import LLM, SamplingParams
 from cbjax import grammar as grammar_module
 from cbjax.request import StructuredOutput
-from cbjax.runtime.warmup import warm_structured_output
+from cbjax.runtime.compiled.warmup import warm_structured_output
 from cbjax.serve import Server
 from tests.hf_models import save_chat_model
 from tests.tiers import slow

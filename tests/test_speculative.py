@@ -236,7 +236,7 @@ def test_speculation_counts_reach_the_metrics_endpoint():
 
 
 def test_warm_up_compiles_the_verify_programs():
-    from cbjax.runtime.device_state import TRACE_COUNTS
+    from cbjax.runtime.traced.device_state import TRACE_COUNTS
 
     llm = LLM(MODEL, max_seq_len=96, num_slots=4, speculative_method="ngram", num_speculative_tokens=3,
               speculative_length="fixed")

@@ -15,8 +15,9 @@ from cbjax.core.engine_core import EngineCore
 from cbjax.loading import Model, huge_pages, load_model
 from cbjax.models import fusion, quant
 from cbjax.models.kv_cache import SlotCache, kv_capacity, kv_storage_dtype
-from cbjax.runtime import kv_transfer, sharding
-from cbjax.runtime.device_state import SlotState
+from cbjax.runtime import kv_transfer
+from cbjax.runtime.scale import sharding
+from cbjax.runtime.traced.device_state import SlotState
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_ops import start_cpu_kernel_build
@@ -99,7 +100,7 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     if simulate is not None:
         engine = simulator.SimulatedEngine(model, engine_config, simulate, clock, dtype=args.dtype)
     elif args.pipeline_stages > 1:
-        from cbjax.runtime.pipeline import PipelineEngine
+        from cbjax.runtime.scale.pipeline import PipelineEngine
 
         engine = PipelineEngine(model, engine_config, args.pipeline_stages, args.micro_batches, devices)
     else:

@@ -6,7 +6,7 @@ Each round, for the requests that speculate, the draft catches up on what it has
 at all; a rejected proposal's positions are simply written over), samples its first proposed
 token greedily at the row's end, then runs `k - 1` one-step decode calls that feed themselves
 on the device; the host reads every call's tokens once. Greedy proposals are point masses,
-for which the target's verification (cbjax/runtime/speculative.py) is exact rejection
+for which the target's verification (cbjax/runtime/traced/speculative.py) is exact rejection
 sampling: the outputs keep the target's distribution.
 """
 

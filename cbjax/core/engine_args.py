@@ -94,7 +94,7 @@ class DeviceKnobs:
 
 @dataclasses.dataclass
 class ScaleKnobs:
-    """Where the engine runs (cbjax/runtime/sharding.py, pipeline.py, cbjax/core/disaggregation.py,
+    """Where the engine runs (cbjax/runtime/scale/sharding.py, pipeline.py, cbjax/core/disaggregation.py,
     cbjax/simulator/): several devices, several instances, or a simulated accelerator."""
 
     tensor_parallel: int = knob(1, "Shard params and KV cache over this many devices.", lower=1)
@@ -122,7 +122,7 @@ class ScaleKnobs:
 
 @dataclasses.dataclass
 class SpeculationKnobs:
-    """Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/speculative.py)."""
+    """Speculative decoding (cbjax/scheduling/speculation.py, cbjax/runtime/traced/speculative.py)."""
 
     speculative_method: str = knob("none", "Speculative decoding: none, ngram (prompt lookup: the tokens that "
                                    "followed the latest earlier occurrence of a request's last n tokens) or draft "

@@ -7,7 +7,7 @@ from typing import Any
 
 from cbjax.core.snapshot import Snapshot, snapshot_of
 from cbjax.runtime.interface import EngineInfo
-from cbjax.runtime.warmup import warm_structured_output
+from cbjax.runtime.compiled.warmup import warm_structured_output
 
 
 class EngineQueries:

@@ -27,7 +27,7 @@ class Snapshot:
 
 
 def snapshot_of(engine, scheduler, pages, load: Load, stats: StepStats) -> Snapshot:
-    from cbjax.runtime.device_state import TRACE_COUNTS
+    from cbjax.runtime.traced.device_state import TRACE_COUNTS
 
     host = scheduler.host
     return Snapshot(

@@ -50,7 +50,7 @@ class Ops:
     def routed_experts(self, h: jax.Array, experts: jax.Array, weights: jax.Array, p: dict) -> jax.Array | None:
         """A mixture-of-experts layer's experts for tokens `h [N, hidden]` routed to `experts [N, k]`
         with `weights [N, k]` (cbjax/models/moe.py), where a backend spreads them over devices
-        (cbjax/runtime/expert_parallel.py), or None: `moe.apply_experts` on this device."""
+        (cbjax/runtime/scale/expert_parallel.py), or None: `moe.apply_experts` on this device."""
         del h, experts, weights, p
         return None
 

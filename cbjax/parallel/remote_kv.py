@@ -22,9 +22,10 @@ from jax.experimental import transfer
 from cbjax.core.kv_hand_off import held_sequence, insert_held
 from cbjax.core.engine_core import EngineCore
 from cbjax.request import Request
-from cbjax.runtime import kv_transfer, sharding
+from cbjax.runtime import kv_transfer
 
 
+from cbjax.runtime.scale import sharding
 def _server(engine, address: str):
     client = jax.tree.leaves(engine.state)[0].devices().pop().client
     host = address.rsplit(":", 1)[0]

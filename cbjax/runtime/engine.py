@@ -24,9 +24,12 @@ import numpy as np
 from cbjax.models.fusion import is_fused
 from cbjax.models.kv_cache import PagedCache, SlotCache
 from cbjax.request import ALL, SamplingParams, Sampler
-from cbjax.runtime import kernel_tuning, packing, programs, sharding
+from cbjax.runtime import packing
+from cbjax.runtime.compiled import kernel_tuning
+from cbjax.runtime.scale import sharding
+from cbjax.runtime.traced import programs
 from cbjax.runtime.cpu import kernels as cpu_kernels
-from cbjax.runtime.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
+from cbjax.runtime.traced.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_choices import choose_attention, kv_dtype
 from cbjax.runtime.engine_ops import engine_ops
 from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
@@ -35,8 +38,8 @@ from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.packing import pack, row_bucket, token_buckets
 from cbjax.runtime.interface import EngineInfo
-from cbjax.runtime.step_programs import SamplerVariants, StepPrograms, reachable_programs
-from cbjax.runtime.warmup import warm_up
+from cbjax.runtime.compiled.step_programs import SamplerVariants, StepPrograms, reachable_programs
+from cbjax.runtime.compiled.warmup import warm_up
 from cbjax.scheduling.plan import Row
 
 # (device result, for each row of the call the index of the round's row whose result it is,
@@ -154,11 +157,11 @@ class Engine(EngineBase):
     takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
     host_kv: HostKV | None = None  # the KV cache's host tier (swapped-out sequences, prefix pages)
     host_s = 0.0  # seconds of KV moves over the host link, where they are simulated
-    call_log: Sequence = ()  # rounds of stage calls, where a pipeline logs them (runtime/pipeline.py)
+    call_log: Sequence = ()  # rounds of stage calls, where a pipeline logs them (runtime/scale/pipeline.py)
 
     def __init__(self, model, config: EngineConfig, mesh=None):
         """`model`: a loaded model (`.config`, `.params`). `mesh`: a tensor-parallel
-        `jax.sharding.Mesh` (runtime/sharding.py) to shard the params and the KV cache over;
+        `jax.sharding.Mesh` (runtime/scale/sharding.py) to shard the params and the KV cache over;
         None keeps everything on the default device."""
         self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self._configure(model, config, sharding.tp_size(mesh) if mesh is not None else 1)

@@ -86,7 +86,7 @@ class EngineConfig:
                                  "faster, the C++ kernels on a CPU where cpu_kernels takes them, else XLA's dot), "
                                  "pallas (the kernel for every product it takes; on a CPU 8-bit ones, "
                                  "interpreted) or xla.", QUANTIZED_MATMUL_CHOICES)
-    # runtime/kernel_tuning.py.
+    # runtime/compiled/kernel_tuning.py.
     kernel_tuning: str = knob("auto", "The Pallas kernels' launch settings on a GPU: auto (timed at warm-up on the "
                               "engine's shapes, cached on disk by device kind, JAX version and shape) or off "
                               "(their defaults).", KERNEL_TUNING_CHOICES)
@@ -100,7 +100,7 @@ class EngineConfig:
                              lower=0, upper=1024)
     max_logit_bias: int = knob(64, "logit_bias entries per request the programs hold.", lower=0, upper=4096)
     # A verify row is its last token and these: the programs of calls with such rows sample
-    # 1 + this many positions per row (runtime/speculative.py).
+    # 1 + this many positions per row (runtime/traced/speculative.py).
     num_speculative_tokens: int = like(SchedulerConfig, "num_speculative_tokens")
 
     def __post_init__(self):

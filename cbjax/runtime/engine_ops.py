@@ -11,9 +11,9 @@ from typing_extensions import override
 
 from cbjax.models import quant
 from cbjax.models.ops import XLA, Ops
-from cbjax.runtime import sharding
+from cbjax.runtime.scale import sharding
 from cbjax.runtime.cpu import kernels as cpu_kernels
-from cbjax.runtime.expert_parallel import expert_parallel_ops
+from cbjax.runtime.scale.expert_parallel import expert_parallel_ops
 from pallas_kernels.decode_matmul import decode_matmul, note, tuned, unsupported
 
 
@@ -22,7 +22,7 @@ class DecodeMatmulOps(Ops):
     (pallas_kernels/decode_matmul) where it is the faster way: int8/fp8 weights by default (XLA's
     fused widen-in-dot, autotuned, took 2.7x the bf16 dot's time for Llama-3-8B's int8 matrices
     at one row on an H200; docs/quantization.md), float weights only where the device's tuning
-    chose the kernel (runtime/kernel_tuning.py); a tuned "xla" sends an 8-bit product back to
+    chose the kernel (runtime/compiled/kernel_tuning.py); a tuned "xla" sends an 8-bit product back to
     XLA. `everywhere`: the kernel for every product it takes, tuned or not (quantized_matmul=
     'pallas'). `interpret`: the kernel's body in Pallas interpret mode (a CPU checking it)."""
 

@@ -20,8 +20,10 @@ import functools
 import jax
 import numpy as np
 
-from cbjax.runtime import kv_transfer, sharding
-from cbjax.runtime.device_state import TRACE_COUNTS
+from cbjax.runtime import kv_transfer
+
+from cbjax.runtime.scale import sharding
+from cbjax.runtime.traced.device_state import TRACE_COUNTS
 
 
 def bucket(n: int) -> int:

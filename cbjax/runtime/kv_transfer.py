@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from cbjax.request import ALL
-from cbjax.runtime import sharding
-from cbjax.runtime.device_state import TRACE_COUNTS
+from cbjax.runtime.scale import sharding
+from cbjax.runtime.traced.device_state import TRACE_COUNTS
 
 
 @jax.tree_util.register_dataclass

@@ -14,7 +14,7 @@ import numpy as np
 from cbjax import grammar
 from cbjax.checks import FieldError
 from cbjax.request import SamplingParams
-from cbjax.runtime.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
+from cbjax.runtime.traced.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
                                         PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P)
 from cbjax.runtime.packed import HEADER
 from cbjax.scheduling.plan import Row

@@ -35,7 +35,7 @@ class Row:
     history: list[int] | None = None
     # A speculating request's row: `tokens` are its last sampled token and the proposed ones after
     # it, from position `start` (the last token's); the step samples every position and keeps
-    # the proposal's longest prefix the target agrees with (cbjax/runtime/speculative.py).
+    # the proposal's longest prefix the target agrees with (cbjax/runtime/traced/speculative.py).
     verify: bool = False
 
     @classmethod

@@ -1,5 +1,5 @@
 """Speculative decoding's host side: what to propose for each running request, and how many
-tokens to propose at the current load. No JAX: the device verifies (cbjax/runtime/speculative.py).
+tokens to propose at the current load. No JAX: the device verifies (cbjax/runtime/traced/speculative.py).
 
 A `Proposer` proposes up to `k` next tokens for each of a round's speculating requests, all at
 once; `NgramProposer` is prompt lookup (the request's latest earlier occurrence of its last n

@@ -15,7 +15,7 @@ import json
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.runtime.expert_parallel import link_bytes_per_layer
+from cbjax.runtime.scale.expert_parallel import link_bytes_per_layer
 from cbjax.simulator.hardware import (ACCELERATORS, DTYPE_BYTES, LINKS, Accelerator, Link, expert_params,
                                       gemm_inner_dim, kv_bytes_per_token, matmul_params, moe_layers, weight_bytes)
 
@@ -58,7 +58,7 @@ class RooflineCost:
     the chance that a token routes to expert e (`routing`: tokens per expert measured, else uniform,
     p_e = k / E). Under `expert_parallel` each device holds E / ep experts and computes their share
     of the expert FLOPs; attention is replicated over ep; the all-to-alls' bytes
-    (runtime/expert_parallel.py) cross the accelerator's link."""
+    (runtime/scale/expert_parallel.py) cross the accelerator's link."""
 
     def __init__(self, accelerator: Accelerator, config: ModelConfig, dtype_bytes: float = 2,
                  tensor_parallel: int = 1, weight_dtype: str | None = None, kv_dtype: str | None = None,

@@ -13,7 +13,7 @@ from cbjax.llm import LLM
 from cbjax.parallel.replicas import Replicas
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.interface import StepEngine
-from cbjax.runtime.pipeline import PipelineEngine
+from cbjax.runtime.scale.pipeline import PipelineEngine
 from cbjax.scheduling.speculation import NgramProposer, Proposer, SimulatedProposer
 from cbjax.simulator.sim_engine import SimulatedEngine
 

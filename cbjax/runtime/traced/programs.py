@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cbjax.runtime import device_state
+from cbjax.runtime.traced import device_state
 
 
 @functools.partial(jax.jit, donate_argnames="cache")

@@ -44,7 +44,7 @@ def default_cache() -> tuning.TuningCache:
 
 def kernel_calls(engine) -> dict[tuple, object]:
     """`{(kernel, shape): example}` of every Pallas kernel call in the programs `engine` compiles."""
-    from cbjax.runtime.step import ragged_step
+    from cbjax.runtime.traced.step import ragged_step
 
     jax.clear_caches()  # a program traced earlier in this process would be reused, unrecorded
     with tuning.recording() as calls:

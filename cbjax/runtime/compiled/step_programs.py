@@ -1,6 +1,6 @@
 """The compiled step programs an engine runs, and which one each call runs: keyed by the
 arguments' shapes, the steps a call runs and the sampler variant (`request.Sampler`);
-compiled (or read from disk, runtime/executables.py) at first use, many at once at warm-up.
+compiled (or read from disk, runtime/compiled/executables.py) at first use, many at once at warm-up.
 
 Sampler variants: the host, which packs every row's sampling parameters, knows which parts of
 sampling a call's rows need (`request.Sampler`). A decode row named by its slot alone (the
@@ -29,10 +29,12 @@ import threading
 
 import jax
 
-from cbjax.runtime import executables, step
+from cbjax.runtime.compiled import executables
+
+from cbjax.runtime.traced import step
 from cbjax.request import ALL, GREEDY, Sampler
-from cbjax.runtime.sampling import SELECTING_PLATFORMS
-from cbjax.runtime.step import ragged_step
+from cbjax.runtime.traced.sampling import SELECTING_PLATFORMS
+from cbjax.runtime.traced.step import ragged_step
 
 
 def abstract(args):

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 
 from cbjax.models.ops import XLA, Ops
 from cbjax.request import ALL, Sampler
-from cbjax.runtime.device_state import is_done, record_tokens
+from cbjax.runtime.traced.device_state import is_done, record_tokens
 from cbjax.runtime.packed import GENERATED, HEADER, PROMPT_LEN, Resolved
-from cbjax.runtime.sampling import count_sampled, sample_next
+from cbjax.runtime.traced.sampling import count_sampled, sample_next
 
 
 def logits_rows(batch: Resolved, positions: int) -> jax.Array:

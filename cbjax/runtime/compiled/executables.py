@@ -38,7 +38,7 @@ SUBDIR = "cbjax-executables"
 # (replicas, a rebuilt LLM) share them, as they share a jit's cache.
 MAX_LOADED = 64
 _LOADED: collections.OrderedDict = collections.OrderedDict()
-_LOADED_LOCK = threading.Lock()  # engines compile on background threads too (runtime/step_programs.py)
+_LOADED_LOCK = threading.Lock()  # engines compile on background threads too (runtime/compiled/step_programs.py)
 # "read", "compiled", "stored": what `compiled` did, counted over this process.
 COUNTS: collections.Counter = collections.Counter()
 # Files hashed for the source digest: every module a step's trace can run.

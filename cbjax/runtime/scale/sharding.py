@@ -33,7 +33,7 @@ from cbjax.config import ModelConfig
 from cbjax.models.quant import QuantizedWeight
 
 AXIS = "tp"
-EXPERT_AXIS = "ep"  # expert parallelism (cbjax/runtime/expert_parallel.py): a mesh of ep x tp devices
+EXPERT_AXIS = "ep"  # expert parallelism (cbjax/runtime/scale/expert_parallel.py): a mesh of ep x tp devices
 
 # The split axis of each per-layer tensor; absent ones are replicated.
 _COLUMN = ("wq", "bq", "w_gate", "w_up", "b_gate", "b_up", "shared_w_gate", "shared_w_up")  # the output axis

@@ -28,12 +28,13 @@ import numpy as np
 from typing_extensions import override
 
 from cbjax import checks
-from cbjax.runtime.device_state import TRACE_COUNTS, SlotState
-from cbjax.runtime import packing, programs
+from cbjax.runtime.traced.device_state import TRACE_COUNTS, SlotState
+from cbjax.runtime import packing
+from cbjax.runtime.traced import programs
 from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import kv_dtype
 from cbjax.runtime.packed import QLEN, START, resolve
-from cbjax.runtime.step import run_layers, sample_rows
+from cbjax.runtime.traced.step import run_layers, sample_rows
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models.ops import XLA
 from cbjax.scheduling.plan import Row

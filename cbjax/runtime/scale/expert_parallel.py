@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from cbjax.models import moe
 from cbjax.models.ops import Ops
-from cbjax.runtime.sharding import AXIS, EXPERT_AXIS, ep_size, tp_size
+from cbjax.runtime.scale.sharding import AXIS, EXPERT_AXIS, ep_size, tp_size
 
 
 def link_bytes_per_layer(tokens: int, top_k: int, hidden: int, expert_parallel: int, dtype_bytes: int) -> int:

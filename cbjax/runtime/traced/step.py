@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from cbjax.models import forward
 from cbjax.models.ops import XLA
 from cbjax.request import ALL, Sampler
-from cbjax.runtime.device_state import TRACE_COUNTS
-from cbjax.runtime import speculative
+from cbjax.runtime.traced.device_state import TRACE_COUNTS
+from cbjax.runtime.traced import speculative
 from cbjax.runtime.packed import Resolved, resolve
 
 

@@ -9,7 +9,7 @@ import contextlib
 import jax
 
 from cbjax.request import ALL
-from cbjax.runtime.step import ragged_step
+from cbjax.runtime.traced.step import ragged_step
 
 
 def lowering_target(platform: str):
