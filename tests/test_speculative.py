@@ -10,7 +10,8 @@ import pytest
 
 from cbjax import LLM, SamplingParams
 from cbjax.request import Request
-from cbjax.scheduling.speculation import AdaptiveLength, NgramProposer, expected_tokens, may_speculate
+from cbjax.scheduling.speculation import NgramProposer, may_speculate
+from cbjax.scheduling.speculation_length import AdaptiveLength, Guess, expected_tokens
 from tests.tiers import sweep
 from tests.internals import engine_of, scheduler_of
 
@@ -28,13 +29,14 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 class ScriptedProposer:
     """Proposes the reference continuation with every third proposed token replaced by a wrong
-    one (so rows are accepted whole, in part, and not at all), and nothing for some rounds."""
+    one (so rows are accepted whole, in part, and not at all), of lengths that differ from row
+    to row in one step, and nothing for some rounds."""
 
     def __init__(self, reference: dict[tuple, list[int]], vocab: int):
         self.reference, self.vocab, self.calls = reference, vocab, 0
 
     def propose(self, requests, ks):
-        return [self.guess(r, k) if k else [] for r, k in zip(requests, ks)]
+        return [Guess(self.guess(r, k)) if k else Guess([]) for r, k in zip(requests, ks)]
 
     def warmup(self):
         return 0
@@ -48,7 +50,7 @@ class ScriptedProposer:
         proposal = list(ref[done:done + k]) or [1] * k
         for i in range((self.calls % 3), len(proposal), 3):
             proposal[i] = (proposal[i] + 1 + self.calls) % self.vocab
-        return proposal
+        return proposal[:1 + self.calls % k]  # 1..k tokens: rows of different lengths in one step
 
     def forget(self, request_id: str) -> None:
         pass
@@ -141,54 +143,114 @@ def test_penalised_and_constrained_requests_do_not_speculate():
 def test_ngram_proposer_finds_the_latest_earlier_occurrence():
     p = NgramProposer(min_n=2, max_n=3)
     r = Request("a", [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(max_tokens=8), 0.0)
-    assert p.propose([r], [2]) == [[4, 5]]  # the latest "1 2 3" before the end
+    # the latest "1 2 3" before the end; the match's length is its confidence, how far back it is its source
+    assert p.propose([r], [2]) == [Guess([4, 5], 3, 5)]
     r.output_token_ids.append(6)
-    assert p.propose([r], [3]) == [[]]  # "3 6" and "2 3 6" never occurred
+    assert p.propose([r], [3]) == [Guess([])]  # "3 6" and "2 3 6" never occurred
     r.output_token_ids += [1, 2]
-    assert p.propose([r, r], [3, 0]) == [[3, 6, 1], []]
+    assert p.propose([r, r], [3, 0]) == [Guess([3, 6, 1], 2, 4), Guess([])]  # "1 2" only
     p.forget("a")
     assert p._index == {}
     with pytest.raises(ValueError):
         NgramProposer(min_n=3, max_n=2)
 
 
-def test_adaptive_length_turns_speculation_off_when_the_step_is_compute_bound():
-    """Rounds whose cost is flat in k (memory-bound) at high acceptance: the longest proposal;
-    rounds whose cost grows with every proposed token: none at a large batch, some at a small
-    one; a knee: the longest proposal that stays flat. A first round of a length that compiled
-    its program (a spike) does not count; with every length measured and 0 best, one token is
-    tried now and then. The acceptance is per token tried, as `expected_tokens` assumes."""
-    def measured(policy, batch, cost):
-        for k in range(policy.max_k + 1):
-            policy.observe_step(batch, k, 5.0)  # the round that compiled
-            policy.observe_step(batch, k, cost(batch, k))
+def measured(policy, batch, cost, lengths=None):
+    """Rounds at every mean length (and run ahead, key -1) at `batch`, each first one a spike
+    (the round that compiled), then its cost."""
+    for k in lengths if lengths is not None else range(policy.max_k + 1):
+        for seconds in (5.0, cost(batch, k)):
+            policy.after_round(batch, float(k), seconds)
 
-    flat = AdaptiveLength(max_k=6, probe_every=4)
-    assert flat.length(8) == 6  # nothing measured yet: explore the longest, then none
-    flat.observe_step(8, 6, 0.01), flat.observe_step(8, 6, 0.01)
-    assert flat.length(8) == 0
+
+def guesses(n, length=6, confidence=3, source=1):
+    return [Guess(list(range(length)), confidence, source) for _ in range(n)]
+
+
+def test_adaptive_length_proposes_what_pays_at_the_batch_cost():
+    """Rounds whose cost is flat in k (memory-bound) at high acceptance: every guess whole;
+    rounds whose cost grows with every proposed token: none at a large batch, some at a small
+    one. A round's first measurement at a length (a compile) does not count. The acceptance is
+    per token tried, as `expected_tokens` assumes."""
+    flat = AdaptiveLength(max_k=6)
+    ids = [str(i) for i in range(8)]
+    assert flat.choose(ids, guesses(8)) == [6] * 8  # nothing measured yet: every guess whole, to measure
     measured(flat, 8, lambda b, k: 0.010 + 1e-5 * k)
     for _ in range(10):
-        flat.observe(6, 5)  # 5 accepted of 6 tried each time: 5 of 6 rows' tokens, one rejected
-    assert flat.acceptance == pytest.approx(50.5 / 61, rel=1e-3) and flat.length(8) == 6
-    steep = AdaptiveLength(max_k=6, probe_every=4)
+        for i in ids:
+            flat.observe(i, 6, 5, confidence=3)  # 5 kept of 6: 5 of 6 rows' tokens, one rejected
+    assert flat.acceptance("0", Guess([1], 3, 1)) == pytest.approx((50 * 0.95 + 4 * 0.5) / 60, rel=0.05)
+    assert flat.choose(ids, guesses(8)) == [6] * 8
+    steep = AdaptiveLength(max_k=6)
     for batch in (1, 64):
         measured(steep, batch, lambda b, k: 0.010 + 0.0005 * b * (1 + k))
     for _ in range(10):
-        steep.observe(4, 2)
-    assert steep.length(64) == 0 and steep.length(1) > 0
-    assert [steep.next_length(64) for _ in range(4)] == [0, 0, 0, 1]
-    knee = AdaptiveLength(max_k=4, probe_every=2)  # flat to 32 tokens (k = 3 at 8 requests), then compute-bound
-    for k in (0, 2, 4):
-        for _ in range(2):
-            knee.observe_step(8, k, 0.01 * max(1.0, 8 * (1 + k) / 32))
-    knee.observe(10, 8)  # 8 of 9 tried: 0.85 with the prior
-    assert knee.cost(8, 1) == pytest.approx(0.01) and knee.cost(8, 3) == pytest.approx(0.01125)
-    assert [knee.next_length(8) for _ in range(4)] == [4, 3, 4, 3]  # the unmeasured length nearest the best, tried
-    knee.observe_step(8, 3, 0.01), knee.observe_step(8, 3, 0.01)
-    knee.observe_step(8, 1, 0.01), knee.observe_step(8, 1, 0.01)
-    assert knee.length(8) == 3
+        steep.observe("a", 4, 2, confidence=3)
+    ks = steep.choose([str(i) for i in range(64)], guesses(64))
+    assert set(ks) <= {0, 1} and sum(ks) <= 64 // steep.probe_every  # at most the bounded probes
+    assert steep.choose(["a"], guesses(1)) != [0]
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+
+
+def test_requests_in_one_round_propose_by_their_own_acceptance():
+    """Per request: one whose guesses were kept proposes more than one whose guesses were
+    rejected, in the same round; a request without a guess proposes nothing."""
+    policy = AdaptiveLength(max_k=4)
+    measured(policy, 4, lambda b, k: 0.010 * (1 + 0.15 * k))
+    for _ in range(20):
+        policy.observe("good", 4, 4, confidence=2)
+        policy.observe("bad", 4, 0, confidence=2)
+    ks = policy.choose(["good", "bad", "none", "new"], [Guess([1] * 4, 2, 7), Guess([1] * 4, 2, 7), Guess([]),
+                                                        Guess([1] * 4, 2, 7)])
+    assert ks[0] == 4 and ks[1] < ks[0] and ks[2] == 0, ks
+
+
+def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
+    """A request the proposer has nothing for counts nothing (the old engine-wide rate counted
+    it as a rejection and turned speculation off for good); a request whose guesses were all
+    rejected proposes one token again when its guess comes from a new place, at most once every
+    `probe_every` rounds."""
+    from cbjax.request import RequestState
+    from cbjax.scheduling.speculation import Speculator
+
+    class Sometimes:
+        def __init__(self):
+            self.source = 1
+
+        def propose(self, requests, ks):
+            return [Guess([7, 8, 9][:k], 2, self.source) if r.request_id == "copy" else Guess([])
+                    for r, k in zip(requests, ks)]
+
+        def forget(self, request_id):
+            pass
+
+        def warmup(self):
+            return 0
+
+    lengths = AdaptiveLength(max_k=3, probe_every=4)
+    spec = Speculator(Sometimes(), lengths, max_seq_len=64)
+    requests = [Request(rid, [1, 2, 3], SamplingParams(max_tokens=60), 0.0) for rid in ("copy", "chat")]
+    for r in requests:
+        r.state = RequestState.RUNNING
+    for _ in range(30):  # nothing to copy for a while: no trials at all
+        spec.proposals(requests[1:], 3)
+    assert lengths.requests == {} and lengths.by_confidence == {}
+    measured(lengths, 2, lambda b, k: 0.010 * (1 + 0.3 * k))
+    for _ in range(30):  # every guess rejected
+        if spec.proposals(requests, 3)[0]:
+            spec.record(requests[0], 3, 0)
+        spec.after_round([], 0.01)
+    assert spec.proposals(requests, 3)[0] == []  # it stopped proposing
+    spec.proposer.source = 2  # a new match
+    tried = []
+    for _ in range(8):
+        tried.append(len(spec.proposals(requests, 3)[0]))
+        spec.after_round([], 0.01)
+    assert tried[0] == 1 and sum(tried) == 1, tried  # one probe token, not one every round
+    spec.record(requests[0], 1, 1)
+    assert lengths.requests["copy"].accepted > 0
+    spec.forget("copy")
+    assert "copy" not in lengths.requests
 
 
 def test_speculation_knobs_are_checked():
@@ -375,35 +437,6 @@ def test_speculation_is_simulated_with_the_same_verification_and_charged_drafts(
     assert results["none"][0] > results["draft"][0] > results["ngram"][0]
     with pytest.raises(ValueError, match="speculative_model.*vocabulary"):
         LLM("llama3-8b", simulate="h100", speculative_method="draft", speculative_model="llama2-13b")
-
-
-def test_missing_and_short_proposals_count_against_the_acceptance():
-    """The rate the adaptive length plans with is what a round at k yields: a request the
-    proposer had no guess for counts as one rejected token, a short proposal as rejected where
-    it stopped."""
-    from cbjax.request import RequestState
-    from cbjax.scheduling.speculation import Speculator
-
-    class Fixed:
-        def propose(self, requests, ks):
-            return [[], [7, 8]]
-
-        def forget(self, request_id):
-            pass
-
-        def warmup(self):
-            return 0
-
-    lengths = AdaptiveLength(max_k=4, prior_acceptance=0.0)
-    lengths.proposed = 1e-9  # no prior
-    spec = Speculator(Fixed(), lengths, max_seq_len=64)
-    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=20), 0.0) for i in range(2)]
-    for r in requests:
-        r.state = RequestState.RUNNING
-    assert spec.proposals(requests, 4) == [[], [7, 8]]
-    spec.record(requests[1], 2, 2)  # both proposed tokens kept, but 4 were asked: one more tried
-    assert lengths.acceptance == pytest.approx(2 / 4, rel=0.01)  # tried: 1 (no guess) + 3; kept: 2
-    assert spec.proposed == 2 and spec.accepted == 2 and requests[1].metrics.num_accepted_tokens == 2
 
 
 def test_aborting_a_speculating_request_frees_it_and_its_proposal_index():

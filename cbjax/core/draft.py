@@ -19,6 +19,7 @@ from cbjax.runtime.engine import Engine, EngineConfig
 from cbjax.runtime.packing import split_logprobs, to_host
 from cbjax.scheduling.plan import Row
 from cbjax.scheduling.speculation import check_draft_vocabulary
+from cbjax.scheduling.speculation_length import NO_GUESS, Guess
 
 
 class DraftProposer:
@@ -46,10 +47,12 @@ class DraftProposer:
             agreed += 1
         return min(known + agreed, len(tokens) - 1)
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], ks: list[int]) -> list[Guess]:
+        """The draft's greedy tokens (one confidence for all: the draft's probabilities are not
+        read back)."""
         todo = [(r, k) for r, k in zip(requests, ks) if k > 0]
         if not todo:
-            return [[] for _ in requests]
+            return [NO_GUESS for _ in requests]
         rows = []
         for r, _ in todo:
             tokens = r.prompt_token_ids + r.output_token_ids
@@ -73,7 +76,7 @@ class DraftProposer:
             proposal = drafted.get(r.request_id, [])[:k]
             if k > 0:
                 self._seen[r.request_id] = (r.slot, r.num_tokens, proposal)
-            out.append(proposal)
+            out.append(Guess(proposal))
         return out
 
     def forget(self, request_id: str) -> None:

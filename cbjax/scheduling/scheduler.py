@@ -231,7 +231,7 @@ class Scheduler:
         if r.slot is not None and self.slots[r.slot] is r:
             self.slots[r.slot] = None
         if self.speculator is not None:
-            self.speculator.proposer.forget(r.request_id)
+            self.speculator.forget(r.request_id)
         self.admission.on_left(r)
 
 

@@ -49,9 +49,9 @@ def update_round(sched, plan: Plan, result: RoundResult) -> Outcome:
     if decoded:
         verified = any(r.verify for call in result.calls for r in call.rows)  # a verify call is one step
         _decode_rows(sched, decoded, now, touched, outcome, 1 if verified else None)
-    if speculator is not None and not plan.in_flight:
-        speculator.after_round([call.rows for call in plan.calls], plan.draft_len,
-                               None if plan.prefills else now - plan.time)
+    if speculator is not None:  # (a call run ahead: the seconds since the last record, what overlap makes a round)
+        speculator.after_round([call.rows for call in plan.calls], None if plan.prefills else now - plan.time,
+                               plan.in_flight)
     outcome.requests = list(touched.values())
     end_failed_constraints(sched, outcome.requests, now)
     return outcome

@@ -2,16 +2,21 @@
 
 For each workload and batch size (closed batches: `num_slots` = the batch, every request
 submitted at once), each configuration runs the same requests: no speculation, a fixed
-proposal length k for each of --ks, and the adaptive length (SmartSpec's goodput, k up to
-max(--ks)). Prints throughput, the speedup over no speculation measured side by side, mean
-TPOT and the acceptance; then, at --qps Poisson rates on --num_slots, TPOT and E2E latency.
-Writes JSON, a markdown table and a plot of speedup against batch size.
+proposal length k for each of --ks, and the adaptive length (SmartSpec's goodput per request,
+k up to max(--ks)). Prints throughput (the median of --repeats runs on one warmed engine),
+the speedup over no speculation measured side by side, mean TPOT, the tokens accepted per
+run and the acceptance; with --served, the same batches through `python -m cbjax.serve` and
+the `openai` client (TTFT, TPOT and acceptance from /metrics); then, at --qps Poisson rates on
+--num_slots, TPOT and E2E latency. Writes JSON, a markdown table and a plot of speedup
+against batch size.
 
     python -m experiments speculation --flagfile=configs/speculation_cpu.cfg
     python -m experiments speculation --model=tiny-llama --workloads=synthetic --batch_sizes=1,4
     python -m experiments speculation --flagfile=configs/speculation_h100.cfg   # simulated: 8B target, 1B draft
 
-Workloads: `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
+Workloads: `code` (three copies of a file of three one-line Python functions, then `def `,
+greedy: the output copies the file, a request in a few rounds finds what to copy; the first
+request's file is add/sub/mul), `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
 the prompt, n-gram's best case), `sharegpt` (ShareGPT opening turns, chat-templated, until EOS
 or --max_tokens), `synthetic` (random prompts with a repeated motif; for models without a
 tokenizer, and for --simulate, where each proposed token is accepted with probability
@@ -20,20 +25,26 @@ tokenizer, and for --simulate, where each proposed token is accepted with probab
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 from absl import app, flags
 
 from experiments.lib import common
+from experiments.lib.served_batches import served_batch
 from cbjax.experimental import engine_args
 from cbjax import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory, .gguf file or orbax directory.")
-flags.DEFINE_list("workloads", ["copy", "sharegpt"], "Workloads: copy, sharegpt, synthetic.")
+flags.DEFINE_list("workloads", ["code", "copy", "sharegpt"], "Workloads: code, copy, sharegpt, synthetic.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Closed batch sizes (num_slots = batch; requests at once).")
-flags.DEFINE_list("ks", ["2", "4", "8"], "Fixed proposal lengths to compare; adaptive proposes up to the largest.")
+flags.DEFINE_list("ks", ["1", "2", "3", "4"], "Fixed proposal lengths to compare; adaptive proposes up to the largest.")
+flags.DEFINE_integer("repeats", 3, "Runs of each batch on one warmed engine; throughput is their median.", lower_bound=1)
+flags.DEFINE_bool("served", False, "Also run the closed batches through the server (python -m cbjax.serve) and the "
+                  "openai client: TTFT, TPOT and acceptance from /metrics.")
+flags.DEFINE_integer("code_tokens", 96, "code: tokens each request generates (ignoring EOS).", lower_bound=1)
 flags.DEFINE_bool("adaptive", True, "Also run the adaptive length.")
 flags.DEFINE_integer("requests_per_slot", 2, "Requests per batch slot in the closed-batch runs.", lower_bound=1)
 flags.DEFINE_integer("max_tokens", 128, "Most tokens a request generates.", lower_bound=1)
@@ -53,8 +64,8 @@ flags.adopt_module_key_flags(engine_args)
 common.validate_list("batch_sizes", int, 1, "positive batch sizes")
 common.validate_list("ks", int, 1, "positive proposal lengths")
 common.validate_list("qps", float, 1e-6, "positive request rates", allow_empty=True)
-common.validate_list("workloads", lambda w: 0 if w in ("copy", "sharegpt", "synthetic") else -1, 0,
-                     "workloads among copy, sharegpt, synthetic")
+common.validate_list("workloads", lambda w: 0 if w in ("code", "copy", "sharegpt", "synthetic") else -1, 0,
+                     "workloads among code, copy, sharegpt, synthetic")
 
 
 def configurations() -> list[tuple[str, dict]]:
@@ -97,6 +108,9 @@ def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
         return out
     if model.tokenizer is None:
         raise ValueError(f"the {workload} workload needs a model with a tokenizer (or --workloads=synthetic)")
+    if workload == "code":
+        return [(model.tokenizer.encode(code_prompt(i, rng), add_special_tokens=False),
+                 SamplingParams(max_tokens=FLAGS.code_tokens, ignore_eos=True)) for i in range(n)]
     from cbjax.experimental import chat_prompt_ids, sharegpt_conversations
 
     tok = model.tokenizer
@@ -122,20 +136,38 @@ def requests(model, workload: str, n: int) -> list[tuple[list[int], object]]:
     raise ValueError(f"only {len(out)} {workload} requests fit max_seq_len={FLAGS.max_seq_len}")
 
 
+CODE_FUNCTIONS = [("add", "+"), ("sub", "-"), ("mul", "*"), ("div", "/"), ("mod", "%"), ("pow", "**")]
+
+
+def code_prompt(i: int, rng) -> str:
+    """The code workload's prompt `i`: a file of three one-line functions, three times, then
+    `def ` (request 0: add, sub, mul; the others three at random)."""
+    picks = [0, 1, 2] if i == 0 else rng.choice(len(CODE_FUNCTIONS), 3, replace=False).tolist()
+    source = "".join(f"def {CODE_FUNCTIONS[j][0]}(a, b): return a {CODE_FUNCTIONS[j][1]} b\n" for j in picks)
+    return (source + "\n") * 3 + "def "
+
+
 def measure(llm, reqs) -> dict:
-    """Generate `reqs` at once; throughput (over the front's clock: simulated time in a
-    simulation), mean TPOT and the speculation counters."""
-    outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
-    wall = max(o.metrics.finish_time for o in outs) - min(o.metrics.arrival_time for o in outs)
-    tokens = sum(len(o.token_ids) for o in outs)
-    tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
-             for o in outs if len(o.metrics.token_times) > 1]
+    """Generate `reqs` at once, --repeats times; the median run's throughput (over the front's
+    clock: simulated time in a simulation) and mean TPOT, and the speculation counters per run."""
+    runs = []
+    before = llm.load()
+    for _ in range(FLAGS.repeats):
+        outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+        wall = max(o.metrics.finish_time for o in outs) - min(o.metrics.arrival_time for o in outs)
+        tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
+                 for o in outs if len(o.metrics.token_times) > 1]
+        runs.append((sum(len(o.token_ids) for o in outs) / wall, wall, float(np.mean(tpots)) if tpots else None))
     load = llm.load()
-    return {"tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-            "mean_tpot_ms": 1000 * float(np.mean(tpots)) if tpots else None,
-            "proposed": load.spec_draft_tokens, "accepted": load.spec_accepted_tokens,
-            "acceptance": load.spec_accepted_tokens / load.spec_draft_tokens if load.spec_draft_tokens else None,
-            "tokens_per_verify": 1 + load.spec_accepted_tokens / load.spec_drafts if load.spec_drafts else None}
+    drafts = load.spec_drafts - before.spec_drafts
+    proposed = load.spec_draft_tokens - before.spec_draft_tokens
+    accepted = load.spec_accepted_tokens - before.spec_accepted_tokens
+    rate, wall, tpot = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    return {"tokens": round(rate * wall), "wall_s": wall, "tok_per_s": rate, "runs_tok_per_s": [r[0] for r in runs],
+            "mean_tpot_ms": 1000 * tpot if tpot is not None else None,
+            "proposed": proposed / FLAGS.repeats, "accepted": accepted / FLAGS.repeats,
+            "acceptance": accepted / proposed if proposed else None,
+            "tokens_per_verify": 1 + accepted / drafts if drafts else None}
 
 
 def closed_batches(model, workload: str) -> dict:
@@ -149,15 +181,29 @@ def closed_batches(model, workload: str) -> dict:
         for label, options in configurations():
             llm = LLM(model, num_slots=batch, **engine_options(options))
             llm.warmup()
-            row = measure(llm, reqs)
-            row["speedup"] = row["tok_per_s"] / rows[f"{workload}/b{batch}/none"]["tok_per_s"] if label != "none" \
-                else 1.0
-            rows[f"{workload}/b{batch}/{label}"] = {"workload": workload, "batch": batch, "config": label, **row}
-            print(f"{workload:>9} batch {batch:>3} {label:>9}: {row['tok_per_s']:8.1f} tok/s  "
-                  f"x{row['speedup']:.2f}", flush=True)
+            add_row(rows, workload, batch, label, "in-process", measure(llm, reqs))
             del llm
             common.release_programs()
+            if FLAGS.served:
+                argv = server_argv(dict(engine_options(options), num_slots=batch))
+                log = os.path.join(FLAGS.output_dir, f"server_{workload}_{batch}_{label.replace(' ', '_')}.log")
+                add_row(rows, workload, batch, label, "served", served_batch(FLAGS.model, argv, reqs, FLAGS.repeats, log))
     return rows
+
+
+def add_row(rows: dict, workload: str, batch: int, label: str, path: str, row: dict) -> None:
+    none = rows.get(f"{workload}/b{batch}/none/{path}")
+    row["speedup"] = row["tok_per_s"] / none["tok_per_s"] if none is not None else 1.0
+    rows[f"{workload}/b{batch}/{label}/{path}"] = {"workload": workload, "batch": batch, "config": label, "path": path,
+                                                   **row}
+    print(f"{workload:>9} batch {batch:>3} {label:>9} {path:>10}: {row['tok_per_s']:8.1f} tok/s  "
+          f"x{row['speedup']:.2f}  accepted {row['accepted'] or 0:.0f}", flush=True)
+
+
+def server_argv(options: dict) -> list[str]:
+    """An engine's `LLM` keywords as the server's flags."""
+    return [f"--{'' if v else 'no'}{k}" if isinstance(v, bool) else f"--{k}={v}"
+            for k, v in options.items() if v is not None]
 
 
 def poisson(model, workload: str) -> dict:
@@ -184,14 +230,16 @@ def poisson(model, workload: str) -> dict:
 
 
 def table(closed: dict, arrivals: dict) -> str:
-    lines = ["| workload | batch | config | tok/s | speedup | mean TPOT ms | acceptance | tokens / verify |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| workload | batch | config | path | tok/s | speedup | median TTFT ms | mean TPOT ms | accepted / run "
+             "| acceptance | tokens / verify |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in closed.values():
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
         per = "" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}"
         tpot = "" if r["mean_tpot_ms"] is None else f"{r['mean_tpot_ms']:.1f}"
-        lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {r['tok_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {tpot} | {acc} | {per} |")
+        ttft = f"{r['median_ttft_ms']:.0f}" if r.get("median_ttft_ms") is not None else ""
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {r['path']} | {r['tok_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {ttft} | {tpot} | {r['accepted'] or 0:.0f} | {acc} | {per} |")
     if arrivals:
         lines += ["", "| workload | Poisson req/s | config | mean running | mean TPOT ms | median E2E ms | "
                   "p99 E2E ms | tok/s | acceptance |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -212,7 +260,7 @@ def plot(closed: dict, path: str) -> None:
     workloads = list(dict.fromkeys(r["workload"] for r in closed.values()))
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        rows = [r for r in closed.values() if r["workload"] == workload]
+        rows = [r for r in closed.values() if r["workload"] == workload and r["path"] == "in-process"]
         for label in dict.fromkeys(r["config"] for r in rows):
             mine = [r for r in rows if r["config"] == label]
             ax.plot([r["batch"] for r in mine], [r["speedup"] for r in mine], marker="o", label=label)
@@ -232,6 +280,9 @@ def main(argv):
     text = any(w != "synthetic" for w in FLAGS.workloads)
     if FLAGS.simulate and text:
         raise app.UsageError("--simulate has no tokens to propose from: use --workloads=synthetic")
+    if FLAGS.simulate and FLAGS.served:
+        raise app.UsageError("--served runs the server on this machine's devices: not with --simulate")
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
     model = common.load_model(FLAGS.model, FLAGS.dtype, with_tokenizer=text)
     closed, arrivals = {}, {}
     for workload in FLAGS.workloads:

@@ -1,0 +1,274 @@
+"""How many tokens each speculating request proposes in a round: the length policies.
+
+`FixedLength` proposes all a proposer guessed, up to `k`. `AdaptiveLength` is SmartSpec's
+goodput (arXiv 2406.14066) at request granularity. With a per-token acceptance `a`, a
+request proposing `k` tokens makes `expected_tokens(a, k) = (1 - a^(k+1)) / (1 - a)` tokens
+a round; the round costs `c(B, k̄)` at `B` decoding requests proposing `k̄` tokens on average,
+measured. Each round it gives each request its own length (0 included) so that the batch's
+tokens per second are highest: the next token of request i adds `a_i^(k_i+1)` tokens, so the
+best lengths for any total are the highest of those marginal gains, and the total is the one
+whose gains over the cost of its `k̄` is highest.
+
+A request's `a_i` is its own acceptance, shrunk toward the acceptance of guesses as sure
+as its current one (an n-gram's match length; `Guess.confidence`). Where it comes from:
+
+- A request the proposer had no guess for proposes nothing and counts nothing: no guess
+  is not a wrong guess, and it costs nothing. (The old engine-wide rate counted it as a
+  rejection, and the first rounds of a generation, with nothing to copy yet, locked
+  speculation out for the rest of it.)
+- No lock-out: when a request's guess comes from a new place (`Guess.source`: a new
+  n-gram match) its own record is halved, so the prior of its confidence weighs more; and a
+  request left at 0 with a guess from a new place tries one token, at most once every
+  `probe_every` rounds, and at most `batch / probe_every` requests a round: exploration adds
+  at most one token in `probe_every` to a round's step.
+- The cost curve is measured per (batch, k̄), batches grouped by powers of two, with the
+  same rules as before: a length's first round (which may have compiled) counts only once
+  a second confirms it; estimates fall fast and rise slowly; until two lengths are measured
+  at a batch, every guess is proposed whole (to measure), and a round without guesses
+  measures k̄ = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import NamedTuple
+
+
+class Guess(NamedTuple):
+    """A proposer's tokens for one request and how sure it is: `confidence` is a small
+    integer bucket (an n-gram's match length; 0 for a proposer without one), `source` where
+    the guess comes from (an n-gram's position in the request's tokens; None: unknown)."""
+
+    tokens: list[int]
+    confidence: int = 0
+    source: int | None = None
+
+
+NO_GUESS = Guess([])
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step makes for a request proposing `k` at per-token acceptance `acceptance`."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class FixedLength:
+    """Every guess proposed whole, up to `k`."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def length(self, batch: int) -> int:
+        return self.k
+
+    def choose(self, ids: list[str], guesses: list[Guess]) -> list[int]:
+        return [len(g.tokens) for g in guesses]
+
+    def observe(self, request_id: str, asked: int, accepted: int, confidence: int = 0) -> None:
+        pass
+
+    def after_round(self, batch: int, kbar: float, seconds: float | None, ahead: bool = False) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    trials: float = 0.0  # decayed tokens tried
+    accepted: float = 0.0  # decayed tokens kept
+    source: int | None = None  # where its latest guess came from
+    probed: int = -(1 << 30)  # the round of its latest probe
+
+
+class AdaptiveLength:
+    def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
+                 probe_every: int = 8, batch_memory: int = 256):
+        self.max_k = max_k
+        self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
+        self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.probe_every = probe_every
+        self.by_confidence: dict[int, list[float]] = {}  # confidence -> [tokens tried, kept] (decayed)
+        self.requests: dict[str, RequestRecord] = {}
+        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
+        self.rounds = 0
+        self.looked = 0  # the round guesses were last looked at (`choose`)
+        self.explored = 0  # the round the cost curve was last explored
+        # Decayed: request-rounds looked at and those that proposed; verify rows and their kept tokens.
+        self.looks, self.proposing = 1.0, 0.5
+        self.rows, self.kept = 1.0, 1.0
+
+    # ------------------------------------------------------------ acceptance
+    def confidence_rate(self, confidence: int) -> float:
+        tried, kept = self.by_confidence.get(confidence, (0.0, 0.0))
+        w = self.prior_weight
+        return (kept + w * self.prior_acceptance) / (tried + w)
+
+    def acceptance(self, request_id: str, guess: Guess) -> float:
+        """The request's per-token acceptance for this guess."""
+        record = self.requests.get(request_id)
+        prior = self.confidence_rate(guess.confidence)
+        if record is None:
+            return min(prior, 0.999)
+        w = self.prior_weight
+        return min((record.accepted + w * prior) / (record.trials + w), 0.999)
+
+    def observe(self, request_id: str, asked: int, accepted: int, confidence: int = 0) -> None:
+        """A verify row's outcome: `accepted` tokens kept of the `asked` it proposed. Per token
+        given the ones before it were kept (what `expected_tokens` assumes): it tried its kept
+        tokens and, if it stopped short, one more."""
+        trials = accepted + (accepted < asked)
+        if not trials:
+            return
+        self.rows, self.kept = self.rows * self.batch_decay + 1, self.kept * self.batch_decay + accepted
+        record = self.requests.setdefault(request_id, RequestRecord())
+        d = self.decay ** trials
+        record.trials, record.accepted = record.trials * d + trials, record.accepted * d + accepted
+        rate = self.by_confidence.setdefault(confidence, [0.0, 0.0])
+        d = self.batch_decay ** trials
+        rate[0], rate[1] = rate[0] * d + trials, rate[1] * d + accepted
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    # ------------------------------------------------------------------ cost
+    @staticmethod
+    def group(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()
+
+    @staticmethod
+    def cost_key(kbar: float, ahead: bool) -> int:
+        """The cost curve's key: the mean proposal length, rounded (any proposal at least 1);
+        -1 for a round run ahead of the previous one's record (overlapped: none proposes)."""
+        if ahead:
+            return -1
+        return max(1, round(kbar)) if kbar > 0 else 0
+
+    def after_round(self, batch: int, kbar: float, seconds: float | None, ahead: bool = False) -> None:
+        """A round of `batch` decoding requests proposing `kbar` tokens on average took
+        `seconds` (None: not a round to measure, such as one with prompt rows); `ahead`: it ran
+        ahead of the previous round's record (its seconds: since that record)."""
+        self.rounds += 1
+        if seconds is None or batch < 1:
+            return
+        key = (self.group(batch), self.cost_key(kbar, ahead))
+        old, count = self.seconds.get(key, (seconds, 0))
+        if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
+            estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
+        else:
+            estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
+        self.seconds[key] = (estimate, count + 1)
+
+    def _measured(self, batch: int) -> dict[int, float]:
+        g = self.group(batch)
+        return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2 and k >= 0}
+
+    def cost(self, batch: int, kbar: float) -> float | None:
+        """The seconds of a round at `batch` with `kbar` tokens proposed on average (linear
+        between measured lengths, along the nearest segment past them), or None before two
+        lengths were measured at that batch."""
+        points = sorted(self._measured(batch).items())
+        if len(points) < 2:
+            return None
+        if kbar <= points[0][0]:
+            return points[0][1]
+        (k0, y0), (k1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if kbar <= b[0]), points[-2:])
+        return max(y0 + max(y1 - y0, 0.0) * (kbar - k0) / (k1 - k0), 1e-9)
+
+    # ----------------------------------------------------------------- choose
+    def length(self, batch: int) -> int:
+        """The most tokens a request may propose in the next round: `max_k` when looking at the
+        guesses pays (`looking_pays`) and every `probe_every` rounds; 0 lets the next decode
+        call run ahead of this one's record instead."""
+        if self.rounds - self.looked >= self.probe_every or self.looking_pays(batch):
+            return self.max_k
+        return 0
+
+    def looking_pays(self, batch: int) -> bool:
+        """Whether looking at the guesses each round pays for the overlap it gives up: a
+        proposal needs the latest token on the host, so a round that looks cannot run ahead.
+        Looking makes `p x` more tokens per request a round (`p`: the share of requests that
+        propose, `x`: the tokens a verify row keeps); overlap makes a round `c(0) / c_ahead`
+        faster, both measured (until both are, overlap counts as 10%)."""
+        g = self.group(batch)
+        looked, ahead = self.seconds.get((g, 0), (0.0, 0)), self.seconds.get((g, -1), (0.0, 0))
+        overhead = max(looked[0] / ahead[0] - 1.0, 0.0) if looked[1] >= 2 and ahead[1] >= 2 else 0.1
+        return (self.proposing / self.looks) * (self.kept / self.rows) > overhead
+
+    def choose(self, ids: list[str], guesses: list[Guess]) -> list[int]:
+        """Each request's proposal length (at most its guess's), the batch's goodput best."""
+        batch = len(ids)
+        ks = [0] * batch
+        self.looked = self.rounds
+        self.looks = self.looks * self.batch_decay + batch
+        caps = [min(len(g.tokens), self.max_k) for g in guesses]
+        for i, g in enumerate(guesses):  # a guess from a new place: the request's record counts less
+            record = self.requests.get(ids[i])
+            if caps[i] and record is not None and None not in (g.source, record.source) and g.source != record.source:
+                record.trials *= 0.5
+                record.accepted *= 0.5
+        if not any(caps):
+            return ks
+        if len(self._measured(batch)) < 2:  # measure: every guess whole
+            ks = caps
+        else:
+            rates = [self.acceptance(r, g) for r, g in zip(ids, guesses)]
+            gains = [(-rates[i] ** (j + 1), i) for i in range(batch) for j in range(caps[i])]
+            heapq.heapify(gains)
+            tokens = float(batch)  # expected tokens at the current lengths
+            best, best_total, total = tokens / self.cost(batch, 0.0), 0, 0
+            order = []
+            while gains:
+                gain, i = heapq.heappop(gains)
+                order.append(i)
+                total += 1
+                tokens -= gain
+                goodput = tokens / self.cost(batch, total / batch)
+                if goodput > best:
+                    best, best_total = goodput, total
+            if self.rounds - self.explored >= 2 * self.probe_every and order:
+                best_total = self._explore(batch, best_total, len(order))
+            for i in order[:best_total]:
+                ks[i] += 1
+            self._probe(ids, guesses, caps, ks)
+        for i, g in enumerate(guesses):
+            if ks[i]:
+                self.requests.setdefault(ids[i], RequestRecord()).source = g.source
+        self.proposing = self.proposing * self.batch_decay + sum(1 for k in ks if k)
+        return ks
+
+    def _explore(self, batch: int, best_total: int, most: int) -> int:
+        """The cost curve filled in: every `2 probe_every` rounds, a mean length not yet measured
+        (twice: its first round may have compiled) at this batch, the one nearest the best,
+        instead of the best; its proposal total. Once every length is measured, no more."""
+        g = self.group(batch)
+        counts = {k: self.seconds.get((g, k), (0.0, 0))[1] for k in range(1, self.max_k + 1)}
+        few = [k for k in counts if counts[k] < 2]
+        if not few:
+            return best_total
+        k = min(few, key=lambda k: (abs(k - best_total / batch), k))
+        self.explored = self.rounds
+        return min(k * batch, most)
+
+    def _probe(self, ids: list[str], guesses: list[Guess], caps: list[int], ks: list[int]) -> None:
+        """No lock-out: a request left at 0 whose guess is new (it never proposed, or its guess
+        comes from another place, or the proposer cannot tell) tries one token, at most once
+        every `probe_every` rounds, and at most `batch / probe_every` of them in a round."""
+        budget = max(1, len(ids) // self.probe_every)
+        for i, g in enumerate(guesses):
+            if not budget:
+                return
+            if ks[i] or not caps[i]:
+                continue
+            record = self.requests.get(ids[i])
+            fresh = record is None or g.source is None or g.source != record.source
+            if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
+                record = record or self.requests.setdefault(ids[i], RequestRecord())
+                ks[i], record.probed = 1, self.rounds
+                budget -= 1
