@@ -103,6 +103,7 @@ class AdaptiveLength:
         # Decayed: request-rounds looked at and those that proposed; verify rows and their kept tokens.
         self.looks, self.proposing = 1.0, 0.5
         self.rows, self.kept = 1.0, 1.0
+        self.looked_rounds, self.looked_kbar = 1.0, 0.0  # decayed: rounds that looked, their mean lengths
 
     # ------------------------------------------------------------ acceptance
     def confidence_rate(self, confidence: int) -> float:
@@ -154,6 +155,9 @@ class AdaptiveLength:
         """A round of `batch` decoding requests proposing `kbar` tokens on average took
         `seconds` (None: not a round to measure, such as one with prompt rows); `ahead`: it ran
         ahead of the previous round's record (its seconds: since that record)."""
+        if self.looked == self.rounds:  # this round looked at guesses (`choose`)
+            self.looked_rounds = self.looked_rounds * 0.9 + 1
+            self.looked_kbar = self.looked_kbar * 0.9 + kbar
         self.rounds += 1
         if seconds is None or batch < 1:
             return
@@ -170,14 +174,24 @@ class AdaptiveLength:
         return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2 and k >= 0}
 
     def cost(self, batch: int, kbar: float) -> float | None:
-        """The seconds of a round at `batch` with `kbar` tokens proposed on average (linear
-        between measured lengths, along the nearest segment past them), or None before two
-        lengths were measured at that batch."""
-        points = sorted(self._measured(batch).items())
-        if len(points) < 2:
+        """The seconds of a round at `batch` with `kbar` tokens proposed on average, or None
+        before two lengths were measured at that batch. A round with any proposal runs the
+        verify program (one step a call, every row sampled at each position), a cost of its
+        own: below the shortest measured length it costs that length's round, never a share
+        of the way down to a plain round's; above it, linear between measured lengths (along
+        the nearest segment past them, or from the plain round through the only one)."""
+        measured = self._measured(batch)
+        if len(measured) < 2:
+            return None
+        if kbar <= 0:
+            return measured.get(0)
+        points = sorted((k, y) for k, y in measured.items() if k >= 1)
+        if not points:
             return None
         if kbar <= points[0][0]:
             return points[0][1]
+        if len(points) == 1:
+            points = [(0, measured.get(0, points[0][1])), points[0]]
         (k0, y0), (k1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if kbar <= b[0]), points[-2:])
         return max(y0 + max(y1 - y0, 0.0) * (kbar - k0) / (k1 - k0), 1e-9)
 
@@ -193,13 +207,19 @@ class AdaptiveLength:
     def looking_pays(self, batch: int) -> bool:
         """Whether looking at the guesses each round pays for the overlap it gives up: a
         proposal needs the latest token on the host, so a round that looks cannot run ahead.
-        Looking makes `p x` more tokens per request a round (`p`: the share of requests that
-        propose, `x`: the tokens a verify row keeps); overlap makes a round `c(0) / c_ahead`
-        faster, both measured (until both are, overlap counts as 10%)."""
+        A looking round makes `1 + p x` tokens a request (`p`: the share of requests that
+        propose, `x`: the tokens a verify row keeps) at the measured cost of the mean length
+        such rounds propose; a round run ahead makes 1 at its own measured cost (until that is
+        measured, a plain round's). Until those are measured, looking pays if `p x` beats 10%
+        (about what overlap saves)."""
+        gain = (self.proposing / self.looks) * (self.kept / self.rows)
         g = self.group(batch)
-        looked, ahead = self.seconds.get((g, 0), (0.0, 0)), self.seconds.get((g, -1), (0.0, 0))
-        overhead = max(looked[0] / ahead[0] - 1.0, 0.0) if looked[1] >= 2 and ahead[1] >= 2 else 0.1
-        return (self.proposing / self.looks) * (self.kept / self.rows) > overhead
+        ahead = self.seconds.get((g, -1), (0.0, 0))
+        plain = ahead[0] if ahead[1] >= 2 else self._measured(batch).get(0)
+        looking = self.cost(batch, self.looked_kbar / self.looked_rounds)
+        if looking is None or plain is None:
+            return gain > 0.1
+        return (1.0 + gain) / looking > 1.0 / plain
 
     def choose(self, ids: list[str], guesses: list[Guess]) -> list[int]:
         """Each request's proposal length (at most its guess's), the batch's goodput best."""
@@ -215,7 +235,8 @@ class AdaptiveLength:
                 record.accepted *= 0.5
         if not any(caps):
             return ks
-        if len(self._measured(batch)) < 2:  # measure: every guess whole
+        measured = self._measured(batch)
+        if len(measured) < 2 or 0 not in measured:  # measure: every guess whole
             ks = caps
         else:
             rates = [self.acceptance(r, g) for r, g in zip(ids, guesses)]

@@ -14,9 +14,9 @@ against batch size.
     python -m experiments speculation --model=tiny-llama --workloads=synthetic --batch_sizes=1,4
     python -m experiments speculation --flagfile=configs/speculation_h100.cfg   # simulated: 8B target, 1B draft
 
-Workloads: `code` (three copies of a file of three one-line Python functions, then `def `,
-greedy: the output copies the file, a request in a few rounds finds what to copy; the first
-request's file is add/sub/mul), `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
+Workloads: `code` (three copies of a file of three one-line Python functions, add/sub/mul,
+then `def `, greedy, --code_tokens: the output copies the file once it finds what to copy;
+--code_variants gives each request its own functions), `copy` (chat-templated "repeat this text" over ShareGPT replies: the output copies
 the prompt, n-gram's best case), `sharegpt` (ShareGPT opening turns, chat-templated, until EOS
 or --max_tokens), `synthetic` (random prompts with a repeated motif; for models without a
 tokenizer, and for --simulate, where each proposed token is accepted with probability
@@ -45,6 +45,8 @@ flags.DEFINE_integer("repeats", 3, "Runs of each batch on one warmed engine; thr
 flags.DEFINE_bool("served", False, "Also run the closed batches through the server (python -m cbjax.serve) and the "
                   "openai client: TTFT, TPOT and acceptance from /metrics.")
 flags.DEFINE_integer("code_tokens", 96, "code: tokens each request generates (ignoring EOS).", lower_bound=1)
+flags.DEFINE_bool("code_variants", False, "code: every request but the first gets its own three functions (default: "
+                  "all the same file, the case issue 86 reported).")
 flags.DEFINE_bool("adaptive", True, "Also run the adaptive length.")
 flags.DEFINE_integer("requests_per_slot", 2, "Requests per batch slot in the closed-batch runs.", lower_bound=1)
 flags.DEFINE_integer("max_tokens", 128, "Most tokens a request generates.", lower_bound=1)
@@ -141,8 +143,8 @@ CODE_FUNCTIONS = [("add", "+"), ("sub", "-"), ("mul", "*"), ("div", "/"), ("mod"
 
 def code_prompt(i: int, rng) -> str:
     """The code workload's prompt `i`: a file of three one-line functions, three times, then
-    `def ` (request 0: add, sub, mul; the others three at random)."""
-    picks = [0, 1, 2] if i == 0 else rng.choice(len(CODE_FUNCTIONS), 3, replace=False).tolist()
+    `def ` (add, sub, mul; with --code_variants, request i > 0 three of six at random)."""
+    picks = rng.choice(len(CODE_FUNCTIONS), 3, replace=False).tolist() if FLAGS.code_variants and i else [0, 1, 2]
     source = "".join(f"def {CODE_FUNCTIONS[j][0]}(a, b): return a {CODE_FUNCTIONS[j][1]} b\n" for j in picks)
     return (source + "\n") * 3 + "def "
 
