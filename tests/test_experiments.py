@@ -81,12 +81,16 @@ def test_latency_sweep_and_ablate_write_results(tmp_path):
 @slow
 def test_speculation_study_writes_its_table(tmp_path):
     run_script("speculation.py", "--model=tiny-llama", "--workloads=synthetic", "--batch_sizes=2", "--ks=2",
-               "--max_tokens=24", "--max_seq_len=64", "--requests_per_slot=1", f"--output_dir={tmp_path}")
+               "--max_tokens=24", "--max_seq_len=64", "--requests_per_slot=1", "--repeats=2",
+               f"--output_dir={tmp_path}")
     result = json.loads((tmp_path / "speculation.json").read_text())
     rows = result["closed_batches"]
     assert [r["config"] for r in rows.values()] == ["none", "k=2", "adaptive"]
-    assert rows["synthetic/b2/none"]["speedup"] == 1.0 and rows["synthetic/b2/k=2"]["proposed"] > 0
-    assert (tmp_path / "speculation.png").stat().st_size > 0 and "| synthetic | 2 | k=2 |" in result["table"]
+    assert rows["synthetic/b2/none/in-process"]["speedup"] == 1.0
+    assert rows["synthetic/b2/k=2/in-process"]["proposed"] > 0
+    assert len(rows["synthetic/b2/k=2/in-process"]["runs_tok_per_s"]) == 2
+    assert (tmp_path / "speculation.png").stat().st_size > 0
+    assert "| synthetic | 2 | k=2 | in-process |" in result["table"]
 
 
 def test_fcfs_schedules_count_each_steps_sequences():
