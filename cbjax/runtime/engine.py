@@ -32,8 +32,7 @@ from cbjax.runtime.cpu import kernels as cpu_kernels
 from cbjax.runtime.traced.device_state import BACKEND_COMPILES, TRACE_COUNTS, SlotState  # noqa: F401 (re-exported)
 from cbjax.runtime.engine_choices import choose_attention, kv_dtype
 from cbjax.runtime.engine_ops import engine_ops
-from cbjax.runtime.engine_config import (ATTENTION_CHOICES, CPU_KERNEL_CHOICES, EngineConfig,  # noqa: F401 (re-exported)
-                                         prefill_buckets)
+from cbjax.runtime.engine_config import EngineConfig, prefill_buckets
 from cbjax.runtime.host_kv import HostKV
 from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.packing import pack, row_bucket, token_buckets
