@@ -111,7 +111,7 @@ class Scheduler:
         token budget. `run_ahead`: the executor may dispatch a decode call before it records."""
         speculator = self.speculator
         if draft_len is None:
-            draft_len = speculator.next_length(len(self.running)) if speculator is not None else 0
+            draft_len = speculator.length(len(self.running)) if speculator is not None else 0
         mixed = self.config.merge_mode != "prefill_first"
         step = MixedStep(self.view, draft_len) if mixed else None
         if step is not None:

@@ -142,8 +142,6 @@ class Speculator:
         (0: none will; a decode call may then run ahead of its record)."""
         return self.lengths.length(batch)
 
-    next_length = length
-
     def proposals(self, requests: list[Request], k: int) -> list[list[int]]:
         """At most `k` tokens for each request: none past its max_tokens or the cache's length
         (the verify row's positions all fit where a decode's would), nor for a request that may
