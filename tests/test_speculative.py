@@ -253,6 +253,47 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
     assert "copy" not in lengths.requests
 
 
+def test_a_costly_proposer_runs_only_as_far_as_the_planned_length():
+    """A proposer whose guesses cost steps (a draft model) is asked for lengths planned before it
+    runs: one token each while the cost curve is unmeasured, then one length for all (its
+    cost follows the longest proposal), as long as pays: all of `max_k` at a flat cost and
+    high acceptance, none at a steep cost and low acceptance."""
+    from cbjax.request import RequestState
+    from cbjax.scheduling.speculation import Speculator
+
+    class Costly:
+        costly = True
+
+        def __init__(self):
+            self.asked = []
+
+        def propose(self, requests, ks):
+            self.asked.append(list(ks))
+            return [Guess([5] * k, 9) for k in ks]
+
+        def forget(self, request_id):
+            pass
+
+        def warmup(self):
+            return 0
+
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=60), 0.0) for i in range(4)]
+    for r in requests:
+        r.state = RequestState.RUNNING
+    for cost, kept, want in ((lambda b, k: 0.010 + 1e-5 * k, 4, [4] * 4), (lambda b, k: 0.010 * (1 + k), 0, [0] * 4)):
+        draft, lengths = Costly(), AdaptiveLength(max_k=4)
+        spec = Speculator(draft, lengths, max_seq_len=64)
+        assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == [1] * 4  # measuring
+        for r in requests:
+            spec.record(r, 1, min(kept, 1))
+        assert all(lengths.requests[r.request_id].confidence == 9 for r in requests)
+        measured(lengths, 4, cost)
+        for _ in range(10):
+            for r in requests:
+                lengths.observe(r.request_id, 4, kept, confidence=9)
+        assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == want
+
+
 def test_speculation_knobs_are_checked():
     from cbjax import EngineArgs
 

@@ -7,10 +7,13 @@ at all; a rejected proposal's positions are simply written over), samples its fi
 token greedily at the row's end, then runs `k - 1` one-step decode calls that feed themselves
 on the device; the host reads every call's tokens once. Greedy proposals are point masses,
 for which the target's verification (cbjax/runtime/traced/speculative.py) is exact rejection
-sampling: the outputs keep the target's distribution.
+sampling: the outputs keep the target's distribution. A guess's confidence is the draft's own
+probability of its least likely token, in tenths.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 
@@ -23,12 +26,14 @@ from cbjax.scheduling.speculation_length import NO_GUESS, Guess
 
 
 class DraftProposer:
+    costly = True
+
     def __init__(self, model, target_config, config: EngineConfig):
         """`model`: the loaded draft; `target_config`: the target's `ModelConfig` (the vocabulary
         must match); `config`: the draft engine's knobs (the target's slots and length)."""
         check_draft_vocabulary(model.config.vocab_size, target_config.vocab_size)
         self.engine = Engine(model, config)
-        self.greedy = SamplingParams(max_tokens=config.max_seq_len, ignore_eos=True)
+        self.greedy = SamplingParams(max_tokens=config.max_seq_len, ignore_eos=True, logprobs=0)
         # request id -> (its slot, tokens it had when last proposed for, that proposal); the draft's
         # cache then held those tokens' keys, and the proposal's but its last
         self._seen: dict[str, tuple[int, int, list[int]]] = {}
@@ -48,8 +53,7 @@ class DraftProposer:
         return min(known + agreed, len(tokens) - 1)
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[Guess]:
-        """The draft's greedy tokens (one confidence for all: the draft's probabilities are not
-        read back)."""
+        """The draft's greedy tokens, each guess as sure as the draft is of its least likely token."""
         todo = [(r, k) for r, k in zip(requests, ks) if k > 0]
         if not todo:
             return [NO_GUESS for _ in requests]
@@ -64,19 +68,22 @@ class DraftProposer:
         decodes = [Row(r.slot, [], 0) for r, _ in todo]
         calls += [self.engine.run(decodes) for _ in range(steps)]
         host = to_host([[out for out, _ in call] for call in calls], self.engine.platform)
-        drafted = {r.request_id: [] for r, _ in todo}
+        drafted = {r.request_id: ([], []) for r, _ in todo}  # request id -> (tokens, their log-probabilities)
         for call, results in zip(calls, host):
             for (_, members), out in zip(call, results):
-                tokens = split_logprobs(out)[0][0, :, 0]
+                tokens, logprobs = split_logprobs(out)
                 for j, i in enumerate(members):
-                    if i >= 0 and tokens[j] >= 0:
-                        drafted[todo[i][0].request_id].append(int(tokens[j]))
+                    if i >= 0 and tokens[0, j, 0] >= 0:
+                        mine = drafted[todo[i][0].request_id]
+                        mine[0].append(int(tokens[0, j, 0]))
+                        mine[1].append(float(logprobs[0, j, 0]) if logprobs is not None else 0.0)
         out = []
         for r, k in zip(requests, ks):
-            proposal = drafted.get(r.request_id, [])[:k]
+            proposal, logprobs = drafted.get(r.request_id, ([], []))
+            proposal, logprobs = proposal[:k], logprobs[:k]
             if k > 0:
                 self._seen[r.request_id] = (r.slot, r.num_tokens, proposal)
-            out.append(Guess(proposal))
+            out.append(Guess(proposal, min(int(10 * math.exp(min(logprobs))), 9) if logprobs else 0))
         return out
 
     def forget(self, request_id: str) -> None:
@@ -90,7 +97,7 @@ def draft_proposer(spec: str, target, args, num_slots: int) -> DraftProposer:
 
     model = load_model(spec, dtype=args.dtype, with_tokenizer=False)
     config = EngineConfig(num_slots=num_slots, max_seq_len=args.max_seq_len, prefill_floor=args.prefill_floor,
-                          kv_cache="slots", max_logprobs=0, cpu_kernels=args.cpu_kernels,
+                          kv_cache="slots", max_logprobs=1, cpu_kernels=args.cpu_kernels,
                           max_step_tokens=args.max_step_tokens, min_step_tokens=args.min_step_tokens)
     if jax.devices()[0].platform != "cpu":
         config.attention = args.attention

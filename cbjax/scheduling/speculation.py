@@ -52,6 +52,10 @@ class Proposer(Protocol):
     def warmup(self) -> int:
         """Compile what it runs ahead of time; the number of programs."""
 
+    costly: bool
+    """Whether a proposal costs steps of its own (a draft model's): the lengths are then planned
+    before proposing, where a free guess (an n-gram's) is looked at first. Optional: False."""
+
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the request's last `n` tokens
@@ -66,6 +70,8 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self._index: dict[str, tuple[dict, list[int]]] = {}  # request id -> (index, [positions indexed])
+
+    costly = False
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[Guess]:
         return [self.lookup(r, k) if k > 0 else NO_GUESS for r, k in zip(requests, ks)]
@@ -104,6 +110,7 @@ class SimulatedProposer:
         import random
 
         self.acceptance, self.filler, self.charge = acceptance, filler, charge
+        self.costly = charge is not None
         self._random = random.Random(seed)
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[Guess]:
@@ -148,8 +155,13 @@ class Speculator:
         not speculate; of each guess, as much as the length policy picks."""
         ks = [max(min(k, r.sampling.max_tokens - len(r.output_token_ids) - 1, self.max_seq_len - r.num_tokens), 0)
               if may_speculate(r) else 0 for r in requests]
-        guesses = self.proposer.propose(requests, ks)
-        chosen = self.lengths.choose([r.request_id for r in requests], guesses)
+        ids = [r.request_id for r in requests]
+        if getattr(self.proposer, "costly", False):  # the draft runs only as far as the lengths chosen ahead of it
+            chosen = ks = self.lengths.plan(ids, ks)
+            guesses = self.proposer.propose(requests, ks)
+        else:
+            guesses = self.proposer.propose(requests, ks)
+            chosen = self.lengths.choose(ids, guesses)
         for r, g, n in zip(requests, guesses, chosen):
             if n:
                 self._confidence[r.request_id] = g.confidence

@@ -67,6 +67,9 @@ class FixedLength:
     def choose(self, ids: list[str], guesses: list[Guess]) -> list[int]:
         return [len(g.tokens) for g in guesses]
 
+    def plan(self, ids: list[str], caps: list[int]) -> list[int]:
+        return caps
+
     def observe(self, request_id: str, asked: int, accepted: int, confidence: int = 0) -> None:
         pass
 
@@ -82,6 +85,7 @@ class RequestRecord:
     trials: float = 0.0  # decayed tokens tried
     accepted: float = 0.0  # decayed tokens kept
     source: int | None = None  # where its latest guess came from
+    confidence: int = 0  # its latest verified guess's
     probed: int = -(1 << 30)  # the round of its latest probe
 
 
@@ -100,6 +104,7 @@ class AdaptiveLength:
         self.rounds = 0
         self.looked = 0  # the round guesses were last looked at (`choose`)
         self.explored = 0  # the round the cost curve was last explored
+        self.measuring = -1  # the round the lengths were last picked to measure a cost, not for goodput
         # Decayed: request-rounds looked at and those that proposed; verify rows and their kept tokens.
         self.looks, self.proposing = 1.0, 0.5
         self.rows, self.kept = 1.0, 1.0
@@ -129,6 +134,7 @@ class AdaptiveLength:
             return
         self.rows, self.kept = self.rows * self.batch_decay + 1, self.kept * self.batch_decay + accepted
         record = self.requests.setdefault(request_id, RequestRecord())
+        record.confidence = confidence
         d = self.decay ** trials
         record.trials, record.accepted = record.trials * d + trials, record.accepted * d + accepted
         rate = self.by_confidence.setdefault(confidence, [0.0, 0.0])
@@ -155,7 +161,7 @@ class AdaptiveLength:
         """A round of `batch` decoding requests proposing `kbar` tokens on average took
         `seconds` (None: not a round to measure, such as one with prompt rows); `ahead`: it ran
         ahead of the previous round's record (its seconds: since that record)."""
-        if self.looked == self.rounds:  # this round looked at guesses (`choose`)
+        if self.looked == self.rounds != self.measuring:  # it looked at guesses (`choose`), not to measure
             self.looked_rounds = self.looked_rounds * 0.9 + 1
             self.looked_kbar = self.looked_kbar * 0.9 + kbar
         self.rounds += 1
@@ -238,6 +244,7 @@ class AdaptiveLength:
         measured = self._measured(batch)
         if len(measured) < 2 or 0 not in measured:  # measure: every guess whole
             ks = caps
+            self.measuring = self.rounds
         else:
             rates = [self.acceptance(r, g) for r, g in zip(ids, guesses)]
             gains = [(-rates[i] ** (j + 1), i) for i in range(batch) for j in range(caps[i])]
@@ -255,6 +262,7 @@ class AdaptiveLength:
                     best, best_total = goodput, total
             if self.rounds - self.explored >= 2 * self.probe_every and order:
                 best_total = self._explore(batch, best_total, len(order))
+                self.measuring = self.rounds if self.explored == self.rounds else self.measuring
             for i in order[:best_total]:
                 ks[i] += 1
             self._probe(ids, guesses, caps, ks)
@@ -264,12 +272,50 @@ class AdaptiveLength:
         self.proposing = self.proposing * self.batch_decay + sum(1 for k in ks if k)
         return ks
 
+    def plan(self, ids: list[str], caps: list[int]) -> list[int]:
+        """Each request's length before its guess exists, for a proposer whose guesses cost: a
+        draft model runs as many steps as the longest proposal, for every row that proposes,
+        so a round's cost follows one length, not each request's. The length `k` (each request
+        at most its cap) whose expected tokens, at each request's acceptance for its latest
+        verified confidence, over the measured cost of `k` is highest; until the batch's cost
+        curve is measured, 1 (the cheapest length to measure), and every `2 probe_every`
+        rounds a length next to it not yet measured."""
+        batch = len(ids)
+        self.looked = self.rounds
+        self.looks = self.looks * self.batch_decay + batch
+        if not any(caps):
+            return [0] * batch
+        measured = self._measured(batch)
+        if len(measured) < 2 or 0 not in measured:
+            k = 1
+            self.measuring = self.rounds
+        else:
+            rates = []
+            for request_id in ids:
+                record = self.requests.get(request_id)
+                rates.append(self.acceptance(request_id, Guess([], record.confidence if record else 0)))
+
+            def goodput(k: int) -> float:
+                lengths = [min(c, k) for c in caps]
+                tokens = sum(expected_tokens(a, n) for a, n in zip(rates, lengths))
+                return tokens / self.cost(batch, sum(lengths) / batch)
+
+            k = max(range(self.max_k + 1), key=goodput)
+            if self.rounds - self.explored >= 2 * self.probe_every:
+                k = self._explore(batch, k * batch, self.max_k * batch) // batch
+                self.measuring = self.rounds if self.explored == self.rounds else self.measuring
+        ks = [min(c, k) for c in caps]
+        self.proposing = self.proposing * self.batch_decay + sum(1 for n in ks if n)
+        return ks
+
     def _explore(self, batch: int, best_total: int, most: int) -> int:
-        """The cost curve filled in: every `2 probe_every` rounds, a mean length not yet measured
-        (twice: its first round may have compiled) at this batch, the one nearest the best,
-        instead of the best; its proposal total. Once every length is measured, no more."""
+        """The cost curve filled in: every `2 probe_every` rounds, a mean length next to the
+        best's not yet measured (twice: its first round may have compiled) at this batch,
+        instead of the best; its proposal total. Lengths further off are left to the curve's
+        extrapolation: the best moves there only if the lengths between beat it."""
         g = self.group(batch)
-        counts = {k: self.seconds.get((g, k), (0.0, 0))[1] for k in range(1, self.max_k + 1)}
+        near = max(1, round(best_total / batch))
+        counts = {k: self.seconds.get((g, k), (0.0, 0))[1] for k in range(max(1, near - 1), min(near + 1, self.max_k) + 1)}
         few = [k for k in counts if counts[k] < 2]
         if not few:
             return best_total
