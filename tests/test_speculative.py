@@ -239,14 +239,23 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
     for _ in range(30):  # every guess rejected
         if spec.proposals(requests, 3)[0]:
             spec.record(requests[0], 3, 0)
-        spec.after_round([], 0.01)
+        lengths.after_round(2, 0.0, 0.01)
     assert spec.proposals(requests, 3)[0] == []  # it stopped proposing
     spec.proposer.source = 2  # a new match
     tried = []
     for _ in range(8):
         tried.append(len(spec.proposals(requests, 3)[0]))
-        spec.after_round([], 0.01)
+        lengths.after_round(2, 0.0, 0.01)
     assert tried[0] == 1 and sum(tried) == 1, tried  # one probe token, not one every round
+    # A probe that turns a plain round into a verify round (30% dearer here) waits until
+    # `probe_share` of the rounds' time has paid for it.
+    lengths.probe_allowance = 0.0
+    spec.proposer.source = 3
+    tried = []
+    for _ in range(24):
+        tried.append(len(spec.proposals(requests, 3)[0]))
+        lengths.after_round(2, 0.0, 0.01)
+    assert sum(tried) == 1 and abs(tried.index(1) - 0.003 / (lengths.probe_share * 0.01)) <= 1, tried
     spec.record(requests[0], 1, 1)
     assert lengths.requests["copy"].accepted > 0
     spec.forget("copy")

@@ -19,8 +19,10 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
 - No lock-out: when a request's guess comes from a new place (`Guess.source`: a new
   n-gram match) its own record is halved, so the prior of its confidence weighs more; and a
   request left at 0 with a guess from a new place tries one token, at most once every
-  `probe_every` rounds, and at most `batch / probe_every` requests a round: exploration adds
-  at most one token in `probe_every` to a round's step.
+  `probe_every` rounds, at most `batch / probe_every` requests a round, and within a budget
+  of `probe_share` of the rounds' measured time: a probe in a round that verifies anyway
+  costs about nothing, one that turns a plain round into a verify round costs the
+  difference (on a CPU, about a round), and waits until the budget has it.
 - The cost curve is measured per (batch, k̄), batches grouped by powers of two, with the
   same rules as before: a length's first round (which may have compiled) counts only once
   a second confirms it; estimates fall fast and rise slowly; until two lengths are measured
@@ -91,13 +93,15 @@ class RequestRecord:
 
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
-                 probe_every: int = 8, batch_memory: int = 256):
+                 probe_every: int = 8, batch_memory: int = 256, probe_share: float = 0.02):
         self.max_k = max_k
         self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
         self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.probe_every = probe_every
+        self.probe_share = probe_share
+        self.probe_allowance = 0.0  # seconds probes may still add: probe_share of the rounds' time
         self.by_confidence: dict[int, list[float]] = {}  # confidence -> [tokens tried, kept] (decayed)
         self.requests: dict[str, RequestRecord] = {}
         self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
@@ -167,6 +171,7 @@ class AdaptiveLength:
         self.rounds += 1
         if seconds is None or batch < 1:
             return
+        self.probe_allowance = min(self.probe_allowance + self.probe_share * seconds, 64 * self.probe_share * seconds)
         key = (self.group(batch), self.cost_key(kbar, ahead))
         old, count = self.seconds.get(key, (seconds, 0))
         if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
@@ -326,8 +331,10 @@ class AdaptiveLength:
     def _probe(self, ids: list[str], guesses: list[Guess], caps: list[int], ks: list[int]) -> None:
         """No lock-out: a request left at 0 whose guess is new (it never proposed, or its guess
         comes from another place, or the proposer cannot tell) tries one token, at most once
-        every `probe_every` rounds, and at most `batch / probe_every` of them in a round."""
+        every `probe_every` rounds, at most `batch / probe_every` of them in a round, and only
+        while the time it adds to the round (by the cost curve) fits `probe_allowance`."""
         budget = max(1, len(ids) // self.probe_every)
+        batch, total = len(ids), sum(ks)
         for i, g in enumerate(guesses):
             if not budget:
                 return
@@ -336,6 +343,11 @@ class AdaptiveLength:
             record = self.requests.get(ids[i])
             fresh = record is None or g.source is None or g.source != record.source
             if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
+                added = self.cost(batch, (total + 1) / batch) - self.cost(batch, total / batch)
+                if added > self.probe_allowance:
+                    return
+                self.probe_allowance -= max(added, 0.0)
+                total += 1
                 record = record or self.requests.setdefault(ids[i], RequestRecord())
                 ks[i], record.probed = 1, self.rounds
                 budget -= 1

@@ -3,9 +3,9 @@
 For each workload and batch size (closed batches: `num_slots` = the batch, every request
 submitted at once), each configuration runs the same requests: no speculation, a fixed
 proposal length k for each of --ks, and the adaptive length (SmartSpec's goodput per request,
-k up to max(--ks)). Prints throughput (the median of --repeats runs on one warmed engine),
-the speedup over no speculation measured side by side, mean TPOT, the tokens accepted per
-run and the acceptance; with --served, the same batches through `python -m cbjax.serve` and
+k up to max(--ks)). Prints throughput (the median of --repeats runs on one warmed engine;
+the engines take turns, a run each) and the speedup over no speculation (the median of the
+turns' ratios), mean TPOT, the tokens accepted per run and the acceptance; with --served, the same batches through `python -m cbjax.serve` and
 the `openai` client (TTFT, TPOT and acceptance from /metrics); then, at --qps Poisson rates on
 --num_slots, TPOT and E2E latency. Writes JSON, a markdown table and a plot of speedup
 against batch size.
@@ -149,30 +149,35 @@ def code_prompt(i: int, rng) -> str:
     return (source + "\n") * 3 + "def "
 
 
-def measure(llm, reqs) -> dict:
-    """Generate `reqs` at once, --repeats times; the median run's throughput (over the front's
-    clock: simulated time in a simulation) and mean TPOT, and the speculation counters per run."""
-    runs = []
-    before = llm.load()
-    for _ in range(FLAGS.repeats):
-        outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
-        wall = max(o.metrics.finish_time for o in outs) - min(o.metrics.arrival_time for o in outs)
-        tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
-                 for o in outs if len(o.metrics.token_times) > 1]
-        runs.append((sum(len(o.token_ids) for o in outs) / wall, wall, float(np.mean(tpots)) if tpots else None))
-    load = llm.load()
-    drafts = load.spec_drafts - before.spec_drafts
-    proposed = load.spec_draft_tokens - before.spec_draft_tokens
-    accepted = load.spec_accepted_tokens - before.spec_accepted_tokens
+def run_once(llm, reqs) -> tuple[float, float, float | None]:
+    """Generate `reqs` at once: throughput (over the front's clock: simulated time in a
+    simulation), wall seconds and mean TPOT."""
+    outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+    wall = max(o.metrics.finish_time for o in outs) - min(o.metrics.arrival_time for o in outs)
+    tpots = [(o.metrics.token_times[-1] - o.metrics.token_times[0]) / (len(o.metrics.token_times) - 1)
+             for o in outs if len(o.metrics.token_times) > 1]
+    return sum(len(o.token_ids) for o in outs) / wall, wall, float(np.mean(tpots)) if tpots else None
+
+
+def summarize(runs: list[tuple], before, after) -> dict:
+    """The median run's throughput and mean TPOT, and the speculation counters per run."""
+    drafts = after.spec_drafts - before.spec_drafts
+    proposed = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     rate, wall, tpot = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     return {"tokens": round(rate * wall), "wall_s": wall, "tok_per_s": rate, "runs_tok_per_s": [r[0] for r in runs],
             "mean_tpot_ms": 1000 * tpot if tpot is not None else None,
-            "proposed": proposed / FLAGS.repeats, "accepted": accepted / FLAGS.repeats,
+            "proposed": proposed / len(runs), "accepted": accepted / len(runs),
             "acceptance": accepted / proposed if proposed else None,
             "tokens_per_verify": 1 + accepted / drafts if drafts else None}
 
 
 def closed_batches(model, workload: str) -> dict:
+    """Every configuration's engine at each batch size, warmed, then --repeats rounds in which
+    each runs the batch once in turn: a slow drift of the machine touches all alike, and the
+    speedup is the median of the rounds' ratios to no speculation."""
+    from tqdm.auto import tqdm
+
     from cbjax import LLM
 
     sizes = [int(b) for b in FLAGS.batch_sizes]
@@ -180,22 +185,32 @@ def closed_batches(model, workload: str) -> dict:
     rows = {}
     for batch in sizes:
         reqs = pool[:batch * FLAGS.requests_per_slot]
+        engines = {}
         for label, options in configurations():
-            llm = LLM(model, num_slots=batch, **engine_options(options))
-            llm.warmup()
-            add_row(rows, workload, batch, label, "in-process", measure(llm, reqs))
-            del llm
-            common.release_programs()
-            if FLAGS.served:
-                argv = server_argv(dict(engine_options(options), num_slots=batch))
-                log = os.path.join(FLAGS.output_dir, f"server_{workload}_{batch}_{label.replace(' ', '_')}.log")
-                add_row(rows, workload, batch, label, "served", served_batch(FLAGS.model, argv, reqs, FLAGS.repeats, log))
+            engines[label] = LLM(model, num_slots=batch, **engine_options(options))
+            engines[label].warmup()
+        before = {label: llm.load() for label, llm in engines.items()}
+        runs = {label: [] for label in engines}
+        for _ in tqdm(range(FLAGS.repeats), desc=f"{workload} batch {batch}: turns"):
+            for label, llm in engines.items():
+                runs[label].append(run_once(llm, reqs))
+        for label, llm in engines.items():
+            row = summarize(runs[label], before[label], llm.load())
+            row["speedup"] = float(np.median([a[0] / b[0] for a, b in zip(runs[label], runs["none"])]))
+            add_row(rows, workload, batch, label, "in-process", row)
+        del engines, llm
+        common.release_programs()
+        for label, options in configurations() if FLAGS.served else []:
+            argv = server_argv(dict(engine_options(options), num_slots=batch))
+            log = os.path.join(FLAGS.output_dir, f"server_{workload}_{batch}_{label.replace(' ', '_')}.log")
+            add_row(rows, workload, batch, label, "served", served_batch(FLAGS.model, argv, reqs, FLAGS.repeats, log))
     return rows
 
 
 def add_row(rows: dict, workload: str, batch: int, label: str, path: str, row: dict) -> None:
     none = rows.get(f"{workload}/b{batch}/none/{path}")
-    row["speedup"] = row["tok_per_s"] / none["tok_per_s"] if none is not None else 1.0
+    if "speedup" not in row:
+        row["speedup"] = row["tok_per_s"] / none["tok_per_s"] if none is not None else 1.0
     rows[f"{workload}/b{batch}/{label}/{path}"] = {"workload": workload, "batch": batch, "config": label, "path": path,
                                                    **row}
     print(f"{workload:>9} batch {batch:>3} {label:>9} {path:>10}: {row['tok_per_s']:8.1f} tok/s  "
