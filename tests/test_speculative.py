@@ -174,7 +174,9 @@ def test_adaptive_length_proposes_what_pays_at_the_batch_cost():
     per token tried, as `expected_tokens` assumes."""
     flat = AdaptiveLength(max_k=6)
     ids = [str(i) for i in range(8)]
-    assert flat.choose(ids, guesses(8)) == [6] * 8  # nothing measured yet: every guess whole, to measure
+    assert flat.choose(ids, guesses(8)) == [0] * 8  # nothing measured yet: a plain round first,
+    measured(flat, 8, lambda b, k: 0.010, lengths=[0])
+    assert flat.choose(ids, guesses(8)) == [6] * 8  # then every guess whole, to measure
     measured(flat, 8, lambda b, k: 0.010 + 1e-5 * k)
     for _ in range(10):
         for i in ids:
@@ -251,11 +253,11 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
     # `probe_share` of the rounds' time has paid for it.
     lengths.probe_allowance = 0.0
     spec.proposer.source = 3
-    tried = []
-    for _ in range(24):
+    tried, wait = [], 0.003 / (lengths.probe_share * 0.01)
+    for _ in range(round(wait) + 8):
         tried.append(len(spec.proposals(requests, 3)[0]))
         lengths.after_round(2, 0.0, 0.01)
-    assert sum(tried) == 1 and abs(tried.index(1) - 0.003 / (lengths.probe_share * 0.01)) <= 1, tried
+    assert sum(tried) == 1 and abs(tried.index(1) - wait) <= 1, tried
     spec.record(requests[0], 1, 1)
     assert lengths.requests["copy"].accepted > 0
     spec.forget("copy")
@@ -264,7 +266,7 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
 
 def test_a_costly_proposer_runs_only_as_far_as_the_planned_length():
     """A proposer whose guesses cost steps (a draft model) is asked for lengths planned before it
-    runs: one token each while the cost curve is unmeasured, then one length for all (its
+    runs: none, then one token each, while the cost curve is unmeasured, then one length for all (its
     cost follows the longest proposal), as long as pays: all of `max_k` at a flat cost and
     high acceptance, none at a steep cost and low acceptance."""
     from cbjax.request import RequestState
@@ -292,7 +294,9 @@ def test_a_costly_proposer_runs_only_as_far_as_the_planned_length():
     for cost, kept, want in ((lambda b, k: 0.010 + 1e-5 * k, 4, [4] * 4), (lambda b, k: 0.010 * (1 + k), 0, [0] * 4)):
         draft, lengths = Costly(), AdaptiveLength(max_k=4)
         spec = Speculator(draft, lengths, max_seq_len=64)
-        assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == [1] * 4  # measuring
+        assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == [0] * 4  # a plain round,
+        measured(lengths, 4, cost, lengths=[0])
+        assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == [1] * 4  # then one token
         for r in requests:
             spec.record(r, 1, min(kept, 1))
         assert all(lengths.requests[r.request_id].confidence == 9 for r in requests)

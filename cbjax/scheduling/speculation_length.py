@@ -26,8 +26,8 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
 - The cost curve is measured per (batch, k̄), batches grouped by powers of two, with the
   same rules as before: a length's first round (which may have compiled) counts only once
   a second confirms it; estimates fall fast and rise slowly; until two lengths are measured
-  at a batch, every guess is proposed whole (to measure), and a round without guesses
-  measures k̄ = 0.
+  at a batch, a round proposes nothing until a plain round is measured there, then every
+  guess whole (to measure).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RequestRecord:
 
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
-                 probe_every: int = 8, batch_memory: int = 256, probe_share: float = 0.02):
+                 probe_every: int = 8, batch_memory: int = 256, probe_share: float = 0.01):
         self.max_k = max_k
         self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
         self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
@@ -247,8 +247,8 @@ class AdaptiveLength:
         if not any(caps):
             return ks
         measured = self._measured(batch)
-        if len(measured) < 2 or 0 not in measured:  # measure: every guess whole
-            ks = caps
+        if len(measured) < 2 or 0 not in measured:  # measure: a plain round first, then every guess whole
+            ks = caps if 0 in measured else ks
             self.measuring = self.rounds
         else:
             rates = [self.acceptance(r, g) for r, g in zip(ids, guesses)]
@@ -283,7 +283,7 @@ class AdaptiveLength:
         so a round's cost follows one length, not each request's. The length `k` (each request
         at most its cap) whose expected tokens, at each request's acceptance for its latest
         verified confidence, over the measured cost of `k` is highest; until the batch's cost
-        curve is measured, 1 (the cheapest length to measure), and every `2 probe_every`
+        curve is measured, 0 (a plain round) then 1 (the cheapest length to measure), and every `2 probe_every`
         rounds a length next to it not yet measured."""
         batch = len(ids)
         self.looked = self.rounds
@@ -292,7 +292,7 @@ class AdaptiveLength:
             return [0] * batch
         measured = self._measured(batch)
         if len(measured) < 2 or 0 not in measured:
-            k = 1
+            k = 1 if 0 in measured else 0
             self.measuring = self.rounds
         else:
             rates = []
