@@ -176,7 +176,7 @@ def test_adaptive_length_proposes_what_pays_at_the_batch_cost():
     ids = [str(i) for i in range(8)]
     assert flat.choose(ids, guesses(8)) == [0] * 8  # nothing measured yet: a plain round first,
     measured(flat, 8, lambda b, k: 0.010, lengths=[0])
-    assert flat.choose(ids, guesses(8)) == [6] * 8  # then every guess whole, to measure
+    assert flat.choose(ids, guesses(8)) == [1] * 8  # then one token each, to measure
     measured(flat, 8, lambda b, k: 0.010 + 1e-5 * k)
     for _ in range(10):
         for i in ids:
@@ -250,10 +250,10 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
         lengths.after_round(2, 0.0, 0.01)
     assert tried[0] == 1 and sum(tried) == 1, tried  # one probe token, not one every round
     # A probe that turns a plain round into a verify round (30% dearer here) waits until
-    # `probe_share` of the rounds' time has paid for it.
-    lengths.probe_allowance = 0.0
+    # `explore_share` of the rounds' time has paid for it.
+    lengths.allowance = 0.0
     spec.proposer.source = 3
-    tried, wait = [], 0.003 / (lengths.probe_share * 0.01)
+    tried, wait = [], 0.003 / (lengths.explore_share * 0.01)
     for _ in range(round(wait) + 8):
         tried.append(len(spec.proposals(requests, 3)[0]))
         lengths.after_round(2, 0.0, 0.01)

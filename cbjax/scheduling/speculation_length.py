@@ -18,16 +18,21 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
   speculation out for the rest of it.)
 - No lock-out: when a request's guess comes from a new place (`Guess.source`: a new
   n-gram match) its own record is halved, so the prior of its confidence weighs more; and a
-  request left at 0 with a guess from a new place tries one token, at most once every
-  `probe_every` rounds, at most `batch / probe_every` requests a round, and within a budget
-  of `probe_share` of the rounds' measured time: a probe in a round that verifies anyway
-  costs about nothing, one that turns a plain round into a verify round costs the
-  difference (on a CPU, about a round), and waits until the budget has it.
+  request left at 0 with a guess from a new place tries one token (a probe), at most once
+  every `probe_every` rounds and at most `batch / probe_every` requests a round.
+- Exploring is paid from one allowance, `explore_share` of the rounds' measured time: a
+  probe, or a round at a mean length not yet measured, goes when the time the cost curve
+  says it adds to the round fits what is left. A probe in a round that verifies anyway, or
+  a length cheaper than the best one, costs nothing and goes at once (at most one length
+  every `probe_every` rounds); one that turns a plain round into a verify round costs the
+  difference (on a CPU, about a round) and waits until the rounds since have paid for it.
 - The cost curve is measured per (batch, k̄), batches grouped by powers of two, with the
   same rules as before: a length's first round (which may have compiled) counts only once
   a second confirms it; estimates fall fast and rise slowly; until two lengths are measured
-  at a batch, a round proposes nothing until a plain round is measured there, then every
-  guess whole (to measure).
+  at a batch, a round proposes nothing until a plain round is measured there, then one
+  token a guess (the cheapest verify round: on a CPU a verify of a few rows still runs the
+  decode kernels, and the curve jumps where it stops). Longer lengths start from the line
+  through those two points, and are measured when the goodput or exploring picks them.
 """
 
 from __future__ import annotations
@@ -93,15 +98,15 @@ class RequestRecord:
 
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
-                 probe_every: int = 8, batch_memory: int = 256, probe_share: float = 0.01):
+                 probe_every: int = 8, batch_memory: int = 256, explore_share: float = 0.01):
         self.max_k = max_k
         self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
         self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.probe_every = probe_every
-        self.probe_share = probe_share
-        self.probe_allowance = 0.0  # seconds probes may still add: probe_share of the rounds' time
+        self.explore_share = explore_share
+        self.allowance = 0.0  # seconds probes may still add: explore_share of the rounds' time
         self.by_confidence: dict[int, list[float]] = {}  # confidence -> [tokens tried, kept] (decayed)
         self.requests: dict[str, RequestRecord] = {}
         self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
@@ -171,7 +176,7 @@ class AdaptiveLength:
         self.rounds += 1
         if seconds is None or batch < 1:
             return
-        self.probe_allowance = min(self.probe_allowance + self.probe_share * seconds, 64 * self.probe_share * seconds)
+        self.allowance = min(self.allowance + self.explore_share * seconds, 64 * self.explore_share * seconds)
         key = (self.group(batch), self.cost_key(kbar, ahead))
         old, count = self.seconds.get(key, (seconds, 0))
         if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
@@ -247,8 +252,8 @@ class AdaptiveLength:
         if not any(caps):
             return ks
         measured = self._measured(batch)
-        if len(measured) < 2 or 0 not in measured:  # measure: a plain round first, then every guess whole
-            ks = caps if 0 in measured else ks
+        if len(measured) < 2 or 0 not in measured:  # measure: a plain round first, then one token each
+            ks = [min(c, 1) for c in caps] if 0 in measured else ks
             self.measuring = self.rounds
         else:
             rates = [self.acceptance(r, g) for r, g in zip(ids, guesses)]
@@ -265,7 +270,7 @@ class AdaptiveLength:
                 goodput = tokens / self.cost(batch, total / batch)
                 if goodput > best:
                     best, best_total = goodput, total
-            if self.rounds - self.explored >= 2 * self.probe_every and order:
+            if self.rounds - self.explored >= self.probe_every and order:
                 best_total = self._explore(batch, best_total, len(order))
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
             for i in order[:best_total]:
@@ -283,8 +288,8 @@ class AdaptiveLength:
         so a round's cost follows one length, not each request's. The length `k` (each request
         at most its cap) whose expected tokens, at each request's acceptance for its latest
         verified confidence, over the measured cost of `k` is highest; until the batch's cost
-        curve is measured, 0 (a plain round) then 1 (the cheapest length to measure), and every `2 probe_every`
-        rounds a length next to it not yet measured."""
+        curve is measured, 0 (a plain round) then 1 (the cheapest length to measure); lengths
+        not yet measured as `choose` explores them."""
         batch = len(ids)
         self.looked = self.rounds
         self.looks = self.looks * self.batch_decay + batch
@@ -306,7 +311,7 @@ class AdaptiveLength:
                 return tokens / self.cost(batch, sum(lengths) / batch)
 
             k = max(range(self.max_k + 1), key=goodput)
-            if self.rounds - self.explored >= 2 * self.probe_every:
+            if self.rounds - self.explored >= self.probe_every:
                 k = self._explore(batch, k * batch, self.max_k * batch) // batch
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
         ks = [min(c, k) for c in caps]
@@ -314,17 +319,21 @@ class AdaptiveLength:
         return ks
 
     def _explore(self, batch: int, best_total: int, most: int) -> int:
-        """The cost curve filled in: every `2 probe_every` rounds, a mean length next to the
-        best's not yet measured (twice: its first round may have compiled) at this batch,
-        instead of the best; its proposal total. Lengths further off are left to the curve's
-        extrapolation: the best moves there only if the lengths between beat it."""
+        """The cost curve filled in: a mean length not yet measured (twice: its first round may
+        have compiled) at this batch, the one nearest the best, instead of the best when the
+        allowance pays what it adds by the curve; its proposal total. A CPU's curve is not
+        convex (a verify of few rows runs the decode kernels, of more a blocked GEMM), so every
+        length is tried once the allowance has it, the cheap ones first."""
         g = self.group(batch)
-        near = max(1, round(best_total / batch))
-        counts = {k: self.seconds.get((g, k), (0.0, 0))[1] for k in range(max(1, near - 1), min(near + 1, self.max_k) + 1)}
-        few = [k for k in counts if counts[k] < 2]
+        best_k = best_total / batch
+        few = [k for k in range(1, self.max_k + 1) if self.seconds.get((g, k), (0.0, 0))[1] < 2]
         if not few:
             return best_total
-        k = min(few, key=lambda k: (abs(k - best_total / batch), k))
+        k = min(few, key=lambda k: (abs(k - best_k), k))
+        added = self.cost(batch, k) - self.cost(batch, best_k)
+        if added > self.allowance:
+            return best_total
+        self.allowance -= max(added, 0.0)
         self.explored = self.rounds
         return min(k * batch, most)
 
@@ -332,7 +341,7 @@ class AdaptiveLength:
         """No lock-out: a request left at 0 whose guess is new (it never proposed, or its guess
         comes from another place, or the proposer cannot tell) tries one token, at most once
         every `probe_every` rounds, at most `batch / probe_every` of them in a round, and only
-        while the time it adds to the round (by the cost curve) fits `probe_allowance`."""
+        while the time it adds to the round (by the cost curve) fits `allowance`."""
         budget = max(1, len(ids) // self.probe_every)
         batch, total = len(ids), sum(ks)
         for i, g in enumerate(guesses):
@@ -344,9 +353,9 @@ class AdaptiveLength:
             fresh = record is None or g.source is None or g.source != record.source
             if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
                 added = self.cost(batch, (total + 1) / batch) - self.cost(batch, total / batch)
-                if added > self.probe_allowance:
+                if added > self.allowance:
                     return
-                self.probe_allowance -= max(added, 0.0)
+                self.allowance -= max(added, 0.0)
                 total += 1
                 record = record or self.requests.setdefault(ids[i], RequestRecord())
                 ks[i], record.probed = 1, self.rounds

@@ -1,11 +1,12 @@
-"""A closed batch through the server, as a user would send it: start `python -m cbjax.serve`
-with an engine's knobs, send every request at once as a streamed completion through the
+"""Closed batches through the server, as a user would send them: start `python -m cbjax.serve`
+with each engine's knobs, send every request at once as a streamed completion through the
 official `openai` client, and read the speculation counters off `/metrics`. TTFT, TPOT and
 throughput are on the client's clock."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 import urllib.request
@@ -56,29 +57,44 @@ async def send_batch(url: str, reqs) -> list[tuple[float, float, float, int]]:
         await client.close()
 
 
-def served_batch(model: str, engine_argv: list[str], reqs, repeats: int, log_path: str,
-                 startup_timeout_s: float = 600.0) -> dict:
-    """`reqs` through a server started with `engine_argv`, `repeats` times: the median run's
-    throughput, its median TTFT and mean TPOT, and the counters per run."""
-    process, url, _ = common.start_server(model, ["--served_model_name=cbjax", "--warmup_structured=false",
-                                                  *engine_argv], log_path, startup_timeout_s)
+def run_served(url: str, reqs) -> dict:
+    """One run of `reqs` through the server at `url`: throughput, median TTFT, mean TPOT."""
+    times = asyncio.run(send_batch(url, reqs))
+    wall = max(t[2] for t in times) - min(t[0] for t in times)
+    tpots = [(end - first) / (n - 1) for _, first, end, n in times if n > 1]
+    return {"tok_per_s": sum(t[3] for t in times) / wall,
+            "median_ttft_ms": 1000 * statistics.median(t[1] - t[0] for t in times),
+            "mean_tpot_ms": 1000 * statistics.mean(tpots) if tpots else None}
+
+
+def served_batches(model: str, engines: dict[str, list[str]], reqs, repeats: int, log_dir: str, log_prefix: str,
+                   startup_timeout_s: float = 600.0) -> dict[str, dict]:
+    """`reqs` through a server for each of `engines` (label -> engine flags), all started
+    first, then `repeats` turns in which each server runs the batch once (a slow drift of the
+    machine touches all alike). Per label: the median run's throughput, TTFT and TPOT, every
+    run's throughput, and the speculation counters per run."""
+    servers = {}
     try:
-        before = spec_counters(url)
-        runs = []
+        for label, argv in engines.items():
+            log = os.path.join(log_dir, f"{log_prefix}_{label.replace(' ', '_')}.log")
+            servers[label] = common.start_server(model, ["--served_model_name=cbjax", "--warmup_structured=false",
+                                                         *argv], log, startup_timeout_s)[:2]
+        before = {label: spec_counters(url) for label, (_, url) in servers.items()}
+        runs = {label: [] for label in servers}
         for _ in range(repeats):
-            times = asyncio.run(send_batch(url, reqs))
-            wall = max(t[2] for t in times) - min(t[0] for t in times)
-            tpots = [(end - first) / (n - 1) for _, first, end, n in times if n > 1]
-            runs.append({"tok_per_s": sum(t[3] for t in times) / wall,
-                         "median_ttft_ms": 1000 * statistics.median(t[1] - t[0] for t in times),
-                         "mean_tpot_ms": 1000 * statistics.mean(tpots) if tpots else None})
-        after = spec_counters(url)
+            for label, (_, url) in servers.items():
+                runs[label].append(run_served(url, reqs))
+        after = {label: spec_counters(url) for label, (_, url) in servers.items()}
     finally:
-        process.terminate()
-        process.wait(timeout=60)
-    row = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
-    spent = {key: (after[key] - before[key]) / repeats for key in SPEC_COUNTERS}
-    return {**row, "runs_tok_per_s": [r["tok_per_s"] for r in runs], "proposed": spent["proposed"],
-            "accepted": spent["accepted"],
-            "acceptance": spent["accepted"] / spent["proposed"] if spent["proposed"] else None,
-            "tokens_per_verify": 1 + spent["accepted"] / spent["drafts"] if spent["drafts"] else None}
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+    rows = {}
+    for label in engines:
+        row = sorted(runs[label], key=lambda r: r["tok_per_s"])[len(runs[label]) // 2]
+        spent = {key: (after[label][key] - before[label][key]) / repeats for key in SPEC_COUNTERS}
+        rows[label] = {**row, "runs_tok_per_s": [r["tok_per_s"] for r in runs[label]], "proposed": spent["proposed"],
+                       "accepted": spent["accepted"],
+                       "acceptance": spent["accepted"] / spent["proposed"] if spent["proposed"] else None,
+                       "tokens_per_verify": 1 + spent["accepted"] / spent["drafts"] if spent["drafts"] else None}
+    return rows

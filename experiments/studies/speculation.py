@@ -5,10 +5,11 @@ submitted at once), each configuration runs the same requests: no speculation, a
 proposal length k for each of --ks, and the adaptive length (SmartSpec's goodput per request,
 k up to max(--ks)). Prints throughput (the median of --repeats runs on one warmed engine;
 the engines take turns, a run each) and the speedup over no speculation (the median of the
-turns' ratios), mean TPOT, the tokens accepted per run and the acceptance; with --served, the same batches through `python -m cbjax.serve` and
-the `openai` client (TTFT, TPOT and acceptance from /metrics); then, at --qps Poisson rates on
---num_slots, TPOT and E2E latency. Writes JSON, a markdown table and a plot of speedup
-against batch size.
+turns' ratios), mean TPOT, the tokens accepted per run and the acceptance; with --served,
+the same batches through `python -m cbjax.serve` and the `openai` client, a server per
+configuration taking turns likewise (TTFT, TPOT and acceptance from /metrics); then, at
+--qps Poisson rates on --num_slots, TPOT and E2E latency. Writes JSON, a markdown table and
+a plot of speedup against batch size.
 
     python -m experiments speculation --flagfile=configs/speculation_cpu.cfg
     python -m experiments speculation --model=tiny-llama --workloads=synthetic --batch_sizes=1,4
@@ -32,7 +33,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments.lib import common
-from experiments.lib.served_batches import served_batch
+from experiments.lib.served_batches import served_batches
 from cbjax.experimental import engine_args
 from cbjax import EngineArgs
 
@@ -200,10 +201,15 @@ def closed_batches(model, workload: str) -> dict:
             add_row(rows, workload, batch, label, "in-process", row)
         del engines, llm
         common.release_programs()
-        for label, options in configurations() if FLAGS.served else []:
-            argv = server_argv(dict(engine_options(options), num_slots=batch))
-            log = os.path.join(FLAGS.output_dir, f"server_{workload}_{batch}_{label.replace(' ', '_')}.log")
-            add_row(rows, workload, batch, label, "served", served_batch(FLAGS.model, argv, reqs, FLAGS.repeats, log))
+        if FLAGS.served:
+            engines = {label: server_argv(dict(engine_options(options), num_slots=batch))
+                       for label, options in configurations()}
+            served = served_batches(FLAGS.model, engines, reqs, FLAGS.repeats, FLAGS.output_dir,
+                                    f"server_{workload}_{batch}")
+            for label, row in served.items():
+                row["speedup"] = float(np.median([a / b for a, b in zip(row["runs_tok_per_s"],
+                                                                         served["none"]["runs_tok_per_s"])]))
+                add_row(rows, workload, batch, label, "served", row)
     return rows
 
 
