@@ -236,7 +236,7 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
         r.state = RequestState.RUNNING
     for _ in range(30):  # nothing to copy for a while: no trials at all
         spec.proposals(requests[1:], 3)
-    assert lengths.requests == {} and lengths.by_confidence == {}
+    assert lengths.accept.requests == {} and lengths.accept.by_confidence == {}
     measured(lengths, 2, lambda b, k: 0.010 * (1 + 0.3 * k))
     for _ in range(30):  # every guess rejected
         if spec.proposals(requests, 3)[0]:
@@ -259,9 +259,9 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
         lengths.after_round(2, 0.0, 0.01)
     assert sum(tried) == 1 and abs(tried.index(1) - wait) <= 1, tried
     spec.record(requests[0], 1, 1)
-    assert lengths.requests["copy"].accepted > 0
+    assert lengths.accept.requests["copy"].accepted > 0
     spec.forget("copy")
-    assert "copy" not in lengths.requests
+    assert "copy" not in lengths.accept.requests
 
 
 def test_a_costly_proposer_runs_only_as_far_as_the_planned_length():
@@ -299,12 +299,20 @@ def test_a_costly_proposer_runs_only_as_far_as_the_planned_length():
         assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == [1] * 4  # then one token
         for r in requests:
             spec.record(r, 1, min(kept, 1))
-        assert all(lengths.requests[r.request_id].confidence == 9 for r in requests)
+        assert all(lengths.accept.requests[r.request_id].confidence == 9 for r in requests)
         measured(lengths, 4, cost)
         for _ in range(10):
             for r in requests:
                 lengths.observe(r.request_id, 4, kept, confidence=9)
+        lengths.allowance = 0.0  # nothing saved for exploring yet
         assert [len(p) for p in spec.proposals(requests, 4)] == draft.asked[-1] == want
+    # No lock-out: a round planned at 0 tries one token for every row once the allowance
+    # (`explore_share` of the rounds' time) pays what it adds (a plain round's cost here).
+    tried = []
+    for _ in range(round(1 / lengths.explore_share) + 20):
+        tried.append(max(len(p) for p in spec.proposals(requests, 4)))
+        lengths.after_round(4, float(tried[-1]), cost(4, tried[-1]))
+    assert set(tried) == {0, 1} and sum(tried) == 1, tried
 
 
 def test_speculation_knobs_are_checked():

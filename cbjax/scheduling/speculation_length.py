@@ -26,20 +26,22 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
   a length cheaper than the best one, costs nothing and goes at once (at most one length
   every `probe_every` rounds); one that turns a plain round into a verify round costs the
   difference (on a CPU, about a round) and waits until the rounds since have paid for it.
-- The cost curve is measured per (batch, k̄), batches grouped by powers of two, with the
-  same rules as before: a length's first round (which may have compiled) counts only once
-  a second confirms it; estimates fall fast and rise slowly; until two lengths are measured
+- The cost curve (`CostCurve`, speculation_estimates.py, beside the requests' records) is
+  measured per (batch, k̄), batches grouped by powers of two: a length's first round (which
+  may have compiled) counts only once a second confirms it; until two lengths are measured
   at a batch, a round proposes nothing until a plain round is measured there, then one
   token a guess (the cheapest verify round: on a CPU a verify of a few rows still runs the
-  decode kernels, and the curve jumps where it stops). Longer lengths start from the line
-  through those two points, and are measured when the goodput or exploring picks them.
+  decode kernels, and the curve jumps where it stops). A length past the longest measured
+  is taken to cost that one's round until the goodput picks it and two rounds measure it;
+  the lengths between measured ones, by the line between them, until exploring tries them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from typing import NamedTuple
+
+from cbjax.scheduling.speculation_estimates import Acceptance, CostCurve
 
 
 class Guess(NamedTuple):
@@ -87,84 +89,36 @@ class FixedLength:
         pass
 
 
-@dataclasses.dataclass
-class RequestRecord:
-    trials: float = 0.0  # decayed tokens tried
-    accepted: float = 0.0  # decayed tokens kept
-    source: int | None = None  # where its latest guess came from
-    confidence: int = 0  # its latest verified guess's
-    probed: int = -(1 << 30)  # the round of its latest probe
-
-
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
                  probe_every: int = 8, batch_memory: int = 256, explore_share: float = 0.01):
         self.max_k = max_k
-        self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
-        self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
-        self.prior_acceptance = prior_acceptance
-        self.prior_weight = prior_weight
+        self.accept = Acceptance(memory, prior_acceptance, prior_weight, batch_memory)
+        self.curve = CostCurve()
+        self.batch_decay = self.accept.batch_decay
         self.probe_every = probe_every
         self.explore_share = explore_share
-        self.allowance = 0.0  # seconds probes may still add: explore_share of the rounds' time
-        self.by_confidence: dict[int, list[float]] = {}  # confidence -> [tokens tried, kept] (decayed)
-        self.requests: dict[str, RequestRecord] = {}
-        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
+        self.allowance = 0.0  # seconds exploring may still add: explore_share of the rounds' time
         self.rounds = 0
         self.looked = 0  # the round guesses were last looked at (`choose`)
         self.explored = 0  # the round the cost curve was last explored
+        self.plan_probed = 0  # the round `plan` last tried one token after planning 0
         self.measuring = -1  # the round the lengths were last picked to measure a cost, not for goodput
         # Decayed: request-rounds looked at and those that proposed; verify rows and their kept tokens.
         self.looks, self.proposing = 1.0, 0.5
         self.rows, self.kept = 1.0, 1.0
         self.looked_rounds, self.looked_kbar = 1.0, 0.0  # decayed: rounds that looked, their mean lengths
 
-    # ------------------------------------------------------------ acceptance
-    def confidence_rate(self, confidence: int) -> float:
-        tried, kept = self.by_confidence.get(confidence, (0.0, 0.0))
-        w = self.prior_weight
-        return (kept + w * self.prior_acceptance) / (tried + w)
-
     def acceptance(self, request_id: str, guess: Guess) -> float:
         """The request's per-token acceptance for this guess."""
-        record = self.requests.get(request_id)
-        prior = self.confidence_rate(guess.confidence)
-        if record is None:
-            return min(prior, 0.999)
-        w = self.prior_weight
-        return min((record.accepted + w * prior) / (record.trials + w), 0.999)
+        return self.accept.rate(request_id, guess.confidence)
 
     def observe(self, request_id: str, asked: int, accepted: int, confidence: int = 0) -> None:
-        """A verify row's outcome: `accepted` tokens kept of the `asked` it proposed. Per token
-        given the ones before it were kept (what `expected_tokens` assumes): it tried its kept
-        tokens and, if it stopped short, one more."""
-        trials = accepted + (accepted < asked)
-        if not trials:
-            return
-        self.rows, self.kept = self.rows * self.batch_decay + 1, self.kept * self.batch_decay + accepted
-        record = self.requests.setdefault(request_id, RequestRecord())
-        record.confidence = confidence
-        d = self.decay ** trials
-        record.trials, record.accepted = record.trials * d + trials, record.accepted * d + accepted
-        rate = self.by_confidence.setdefault(confidence, [0.0, 0.0])
-        d = self.batch_decay ** trials
-        rate[0], rate[1] = rate[0] * d + trials, rate[1] * d + accepted
+        if self.accept.observe(request_id, asked, accepted, confidence):
+            self.rows, self.kept = self.rows * self.batch_decay + 1, self.kept * self.batch_decay + accepted
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    # ------------------------------------------------------------------ cost
-    @staticmethod
-    def group(batch: int) -> int:
-        return 1 << max(batch - 1, 0).bit_length()
-
-    @staticmethod
-    def cost_key(kbar: float, ahead: bool) -> int:
-        """The cost curve's key: the mean proposal length, rounded (any proposal at least 1);
-        -1 for a round run ahead of the previous one's record (overlapped: none proposes)."""
-        if ahead:
-            return -1
-        return max(1, round(kbar)) if kbar > 0 else 0
+        self.accept.forget(request_id)
 
     def after_round(self, batch: int, kbar: float, seconds: float | None, ahead: bool = False) -> None:
         """A round of `batch` decoding requests proposing `kbar` tokens on average took
@@ -176,40 +130,11 @@ class AdaptiveLength:
         self.rounds += 1
         if seconds is None or batch < 1:
             return
-        self.allowance = min(self.allowance + self.explore_share * seconds, 64 * self.explore_share * seconds)
-        key = (self.group(batch), self.cost_key(kbar, ahead))
-        old, count = self.seconds.get(key, (seconds, 0))
-        if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
-            estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
-        else:
-            estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
-        self.seconds[key] = (estimate, count + 1)
-
-    def _measured(self, batch: int) -> dict[int, float]:
-        g = self.group(batch)
-        return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2 and k >= 0}
+        self.allowance = min(self.allowance + self.explore_share * seconds, 4 * seconds)  # saved: 4 rounds at most
+        self.curve.record(batch, kbar, seconds, ahead)
 
     def cost(self, batch: int, kbar: float) -> float | None:
-        """The seconds of a round at `batch` with `kbar` tokens proposed on average, or None
-        before two lengths were measured at that batch. A round with any proposal runs the
-        verify program (one step a call, every row sampled at each position), a cost of its
-        own: below the shortest measured length it costs that length's round, never a share
-        of the way down to a plain round's; above it, linear between measured lengths (along
-        the nearest segment past them, or from the plain round through the only one)."""
-        measured = self._measured(batch)
-        if len(measured) < 2:
-            return None
-        if kbar <= 0:
-            return measured.get(0)
-        points = sorted((k, y) for k, y in measured.items() if k >= 1)
-        if not points:
-            return None
-        if kbar <= points[0][0]:
-            return points[0][1]
-        if len(points) == 1:
-            points = [(0, measured.get(0, points[0][1])), points[0]]
-        (k0, y0), (k1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if kbar <= b[0]), points[-2:])
-        return max(y0 + max(y1 - y0, 0.0) * (kbar - k0) / (k1 - k0), 1e-9)
+        return self.curve.cost(batch, kbar)
 
     # ----------------------------------------------------------------- choose
     def length(self, batch: int) -> int:
@@ -229,9 +154,7 @@ class AdaptiveLength:
         measured, a plain round's). Until those are measured, looking pays if `p x` beats 10%
         (about what overlap saves)."""
         gain = (self.proposing / self.looks) * (self.kept / self.rows)
-        g = self.group(batch)
-        ahead = self.seconds.get((g, -1), (0.0, 0))
-        plain = ahead[0] if ahead[1] >= 2 else self._measured(batch).get(0)
+        plain = self.curve.ahead(batch) or self.curve.measured(batch).get(0)
         looking = self.cost(batch, self.looked_kbar / self.looked_rounds)
         if looking is None or plain is None:
             return gain > 0.1
@@ -244,14 +167,12 @@ class AdaptiveLength:
         self.looked = self.rounds
         self.looks = self.looks * self.batch_decay + batch
         caps = [min(len(g.tokens), self.max_k) for g in guesses]
-        for i, g in enumerate(guesses):  # a guess from a new place: the request's record counts less
-            record = self.requests.get(ids[i])
-            if caps[i] and record is not None and None not in (g.source, record.source) and g.source != record.source:
-                record.trials *= 0.5
-                record.accepted *= 0.5
+        for i, g in enumerate(guesses):
+            if caps[i]:
+                self.accept.renew(ids[i], g.source)
         if not any(caps):
             return ks
-        measured = self._measured(batch)
+        measured = self.curve.measured(batch)
         if len(measured) < 2 or 0 not in measured:  # measure: a plain round first, then one token each
             ks = [min(c, 1) for c in caps] if 0 in measured else ks
             self.measuring = self.rounds
@@ -278,7 +199,7 @@ class AdaptiveLength:
             self._probe(ids, guesses, caps, ks)
         for i, g in enumerate(guesses):
             if ks[i]:
-                self.requests.setdefault(ids[i], RequestRecord()).source = g.source
+                self.accept.record(ids[i]).source = g.source
         self.proposing = self.proposing * self.batch_decay + sum(1 for k in ks if k)
         return ks
 
@@ -289,21 +210,22 @@ class AdaptiveLength:
         at most its cap) whose expected tokens, at each request's acceptance for its latest
         verified confidence, over the measured cost of `k` is highest; until the batch's cost
         curve is measured, 0 (a plain round) then 1 (the cheapest length to measure); lengths
-        not yet measured as `choose` explores them."""
+        not yet measured as `choose` explores them; a round planned at 0 probes one token as
+        `_plan_probe` allows."""
         batch = len(ids)
         self.looked = self.rounds
         self.looks = self.looks * self.batch_decay + batch
         if not any(caps):
             return [0] * batch
-        measured = self._measured(batch)
+        measured = self.curve.measured(batch)
         if len(measured) < 2 or 0 not in measured:
             k = 1 if 0 in measured else 0
             self.measuring = self.rounds
         else:
             rates = []
             for request_id in ids:
-                record = self.requests.get(request_id)
-                rates.append(self.acceptance(request_id, Guess([], record.confidence if record else 0)))
+                record = self.accept.requests.get(request_id)
+                rates.append(self.accept.rate(request_id, record.confidence if record else 0))
 
             def goodput(k: int) -> float:
                 lengths = [min(c, k) for c in caps]
@@ -314,6 +236,8 @@ class AdaptiveLength:
             if self.rounds - self.explored >= self.probe_every:
                 k = self._explore(batch, k * batch, self.max_k * batch) // batch
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
+            if k == 0 and self.rounds - self.plan_probed >= self.probe_every:
+                k = self._plan_probe(batch)
         ks = [min(c, k) for c in caps]
         self.proposing = self.proposing * self.batch_decay + sum(1 for n in ks if n)
         return ks
@@ -324,9 +248,8 @@ class AdaptiveLength:
         allowance pays what it adds by the curve; its proposal total. A CPU's curve is not
         convex (a verify of few rows runs the decode kernels, of more a blocked GEMM), so every
         length is tried once the allowance has it, the cheap ones first."""
-        g = self.group(batch)
         best_k = best_total / batch
-        few = [k for k in range(1, self.max_k + 1) if self.seconds.get((g, k), (0.0, 0))[1] < 2]
+        few = [k for k in range(1, self.max_k + 1) if self.curve.rounds_seen(batch, k) < 2]
         if not few:
             return best_total
         k = min(few, key=lambda k: (abs(k - best_k), k))
@@ -336,6 +259,18 @@ class AdaptiveLength:
         self.allowance -= max(added, 0.0)
         self.explored = self.rounds
         return min(k * batch, most)
+
+    def _plan_probe(self, batch: int) -> int:
+        """No lock-out for a costly proposer: its guesses do not exist before the plan, so a
+        round planned at 0 tries one token for every row instead (a draft's step costs the
+        same for one row or all), at most once every `probe_every` rounds and only when what it
+        adds to the round by the curve fits `allowance`; else 0."""
+        added = self.cost(batch, 1) - self.cost(batch, 0)
+        if added > self.allowance:
+            return 0
+        self.allowance -= max(added, 0.0)
+        self.plan_probed = self.rounds
+        return 1
 
     def _probe(self, ids: list[str], guesses: list[Guess], caps: list[int], ks: list[int]) -> None:
         """No lock-out: a request left at 0 whose guess is new (it never proposed, or its guess
@@ -349,7 +284,7 @@ class AdaptiveLength:
                 return
             if ks[i] or not caps[i]:
                 continue
-            record = self.requests.get(ids[i])
+            record = self.accept.requests.get(ids[i])
             fresh = record is None or g.source is None or g.source != record.source
             if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
                 added = self.cost(batch, (total + 1) / batch) - self.cost(batch, total / batch)
@@ -357,6 +292,6 @@ class AdaptiveLength:
                     return
                 self.allowance -= max(added, 0.0)
                 total += 1
-                record = record or self.requests.setdefault(ids[i], RequestRecord())
+                record = record or self.accept.record(ids[i])
                 ks[i], record.probed = 1, self.rounds
                 budget -= 1

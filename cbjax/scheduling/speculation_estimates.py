@@ -1,0 +1,141 @@
+"""What the adaptive speculation length learns from the rounds it ran: each request's
+acceptance (`Acceptance`) and what a round costs at each batch size and mean proposal length
+(`CostCurve`). `speculation_length.AdaptiveLength` decides from both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    trials: float = 0.0  # decayed tokens tried
+    accepted: float = 0.0  # decayed tokens kept
+    source: int | None = None  # where its latest guess came from
+    confidence: int = 0  # its latest verified guess's
+    probed: int = -(1 << 30)  # the round of its latest probe
+
+
+class Acceptance:
+    """Per-token acceptance: each request's decayed record (`memory` tokens), shrunk toward the
+    decayed rate of guesses of the same confidence across the engine (`prior_weight` tokens of
+    it, itself shrunk toward `prior_acceptance`)."""
+
+    def __init__(self, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
+                 batch_memory: int = 256):
+        self.decay = 1.0 - 1.0 / memory  # a request's record, per token tried
+        self.batch_decay = 1.0 - 1.0 / batch_memory  # a confidence's rate, per token tried
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.by_confidence: dict[int, list[float]] = {}  # confidence -> [tokens tried, kept] (decayed)
+        self.requests: dict[str, RequestRecord] = {}
+
+    def confidence_rate(self, confidence: int) -> float:
+        tried, kept = self.by_confidence.get(confidence, (0.0, 0.0))
+        w = self.prior_weight
+        return (kept + w * self.prior_acceptance) / (tried + w)
+
+    def rate(self, request_id: str, confidence: int) -> float:
+        """The request's per-token acceptance for a guess of this confidence."""
+        record = self.requests.get(request_id)
+        prior = self.confidence_rate(confidence)
+        if record is None:
+            return min(prior, 0.999)
+        w = self.prior_weight
+        return min((record.accepted + w * prior) / (record.trials + w), 0.999)
+
+    def renew(self, request_id: str, source: int | None) -> None:
+        """A guess from a new place (another n-gram match): the request's own record counts half."""
+        record = self.requests.get(request_id)
+        if record is not None and None not in (source, record.source) and source != record.source:
+            record.trials *= 0.5
+            record.accepted *= 0.5
+
+    def observe(self, request_id: str, asked: int, accepted: int, confidence: int = 0) -> bool:
+        """A verify row's outcome: `accepted` tokens kept of the `asked` it proposed. Per token
+        given the ones before it were kept (what `expected_tokens` assumes): it tried its kept
+        tokens and, if it stopped short, one more. False if it tried none."""
+        trials = accepted + (accepted < asked)
+        if not trials:
+            return False
+        record = self.requests.setdefault(request_id, RequestRecord())
+        record.confidence = confidence
+        d = self.decay ** trials
+        record.trials, record.accepted = record.trials * d + trials, record.accepted * d + accepted
+        rate = self.by_confidence.setdefault(confidence, [0.0, 0.0])
+        d = self.batch_decay ** trials
+        rate[0], rate[1] = rate[0] * d + trials, rate[1] * d + accepted
+        return True
+
+    def record(self, request_id: str) -> RequestRecord:
+        return self.requests.setdefault(request_id, RequestRecord())
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+class CostCurve:
+    """The measured seconds of a round per (batch, k̄), batches grouped by powers of two and
+    k̄ (the mean proposal length) rounded; -1 for a round run ahead of the previous one's
+    record. A length's first round (which may have compiled) counts only once a second
+    confirms it; estimates fall fast and rise slowly."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
+
+    @staticmethod
+    def group(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()
+
+    @staticmethod
+    def key(kbar: float, ahead: bool) -> int:
+        """The curve's key: the mean proposal length, rounded (any proposal at least 1); -1 for
+        a round run ahead of the previous one's record (overlapped: none proposes)."""
+        if ahead:
+            return -1
+        return max(1, round(kbar)) if kbar > 0 else 0
+
+    def record(self, batch: int, kbar: float, seconds: float, ahead: bool = False) -> None:
+        key = (self.group(batch), self.key(kbar, ahead))
+        old, count = self.seconds.get(key, (seconds, 0))
+        if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
+            estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
+        else:
+            estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
+        self.seconds[key] = (estimate, count + 1)
+
+    def rounds_seen(self, batch: int, key: int) -> int:
+        return self.seconds.get((self.group(batch), key), (0.0, 0))[1]
+
+    def measured(self, batch: int) -> dict[int, float]:
+        """The confirmed (seen twice) lengths at this batch's group and their seconds; -1 left out."""
+        g = self.group(batch)
+        return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2 and k >= 0}
+
+    def ahead(self, batch: int) -> float | None:
+        """A round run ahead at this batch, once confirmed."""
+        seconds, count = self.seconds.get((self.group(batch), -1), (0.0, 0))
+        return seconds if count >= 2 else None
+
+    def cost(self, batch: int, kbar: float) -> float | None:
+        """The seconds of a round at `batch` with `kbar` tokens proposed on average, or None
+        before two lengths were measured at that batch. A round with any proposal runs the
+        verify program (one step a call, every row sampled at each position), a cost of its
+        own: below the shortest measured length it costs that length's round, never a share
+        of the way down to a plain round's; linear between measured lengths; past the longest
+        measured, that one's round. The last is optimism, and it is how longer lengths get
+        measured: one that looks best is run, and two rounds of it put it on the curve."""
+        measured = self.measured(batch)
+        if len(measured) < 2:
+            return None
+        if kbar <= 0:
+            return measured.get(0)
+        points = sorted((k, y) for k, y in measured.items() if k >= 1)
+        if not points:
+            return None
+        if kbar <= points[0][0]:
+            return points[0][1]
+        if kbar >= points[-1][0]:
+            return points[-1][1]
+        (k0, y0), (k1, y1) = next((a, b) for a, b in zip(points, points[1:]) if kbar <= b[0])
+        return max(y0 + max(y1 - y0, 0.0) * (kbar - k0) / (k1 - k0), 1e-9)
