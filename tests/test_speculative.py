@@ -194,6 +194,23 @@ def test_adaptive_length_proposes_what_pays_at_the_batch_cost():
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
 
 
+def test_a_verify_round_costs_its_token_bucket():
+    """Given the engine's token buckets, a round's cost follows the bucket its rows pad to: at
+    4 rows, 3 tokens each fill 16 and a fourth token pays for 32, so the policy stops at 3."""
+    policy = AdaptiveLength(max_k=4, buckets=(1, 2, 4, 8, 16, 32))
+    assert [policy.curve.size(4, t) for t in (0, 1, 4, 5, 12, 13, 16, 99)] == [0, 8, 8, 16, 16, 32, 32, 32]
+    bucket_seconds = {0: 0.010, 8: 0.012, 16: 0.013, 32: 0.030}
+    for total in (0, 4, 12, 16):
+        for seconds in (5.0, bucket_seconds[policy.curve.size(4, total)]):
+            policy.after_round(4, total / 4, seconds)
+    ids = list("0123")
+    for _ in range(10):
+        for i in ids:
+            policy.observe(i, 4, 4, confidence=3)
+    policy.allowance = 0.0
+    assert policy.choose(ids, guesses(4, length=4)) == [3] * 4
+
+
 def test_requests_in_one_round_propose_by_their_own_acceptance():
     """Per request: one whose guesses were kept proposes more than one whose guesses were
     rejected, in the same round; a request without a guess proposes nothing."""

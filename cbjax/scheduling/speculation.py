@@ -194,17 +194,18 @@ class Speculator:
 
 
 def make_speculator(method: str, k: int, length_policy: str, max_seq_len: int, min_n: int = 2, max_n: int = 4,
-                    draft: Proposer | None = None) -> Speculator | None:
+                    draft: Proposer | None = None, buckets: tuple[int, ...] | None = None) -> Speculator | None:
     """The speculator `EngineArgs` ask for, or None (`method` "none" or `k` 0). `draft`: the
     draft model's proposer (`method` "draft"; a `SimulatedProposer` for either method in a
-    simulation)."""
+    simulation). `buckets`: the engine's token buckets, which a verify round's cost follows
+    (None: its mean proposal length does)."""
     if method not in METHODS:
         raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
     if length_policy not in LENGTH_POLICIES:
         raise ValueError(f"speculative_length must be one of {LENGTH_POLICIES}, got {length_policy!r}")
     if method == "none" or k == 0:
         return None
-    lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k)
+    lengths = FixedLength(k) if length_policy == "fixed" else AdaptiveLength(k, buckets=buckets)
     if method == "draft" and draft is None:
         raise ValueError("speculative_method='draft' needs speculative_model (the draft to load)")
     proposer = draft if method == "draft" or isinstance(draft, SimulatedProposer) else NgramProposer(min_n, max_n)

@@ -75,40 +75,46 @@ class Acceptance:
 
 
 class CostCurve:
-    """The measured seconds of a round per (batch, k̄), batches grouped by powers of two and
-    k̄ (the mean proposal length) rounded; -1 for a round run ahead of the previous one's
-    record. A length's first round (which may have compiled) counts only once a second
-    confirms it; estimates fall fast and rise slowly."""
+    """The measured seconds of a round per batch size and verify size, batches grouped by
+    powers of two. A verify round's size is what its cost follows: the token bucket its
+    `batch + total` tokens are padded to (`buckets`, the engine's), or without buckets (the
+    simulator charges the real tokens) the mean proposal length rounded. Key 0 is a plain
+    round, -1 one run ahead of the previous one's record. A size's first round (which may have
+    compiled) counts only once a second confirms it; estimates fall fast and rise slowly."""
 
-    def __init__(self):
-        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, k̄) -> (seconds, rounds seen)
+    def __init__(self, buckets: tuple[int, ...] | None = None):
+        self.buckets = sorted(buckets) if buckets else None
+        self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, size) -> (seconds, rounds seen)
 
     @staticmethod
     def group(batch: int) -> int:
         return 1 << max(batch - 1, 0).bit_length()
 
-    @staticmethod
-    def key(kbar: float, ahead: bool) -> int:
-        """The curve's key: the mean proposal length, rounded (any proposal at least 1); -1 for
-        a round run ahead of the previous one's record (overlapped: none proposes)."""
-        if ahead:
-            return -1
-        return max(1, round(kbar)) if kbar > 0 else 0
+    def size(self, batch: int, total: int, exact: bool = False) -> float:
+        """The verify size of a round at `batch` rows proposing `total` tokens (0: a plain
+        round): its token bucket, or without buckets its batch group times one plus the mean
+        proposal length (at least 1), rounded to a key unless `exact`."""
+        if total <= 0:
+            return 0
+        if self.buckets is None:
+            kbar = max(1.0, total / batch)
+            return self.group(batch) * (1 + (kbar if exact else max(1, round(kbar))))
+        return next((b for b in self.buckets if b >= batch + total), self.buckets[-1])
 
-    def record(self, batch: int, kbar: float, seconds: float, ahead: bool = False) -> None:
-        key = (self.group(batch), self.key(kbar, ahead))
+    def record(self, batch: int, total: int, seconds: float, ahead: bool = False) -> None:
+        key = (self.group(batch), -1 if ahead else self.size(batch, total))
         old, count = self.seconds.get(key, (seconds, 0))
-        if count <= 1 or seconds < old:  # the first round of a length may have compiled its program
+        if count <= 1 or seconds < old:  # the first round of a size may have compiled its program
             estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
         else:
             estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
         self.seconds[key] = (estimate, count + 1)
 
-    def rounds_seen(self, batch: int, key: int) -> int:
-        return self.seconds.get((self.group(batch), key), (0.0, 0))[1]
+    def rounds_seen(self, batch: int, size: int) -> int:
+        return self.seconds.get((self.group(batch), size), (0.0, 0))[1]
 
     def measured(self, batch: int) -> dict[int, float]:
-        """The confirmed (seen twice) lengths at this batch's group and their seconds; -1 left out."""
+        """The confirmed (seen twice) sizes at this batch's group and their seconds; -1 left out."""
         g = self.group(batch)
         return {k: y for (b, k), (y, c) in self.seconds.items() if b == g and c >= 2 and k >= 0}
 
@@ -117,25 +123,26 @@ class CostCurve:
         seconds, count = self.seconds.get((self.group(batch), -1), (0.0, 0))
         return seconds if count >= 2 else None
 
-    def cost(self, batch: int, kbar: float) -> float | None:
-        """The seconds of a round at `batch` with `kbar` tokens proposed on average, or None
-        before two lengths were measured at that batch. A round with any proposal runs the
-        verify program (one step a call, every row sampled at each position), a cost of its
-        own: below the shortest measured length it costs that length's round, never a share
-        of the way down to a plain round's; linear between measured lengths; past the longest
-        measured, that one's round. The last is optimism, and it is how longer lengths get
-        measured: one that looks best is run, and two rounds of it put it on the curve."""
+    def cost(self, batch: int, total: int) -> float | None:
+        """The seconds of a round at `batch` proposing `total` tokens, or None before two sizes
+        were measured at that batch. A round with any proposal runs the verify program (one
+        step a call, every row sampled at each position), a cost of its own: below the smallest
+        measured verify size it costs that size's round, never a share of the way down to a
+        plain round's; linear between measured sizes; past the largest measured, that one's
+        round. The last is optimism, and it is how longer lengths get measured: one that looks
+        best is run, and two rounds of it put it on the curve."""
         measured = self.measured(batch)
         if len(measured) < 2:
             return None
-        if kbar <= 0:
+        if total <= 0:
             return measured.get(0)
+        size = self.size(batch, total, exact=True)
         points = sorted((k, y) for k, y in measured.items() if k >= 1)
         if not points:
             return None
-        if kbar <= points[0][0]:
+        if size <= points[0][0]:
             return points[0][1]
-        if kbar >= points[-1][0]:
+        if size >= points[-1][0]:
             return points[-1][1]
-        (k0, y0), (k1, y1) = next((a, b) for a, b in zip(points, points[1:]) if kbar <= b[0])
-        return max(y0 + max(y1 - y0, 0.0) * (kbar - k0) / (k1 - k0), 1e-9)
+        (k0, y0), (k1, y1) = next((a, b) for a, b in zip(points, points[1:]) if size <= b[0])
+        return max(y0 + max(y1 - y0, 0.0) * (size - k0) / (k1 - k0), 1e-9)

@@ -3,11 +3,11 @@
 `FixedLength` proposes all a proposer guessed, up to `k`. `AdaptiveLength` is SmartSpec's
 goodput (arXiv 2406.14066) at request granularity. With a per-token acceptance `a`, a
 request proposing `k` tokens makes `expected_tokens(a, k) = (1 - a^(k+1)) / (1 - a)` tokens
-a round; the round costs `c(B, k̄)` at `B` decoding requests proposing `k̄` tokens on average,
-measured. Each round it gives each request its own length (0 included) so that the batch's
-tokens per second are highest: the next token of request i adds `a_i^(k_i+1)` tokens, so the
-best lengths for any total are the highest of those marginal gains, and the total is the one
-whose gains over the cost of its `k̄` is highest.
+a round; the round costs `c(B, T)` at `B` decoding requests proposing `T` tokens in all,
+measured per verify size (the token bucket `B + T` pads to). Each round it gives each request
+its own length (0 included) so that the batch's tokens per second are highest: the next token
+of request i adds `a_i^(k_i+1)` tokens, so the best lengths for any total are the highest of
+those marginal gains, and the total is the one whose gains over its cost is highest.
 
 A request's `a_i` is its own acceptance, shrunk toward the acceptance of guesses as sure
 as its current one (an n-gram's match length; `Guess.confidence`). Where it comes from:
@@ -21,19 +21,19 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
   request left at 0 with a guess from a new place tries one token (a probe), at most once
   every `probe_every` rounds and at most `batch / probe_every` requests a round.
 - Exploring is paid from one allowance, `explore_share` of the rounds' measured time: a
-  probe, or a round at a mean length not yet measured, goes when the time the cost curve
+  probe, or a round at a verify size not yet measured, goes when the time the cost curve
   says it adds to the round fits what is left. A probe in a round that verifies anyway, or
-  a length cheaper than the best one, costs nothing and goes at once (at most one length
+  a size cheaper than the best one, costs nothing and goes at once (at most one size
   every `probe_every` rounds); one that turns a plain round into a verify round costs the
   difference (on a CPU, about a round) and waits until the rounds since have paid for it.
 - The cost curve (`CostCurve`, speculation_estimates.py, beside the requests' records) is
-  measured per (batch, k̄), batches grouped by powers of two: a length's first round (which
-  may have compiled) counts only once a second confirms it; until two lengths are measured
-  at a batch, a round proposes nothing until a plain round is measured there, then one
-  token a guess (the cheapest verify round: on a CPU a verify of a few rows still runs the
-  decode kernels, and the curve jumps where it stops). A length past the longest measured
+  measured per (batch, verify size), batches grouped by powers of two: a size's first round
+  (which may have compiled) counts only once a second confirms it; until two sizes are
+  measured at a batch, a round proposes nothing until a plain round is measured there, then
+  one token a guess (the cheapest verify round: on a CPU a verify of a few rows still runs
+  the decode kernels, and the curve jumps where it stops). A size past the largest measured
   is taken to cost that one's round until the goodput picks it and two rounds measure it;
-  the lengths between measured ones, by the line between them, until exploring tries them.
+  the sizes between measured ones, by the line between them, until exploring tries them.
 """
 
 from __future__ import annotations
@@ -91,10 +91,11 @@ class FixedLength:
 
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
-                 probe_every: int = 8, batch_memory: int = 256, explore_share: float = 0.01):
+                 probe_every: int = 8, batch_memory: int = 256, explore_share: float = 0.01,
+                 buckets: tuple[int, ...] | None = None):
         self.max_k = max_k
         self.accept = Acceptance(memory, prior_acceptance, prior_weight, batch_memory)
-        self.curve = CostCurve()
+        self.curve = CostCurve(buckets)
         self.batch_decay = self.accept.batch_decay
         self.probe_every = probe_every
         self.explore_share = explore_share
@@ -131,10 +132,11 @@ class AdaptiveLength:
         if seconds is None or batch < 1:
             return
         self.allowance = min(self.allowance + self.explore_share * seconds, 4 * seconds)  # saved: 4 rounds at most
-        self.curve.record(batch, kbar, seconds, ahead)
+        self.curve.record(batch, round(kbar * batch), seconds, ahead)
 
-    def cost(self, batch: int, kbar: float) -> float | None:
-        return self.curve.cost(batch, kbar)
+    def cost(self, batch: int, total: int) -> float | None:
+        """The measured seconds of a round at `batch` proposing `total` tokens (`CostCurve`)."""
+        return self.curve.cost(batch, total)
 
     # ----------------------------------------------------------------- choose
     def length(self, batch: int) -> int:
@@ -155,7 +157,7 @@ class AdaptiveLength:
         (about what overlap saves)."""
         gain = (self.proposing / self.looks) * (self.kept / self.rows)
         plain = self.curve.ahead(batch) or self.curve.measured(batch).get(0)
-        looking = self.cost(batch, self.looked_kbar / self.looked_rounds)
+        looking = self.cost(batch, round(batch * self.looked_kbar / self.looked_rounds))
         if looking is None or plain is None:
             return gain > 0.1
         return (1.0 + gain) / looking > 1.0 / plain
@@ -181,18 +183,18 @@ class AdaptiveLength:
             gains = [(-rates[i] ** (j + 1), i) for i in range(batch) for j in range(caps[i])]
             heapq.heapify(gains)
             tokens = float(batch)  # expected tokens at the current lengths
-            best, best_total, total = tokens / self.cost(batch, 0.0), 0, 0
+            best, best_total, total = tokens / self.cost(batch, 0), 0, 0
             order = []
             while gains:
                 gain, i = heapq.heappop(gains)
                 order.append(i)
                 total += 1
                 tokens -= gain
-                goodput = tokens / self.cost(batch, total / batch)
+                goodput = tokens / self.cost(batch, total)
                 if goodput > best:
                     best, best_total = goodput, total
             if self.rounds - self.explored >= self.probe_every and order:
-                best_total = self._explore(batch, best_total, len(order))
+                best_total = self._explore(batch, best_total, range(1, len(order) + 1))
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
             for i in order[:best_total]:
                 ks[i] += 1
@@ -230,42 +232,48 @@ class AdaptiveLength:
             def goodput(k: int) -> float:
                 lengths = [min(c, k) for c in caps]
                 tokens = sum(expected_tokens(a, n) for a, n in zip(rates, lengths))
-                return tokens / self.cost(batch, sum(lengths) / batch)
+                return tokens / self.cost(batch, sum(lengths))
 
             k = max(range(self.max_k + 1), key=goodput)
             if self.rounds - self.explored >= self.probe_every:
-                k = self._explore(batch, k * batch, self.max_k * batch) // batch
+                totals = {sum(min(c, n) for c in caps): n for n in range(self.max_k, 0, -1)}  # the shortest k of a total
+                k = totals.get(self._explore(batch, sum(min(c, k) for c in caps), list(totals)), k)
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
             if k == 0 and self.rounds - self.plan_probed >= self.probe_every:
-                k = self._plan_probe(batch)
+                k = self._plan_probe(batch, sum(min(c, 1) for c in caps))
         ks = [min(c, k) for c in caps]
         self.proposing = self.proposing * self.batch_decay + sum(1 for n in ks if n)
         return ks
 
-    def _explore(self, batch: int, best_total: int, most: int) -> int:
-        """The cost curve filled in: a mean length not yet measured (twice: its first round may
-        have compiled) at this batch, the one nearest the best, instead of the best when the
-        allowance pays what it adds by the curve; its proposal total. A CPU's curve is not
-        convex (a verify of few rows runs the decode kernels, of more a blocked GEMM), so every
-        length is tried once the allowance has it, the cheap ones first."""
-        best_k = best_total / batch
-        few = [k for k in range(1, self.max_k + 1) if self.curve.rounds_seen(batch, k) < 2]
+    def _explore(self, batch: int, best_total: int, totals) -> int:
+        """The cost curve filled in: of the proposal totals the round can reach (`totals`), the
+        largest of the verify size not yet measured (twice: its first round may have compiled)
+        at this batch nearest the best total's, instead of the best when the allowance pays
+        what it adds by the curve; else the best total. A CPU's curve is not convex (a verify
+        of few rows runs the decode kernels, of more a blocked GEMM; a token over a bucket pays
+        the next one), so every size is tried once the allowance has it, the cheap ones first."""
+        by_size: dict[int, int] = {}
+        for total in totals:
+            size = self.curve.size(batch, total)
+            by_size[size] = max(by_size.get(size, 0), total)
+        few = [size for size in by_size if self.curve.rounds_seen(batch, size) < 2]
         if not few:
             return best_total
-        k = min(few, key=lambda k: (abs(k - best_k), k))
-        added = self.cost(batch, k) - self.cost(batch, best_k)
+        best = self.curve.size(batch, best_total)
+        size = min(few, key=lambda size: (abs(size - best), size))
+        added = self.cost(batch, by_size[size]) - self.cost(batch, best_total)
         if added > self.allowance:
             return best_total
         self.allowance -= max(added, 0.0)
         self.explored = self.rounds
-        return min(k * batch, most)
+        return by_size[size]
 
-    def _plan_probe(self, batch: int) -> int:
+    def _plan_probe(self, batch: int, total: int) -> int:
         """No lock-out for a costly proposer: its guesses do not exist before the plan, so a
         round planned at 0 tries one token for every row instead (a draft's step costs the
         same for one row or all), at most once every `probe_every` rounds and only when what it
         adds to the round by the curve fits `allowance`; else 0."""
-        added = self.cost(batch, 1) - self.cost(batch, 0)
+        added = self.cost(batch, total) - self.cost(batch, 0)
         if added > self.allowance:
             return 0
         self.allowance -= max(added, 0.0)
@@ -287,7 +295,7 @@ class AdaptiveLength:
             record = self.accept.requests.get(ids[i])
             fresh = record is None or g.source is None or g.source != record.source
             if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
-                added = self.cost(batch, (total + 1) / batch) - self.cost(batch, total / batch)
+                added = self.cost(batch, total + 1) - self.cost(batch, total)
                 if added > self.allowance:
                     return
                 self.allowance -= max(added, 0.0)
