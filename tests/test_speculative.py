@@ -461,11 +461,18 @@ def test_priority_preemption_of_speculating_requests(case):
     assert_drained(llm)
 
 
-def test_sampled_tokens_keep_the_targets_distribution_on_a_tiny_vocabulary():
+def test_sampled_tokens_keep_the_targets_distribution_on_a_tiny_vocabulary(monkeypatch):
     """A 12-token vocabulary at temperature 1.5, 400 seeds: with the same seeds, speculation's
     tokens are decoding's, position by position (so their frequencies are equal); and against
-    decoding with other seeds, a two-sample chi-square test at every position finds nothing."""
+    decoding with other seeds, a two-sample chi-square test at every position finds nothing.
+    Its verify calls sample at the flat tokens (16 rows proposing few tokens) and at each row's
+    positions (with prompt rows), and both are exact."""
     import dataclasses
+
+    from cbjax.runtime.traced import speculative
+
+    modes, at_flat_tokens = [], speculative.at_flat_tokens
+    monkeypatch.setattr(speculative, "at_flat_tokens", lambda b, p: modes.append(at_flat_tokens(b, p)) or modes[-1])
 
     from jax.scipy.stats import chi2
 
@@ -489,6 +496,7 @@ def test_sampled_tokens_keep_the_targets_distribution_on_a_tiny_vocabulary():
     seeds = list(range(400))
     plain, spec = frequencies("none", seeds), frequencies("ngram", seeds)
     assert (plain == spec).all()
+    assert set(modes) == {True, False}
     other = frequencies("none", [1000 + s for s in seeds])
     for position in range(6):
         counts = np.array([np.bincount(spec[:, position], minlength=12), np.bincount(other[:, position], minlength=12)])

@@ -122,7 +122,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
         draft = draft_proposer(args.speculative_model, model, args, num_slots)
     scheduler.speculator = make_speculator(args.speculative_method, args.speculation_tokens, args.speculative_length,
                                            args.max_seq_len, args.speculative_ngram_min, args.speculative_ngram_max,
-                                           draft=draft, buckets=None if simulate is not None else engine.info().token_buckets)
+                                           draft=draft,
+                                           buckets=None if simulate is not None else engine.info().token_buckets)
     if args.length_predictor is not None:
         from cbjax.models.length_predictor import LengthPredictor
 

@@ -236,7 +236,7 @@ class AdaptiveLength:
 
             k = max(range(self.max_k + 1), key=goodput)
             if self.rounds - self.explored >= self.probe_every:
-                totals = {sum(min(c, n) for c in caps): n for n in range(self.max_k, 0, -1)}  # the shortest k of a total
+                totals = {sum(min(c, n) for c in caps): n for n in range(self.max_k, 0, -1)}  # a total's shortest k
                 k = totals.get(self._explore(batch, sum(min(c, k) for c in caps), list(totals)), k)
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
             if k == 0 and self.rounds - self.plan_probed >= self.probe_every:

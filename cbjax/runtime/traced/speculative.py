@@ -33,9 +33,9 @@ from cbjax.runtime.packed import GENERATED, HEADER, PROMPT_LEN, Resolved
 from cbjax.runtime.traced.sampling import count_sampled, sample_next
 
 
-def logits_rows(batch: Resolved, positions: int) -> jax.Array:
-    """`[R * positions]` token indices whose logits the step computes: each position of a verify
-    row (its last one repeated past its length), and every other row's last token."""
+def grid_tokens(batch: Resolved, positions: int) -> jax.Array:
+    """`[R * positions]` the flat token at each (row, position): each position of a verify row
+    (its last one repeated past its length), and every other row's last token."""
     num_tokens = batch.inputs.shape[0]
     j = jnp.arange(positions, dtype=jnp.int32)[None, :]
     last = batch.cu_q[1:, None] - 1
@@ -43,11 +43,28 @@ def logits_rows(batch: Resolved, positions: int) -> jax.Array:
     return jnp.clip(jnp.where(batch.verify[:, None], own, last), 0, num_tokens - 1).reshape(-1)
 
 
+def at_flat_tokens(batch: Resolved, positions: int) -> bool:
+    """Whether the step computes logits at every flat token rather than at each row's
+    `positions`: when the token bucket is the smaller (rows proposing fewer than `positions - 1`
+    tokens on average). The LM head and the sampler then run on the tokens the call holds, so a
+    round's cost follows its proposals, not the longest a row may propose (on a CPU at 4 rows,
+    one token each: 8 rows of the head instead of 20)."""
+    return batch.inputs.shape[0] < batch.slot.shape[0] * positions
+
+
+def logits_rows(batch: Resolved, positions: int) -> jax.Array:
+    """The flat token indices whose logits the step computes (`sample_positions` reads them
+    back): every token (`at_flat_tokens`), or each row's `positions` (`grid_tokens`)."""
+    if at_flat_tokens(batch, positions):
+        return jnp.arange(batch.inputs.shape[0], dtype=jnp.int32)
+    return grid_tokens(batch, positions)
+
+
 def sample_positions(state, logits, batch: Resolved, flat, ints, floats, *, positions: int, max_len: int,
                      max_logprobs: int, mask=None, ops: Ops = XLA, sampler: Sampler = ALL):
     """Sample each row that ends its prompt or decodes at its last token, and each verify row at
-    every position (`logits [R * positions, V]`, `logits_rows`; one position: a step without
-    verify rows, `step.sample_rows`), and update the rows' slots' state; record the prompt
+    every position (`logits` at `logits_rows`: each row's positions, or every flat token; one
+    position: a step without verify rows, `step.sample_rows`), and update the rows' slots' state; record the prompt
     tokens for the penalties (a request whose logits processors read the history had its
     slot's row cleared before this call: `Engine.record_histories`). Returns `[positions, R, 2]`
     (token or -1, done: a row's accepted tokens, then -1), logprob columns `[positions, R, ...]`
@@ -66,16 +83,29 @@ def sample_positions(state, logits, batch: Resolved, flat, ints, floats, *, posi
                                floats=jnp.where(is_last[:, None], floats, rows.floats))
     before = jnp.where(is_last, ints[:, GENERATED], rows.num_generated)
 
-    # Every row sampled at every position, as output index `before + j`.
-    def repeat(a):
-        return a if positions == 1 else jnp.repeat(a, positions, axis=0)
-
+    # Every row sampled at every position, as output index `before + j`: each logits row's
+    # batch row and position (at flat tokens: a token's row, and its offset in a verify row).
     j = jnp.arange(positions, dtype=jnp.int32)[None, :]
-    index = (before[:, None] + j).reshape(-1)
+    flat_tokens = positions > 1 and at_flat_tokens(batch, positions)
+    if flat_tokens:
+        of = jnp.minimum(batch.token_row, num_rows - 1)
+        offset = jnp.where(batch.verify[of], jnp.arange(of.shape[0], dtype=jnp.int32) - batch.cu_q[of], 0)
+    else:
+        of = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), positions) if positions > 1 else None
+        offset = jnp.tile(j[0], num_rows) if positions > 1 else 0
+
+    def per_logit(a):
+        return a if of is None else a[of]
+
     token, logprobs = sample_next(
-        logits, jax.tree.map(repeat, rows), index, max_logprobs, None if mask is None else repeat(mask),
-        history=lambda seen=state.seen, counts=state.counts: (seen[repeat(slots)], counts[repeat(slots)]),
+        logits, jax.tree.map(per_logit, rows), per_logit(before) + offset, max_logprobs,
+        None if mask is None else per_logit(mask),
+        history=lambda seen=state.seen, counts=state.counts: (seen[per_logit(slots)], counts[per_logit(slots)]),
         ops=ops, sampler=sampler)
+    if flat_tokens:  # back to [row, position]
+        grid = grid_tokens(batch, positions)
+        token = token[grid]
+        logprobs = None if logprobs is None else logprobs[grid]
     token = token.reshape(num_rows, positions)
 
     # The proposal: a verify row's tokens after its first. Accepted: the leading positions
