@@ -27,6 +27,7 @@ LAYERS = [
     ("parallel", ["cbjax.parallel"]),
     ("package face", ["cbjax", "cbjax.experimental"]),
     ("serve", ["cbjax.serve"]),
+    ("eval", ["cbjax.eval"]),
 ]
 
 
