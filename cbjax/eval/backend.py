@@ -149,8 +149,8 @@ class CbjaxLM(TemplateLM):
             until.append(eos)
         max_tokens = min(int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks)), self.llm.args.max_seq_len - 1)
         do_sample = bool(gen_kwargs.pop("do_sample", False))
-        temperature = float(gen_kwargs.pop("temperature", 1.0)) if do_sample else 0.0
-        gen_kwargs.pop("temperature", None)
+        temperature = float(gen_kwargs.pop("temperature", 1.0))
+        temperature = temperature if do_sample else 0.0
         known = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(k for k in gen_kwargs if k not in known)
         if unknown:

@@ -1,5 +1,5 @@
 """What the adaptive speculation length learns from the rounds it ran: each request's
-acceptance (`Acceptance`) and what a round costs at each batch size and mean proposal length
+acceptance (`Acceptance`) and what a round costs at each batch size and verify size
 (`CostCurve`). `speculation_length.AdaptiveLength` decides from both."""
 
 from __future__ import annotations

@@ -261,22 +261,26 @@ class AdaptiveLength:
             return best_total
         best = self.curve.size(batch, best_total)
         size = min(few, key=lambda size: (abs(size - best), size))
-        added = self.cost(batch, by_size[size]) - self.cost(batch, best_total)
-        if added > self.allowance:
+        if not self._pay(self.cost(batch, by_size[size]) - self.cost(batch, best_total)):
             return best_total
-        self.allowance -= max(added, 0.0)
         self.explored = self.rounds
         return by_size[size]
+
+    def _pay(self, added: float) -> bool:
+        """Whether exploring that adds `added` seconds to a round (by the cost curve) fits the
+        allowance; if so it is paid (a cheaper round pays nothing)."""
+        if added > self.allowance:
+            return False
+        self.allowance -= max(added, 0.0)
+        return True
 
     def _plan_probe(self, batch: int, total: int) -> int:
         """No lock-out for a costly proposer: its guesses do not exist before the plan, so a
         round planned at 0 tries one token for every row instead (a draft's step costs the
         same for one row or all), at most once every `probe_every` rounds and only when what it
         adds to the round by the curve fits `allowance`; else 0."""
-        added = self.cost(batch, total) - self.cost(batch, 0)
-        if added > self.allowance:
+        if not self._pay(self.cost(batch, total) - self.cost(batch, 0)):
             return 0
-        self.allowance -= max(added, 0.0)
         self.plan_probed = self.rounds
         return 1
 
@@ -295,10 +299,8 @@ class AdaptiveLength:
             record = self.accept.requests.get(ids[i])
             fresh = record is None or g.source is None or g.source != record.source
             if fresh and (record is None or self.rounds - record.probed >= self.probe_every):
-                added = self.cost(batch, total + 1) - self.cost(batch, total)
-                if added > self.allowance:
+                if not self._pay(self.cost(batch, total + 1) - self.cost(batch, total)):
                     return
-                self.allowance -= max(added, 0.0)
                 total += 1
                 record = record or self.accept.record(ids[i])
                 ks[i], record.probed = 1, self.rounds
