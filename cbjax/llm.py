@@ -23,6 +23,7 @@ from cbjax.grammar import Grammars
 from cbjax.loading import Model
 from cbjax.request import Request, RequestOutput, SamplingParams, error_output, is_int_list
 from cbjax.runtime.prompt_logprobs import PromptScorer
+from cbjax.prompt_scores import PromptScores
 
 
 def progress_bar(total: int | None, use_tqdm: bool, desc: str):
@@ -172,29 +173,39 @@ class LLM(OfflineRuns):
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
-        k = sampling.prompt_logprobs
-        prompt_lp = scored_prompt if scored_prompt is not None or k is None else \
-            self.core.prompt_scorer(ids, k).run()  # the n samples share them
+        prompt_lp, scores = self._prompt_logprobs(ids, sampling, scored_prompt)  # the n samples share them
         request_id = self.book.new_id(request_id)
         if sampling.num_samples == 1:
             self._add(request_id, ids, sampling, arrival, priority, text, self.book.seed_of(request_id, sampling),
-                      grammar=grammar, prompt_lp=prompt_lp)
+                      grammar=grammar, prompt_lp=prompt_lp, scores=scores)
             return request_id
         samples = SampleGroups.sample_params(sampling, self.book.seed_of(request_id, sampling))
         children = self.book.sample_ids(request_id, len(samples))
         first = None
         for child, child_sampling in zip(children, samples):
             r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first,
-                          grammar=grammar, prompt_lp=prompt_lp)
+                          grammar=grammar, prompt_lp=prompt_lp, scores=scores)
             first = first or r
         self.book.groups.add(request_id, children, sampling)
         return request_id
 
+    def _prompt_logprobs(self, ids: list[int], sampling: SamplingParams,
+                         scored: list | None) -> tuple[list | None, PromptScores | None]:
+        """A request's prompt logprobs when asked for: the caller's (`scored`), else computed
+        now where the engine's step does not score prompts; or the `PromptScores` its step fills."""
+        k, first = sampling.prompt_logprobs, sampling.prompt_logprobs_from
+        if k is None:
+            return None, None
+        if scored is None and self.core.scores_prompts:
+            return None, PromptScores(ids, k, first)
+        scored = scored if scored is not None else self.core.prompt_scorer(ids, k).run()
+        return [None if p < first else entry for p, entry in enumerate(scored)], None
+
     def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None,
-             prompt_lp=None) -> Request:
+             prompt_lp=None, scores=None) -> Request:
         grammar = None if grammar is None else self.grammars.state(grammar)
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
-                          fork_of=fork_of, grammar=grammar, prompt_logprobs=prompt_lp)
+                          fork_of=fork_of, grammar=grammar, prompt_logprobs=prompt_lp, prompt_scores=scores)
         self.book.add(request)
         self.core.add(request)
         return request
@@ -244,10 +255,11 @@ class LLM(OfflineRuns):
 
     def prompt_scorer(self, prompt: Prompt, sampling: SamplingParams) -> PromptScorer | None:
         """For a request asking for prompt logprobs: checks it (ValueError) and returns the scorer
-        that computes them a chunk at a time, for `add_request(..., scored_prompt=)`."""
+        that computes them a chunk at a time, for `add_request(..., scored_prompt=)`; None where
+        the engine's step scores them (`add_request` then queues it as it is)."""
         ids, _ = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
-        return self.core.prompt_scorer(ids, sampling.prompt_logprobs)
+        return None if self.core.scores_prompts else self.core.prompt_scorer(ids, sampling.prompt_logprobs)
 
     def watch_arrivals(self, pending: Callable[[], bool]) -> None:
         """`pending()`: whether requests have arrived that the front has not handed in yet (a

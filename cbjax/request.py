@@ -94,7 +94,9 @@ class SamplingParams:
     with `best_of`, that many are drawn and the `n` of highest cumulative log-probability
     kept. Sample i draws with seed `seed + i`, so it equals a single run with that seed.
     `prompt_logprobs=k`: each prompt token's log-probability (and the k likeliest tokens at its
-    position), computed by one more forward over the prompt (runtime/prompt_logprobs.py).
+    position), computed in the batched step (cbjax/prompt_scores.py); `prompt_logprobs_from`:
+    the first position scored (earlier entries None), so the prefix cache may serve the tokens
+    before it (a task's shared context, scored once).
     `structured`: a `StructuredOutput` the output must match (the engine masks tokens that
     cannot continue it; the request decodes one token per step and never runs ahead)."""
 
@@ -116,6 +118,7 @@ class SamplingParams:
     min_p: float = 0.0
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 0
 
     def __post_init__(self):
         # Normalised to plain Python values that fit the device's int32/float32 arrays.
@@ -154,6 +157,7 @@ class SamplingParams:
             put("logprobs", checks.integer("logprobs", self.logprobs, 0, 1024))
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", checks.integer("prompt_logprobs", self.prompt_logprobs, 0, 1024))
+        put("prompt_logprobs_from", checks.integer("prompt_logprobs_from", self.prompt_logprobs_from, 0))
         put("n", checks.integer("n", self.n, 1, 1024))
         if self.best_of is not None:
             put("best_of", checks.integer("best_of", self.best_of, self.n, 1024))
@@ -252,6 +256,7 @@ class Request:
     # The structured output's matcher (cbjax/grammar.py `GrammarState`) when `sampling.structured`.
     grammar: object | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when sampling.prompt_logprobs is set
+    prompt_scores: object | None = None  # a `PromptScores` the step fills, while they are computed
 
     def __post_init__(self):
         if self.metrics is None:

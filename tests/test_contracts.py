@@ -111,8 +111,8 @@ def test_fronts_keep_the_front_contract(llm):
     assert replicas.data_parallel == 2 and llm.data_parallel == 1
     asks = SamplingParams(max_tokens=2, prompt_logprobs=1)
     assert replicas.prompt_scorer([1, 2, 3], asks) is None  # scored where add_request places it
-    scorer = llm.prompt_scorer([1, 2, 3], asks)
-    assert scorer.run()[1] is not None
+    assert llm.prompt_scorer([1, 2, 3], asks) is None  # its step scores the prompt (cbjax/prompt_scores.py)
+    assert llm.core.engine.prompt_scorer([1, 2, 3], 1).run()[1] is not None  # where a step cannot: a forward of its own
     with pytest.raises(ValueError, match="empty prompt"):
         llm.prompt_scorer([], asks)
     arrived = []

@@ -30,6 +30,11 @@ class EngineQueries:
             return 0
         return warm_structured_output(self.engine, background)
 
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the engine's step scores prompts (else `prompt_scorer` does, before queueing)."""
+        return self.engine.scores_prompts
+
     def prompt_scorer(self, ids: list[int], k: int | None):
         """The scorer that computes a prompt's logprobs a chunk at a time (`PromptScorer`)."""
         return self.engine.prompt_scorer(ids, k)

@@ -62,13 +62,19 @@ class Executor:
         """Copy every call's result to the host at once (one sync a round)."""
         stats = self.stats
         t0 = time.perf_counter()
-        host, expert_tokens = to_host(([[out for out, _ in pieces] for pieces in dispatched],
-                                       self.engine.take_expert_tokens()), self.engine.platform)
+        prompt_scores = self.engine.take_prompt_scores()
+        host, expert_tokens, score_columns = to_host(([[out for out, _ in pieces] for pieces in dispatched],
+                                                      self.engine.take_expert_tokens(),
+                                                      [columns for columns, _ in prompt_scores]),
+                                                     self.engine.platform)
         now = self.clock()
         stats.dispatch_s += dispatch_s
         stats.device_wait_s += time.perf_counter() - t0
         if expert_tokens:  # a mixture of experts' routing, copied with the tokens
             stats.count_expert_tokens(expert_tokens)
+        for columns, (_, scored) in zip(score_columns, prompt_scores):  # prompt logprobs, copied with them too
+            for scores, offset, start, count in scored:
+                scores.fill(start, columns[offset:offset + count])
         results = []
         for pieces, outs, call in zip(dispatched, host, calls):
             results.append(CallResult(call.rows, [(members, *split_logprobs(out))

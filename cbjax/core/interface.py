@@ -67,6 +67,10 @@ class Core(Protocol):
     def warm_structured_output(self, background: bool = False) -> int:
         """Compile the programs structured-output requests run; how many (0 where none)."""
 
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the engine's step scores prompts (`PromptScores`); else `prompt_scorer` does."""
+
     def prompt_scorer(self, ids: list[int], k: int | None) -> Any:
         """The scorer that computes a prompt's logprobs a chunk at a time (`PromptScorer`)."""
 

@@ -95,8 +95,7 @@ class CbjaxLM(TemplateLM):
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             prompts.append(whole)
             scored.append(min(len(continuation), len(whole) - 1))
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=not disable_tqdm,
-                                 desc="Running loglikelihood requests")
+        outs = self._score(prompts, [len(p) - n for p, n in zip(prompts, scored)], disable_tqdm)
         results = []
         for (cache_key, _, _), out, n in zip(requests, outs, scored):
             if out.error is not None:
@@ -107,6 +106,28 @@ class CbjaxLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)
             results.append(answer)
         return results
+
+    def _score(self, prompts: list[list[int]], firsts: list[int], disable_tqdm: bool) -> list:
+        """Each prompt's output with its prompt logprobs from position `firsts[i]` on. With the
+        prefix cache, in two waves: first one prompt of each context (the tokens before its
+        first scored position), then the rest, whose contexts the cache then holds (requests
+        admitted in one round would each compute theirs)."""
+        waves = [list(range(len(prompts)))]
+        if self.llm.args.enable_prefix_caching:
+            first_of_context: dict = {}
+            for i, (prompt, first) in enumerate(zip(prompts, firsts)):
+                first_of_context.setdefault(tuple(prompt[:first]), i)
+            leaders = sorted(first_of_context.values())
+            waves = [leaders, sorted(set(waves[0]) - set(leaders))]
+        outs: list = [None] * len(prompts)
+        for n, wave in enumerate(w for w in waves if w):
+            done = self.llm.generate([prompts[i] for i in wave],
+                                     [SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_from=firsts[i])
+                                      for i in wave], use_tqdm=not disable_tqdm,
+                                     desc=f"Running loglikelihood requests ({n + 1}/{len(waves)})")
+            for i, out in zip(wave, done):
+                outs[i] = out
+        return outs
 
     @override
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -63,6 +63,12 @@ class EngineBase:
         taken, self._expert_tokens = self._expert_tokens, []
         return taken
 
+    def take_prompt_scores(self) -> list:
+        """(device `[N, 2 + 2k]` score columns, pieces (a `PromptScores`, flat offset, start
+        position, tokens)) of the calls run since the last take, for `PromptScores.fill`."""
+        taken, self._prompt_scores = self._prompt_scores, []
+        return taken
+
     def _configure(self, model, config: EngineConfig, tensor_parallel: int = 1) -> None:
         """What every engine kind sets up, the simulated one included: the model, the config
         (checked against the model), the attention it runs and the length buckets."""
@@ -74,6 +80,7 @@ class EngineBase:
         self.model = model
         self.config = config
         self._expert_tokens = []  # a MoE engine's tokens per expert of the calls not yet recorded (device arrays)
+        self._prompt_scores = []  # (device score columns, their scored pieces) of calls not yet collected
         self.max_len = config.max_seq_len
         self.buckets = prefill_buckets(min(config.prefill_floor, self.max_len), self.max_len)
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -154,6 +161,7 @@ class Engine(EngineBase):
     can_run_ahead = True
     supports_structured_output = True  # its step applies structured-output masks
     takes_sampler_variants = True  # its step compiles only the sampling its rows need (step_programs.py)
+    scores_prompts = True  # its step scores prompt rows that ask for prompt logprobs (cbjax/prompt_scores.py)
     host_kv: HostKV | None = None  # the KV cache's host tier (swapped-out sequences, prefix pages)
     host_s = 0.0  # seconds of KV moves over the host link, where they are simulated
     call_log: Sequence = ()  # rounds of stage calls, where a pipeline logs them (runtime/scale/pipeline.py)
@@ -186,7 +194,8 @@ class Engine(EngineBase):
         return self.compiled.wait()
 
     def prompt_scorer(self, ids: list[int], k: int) -> PromptScorer:
-        """A prompt's logprobs, by one more forward over it a chunk at a time (one program per engine)."""
+        """A prompt's logprobs, by one more forward over it a chunk at a time (one program per
+        engine): for an engine whose step does not score prompts (`scores_prompts`)."""
         return PromptScorer(self.params, self.model.config, ids, k, self.max_len, self.max_logprobs, ops=self.ops,
                             history_block=self.history_block())
 
@@ -215,12 +224,19 @@ class Engine(EngineBase):
             call_rows = [r for _, r in members]
             sampler = self.samplers.for_rows(call_rows)
             verify = self.verify_positions if any(r.verify for r in call_rows) else 0
-            calls.append((self._dispatch(self._pack(call_rows, self.call_tokens(call_rows)), steps, sampler, verify),
-                          [i for i, _ in members]))
+            num_tokens = self.call_tokens(call_rows)
+            targets, scored, k = packing.score_targets(call_rows, num_tokens)
+            prompt_k = self.max_logprobs if k else 0  # top entries computed: none, or as many as any request takes
+            result = self._dispatch(self._pack(call_rows, num_tokens, targets), steps, sampler, verify, prompt_k)
+            if scored:
+                result, columns = result
+                self._prompt_scores.append((columns, scored))
+            calls.append((result, [i for i, _ in members]))
         return calls
 
-    def _pack(self, rows: list[Row], num_tokens: int) -> tuple[np.ndarray, ...]:
-        """The step's host arrays, and the structured-output masks if a sampling row has a constraint."""
+    def _pack(self, rows: list[Row], num_tokens: int, targets: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """The step's host arrays, and the structured-output masks if a sampling row has a
+        constraint. `targets`: the prompt tokens to score (`packing.score_targets`), a third row of `flat`."""
         key, num_rows = packing.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
         if key is not None:  # the overlap's decode calls, the same step after step: packed once, and
             # kept on the device (one engine device), so such a call copies nothing to it
@@ -228,25 +244,28 @@ class Engine(EngineBase):
                 a if self.mesh is not None else jax.device_put(a)
                 for a in pack(rows, num_tokens, num_rows, self.sampling_row)))
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
+        if targets is not None:
+            packed = (np.concatenate([packed[0], targets[None]]), *packed[1:])
         masks = packing.grammar_masks(rows, num_rows, self.model.config.vocab_size)
         return packed if masks is None else (*packed, masks)
 
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL,
-                  verify: int = 0) -> jax.Array:
+                  verify: int = 0, prompt_k: int = 0) -> jax.Array:
         """One call of the step on packed rows (a pipeline runs it through its stages)."""
-        return self._step(packed, steps, sampler, verify)
+        return self._step(packed, steps, sampler, verify, prompt_k)
 
-    def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL, verify: int = 0) -> jax.Array:
-        return self.run_program(*self._step_arguments(packed, steps, sampler, verify))
+    def _step(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL, verify: int = 0,
+              prompt_k: int = 0) -> jax.Array:
+        return self.run_program(*self._step_arguments(packed, steps, sampler, verify, prompt_k))
 
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int,
-                        sampler: Sampler = ALL, verify: int = 0) -> tuple[tuple, dict]:
+                        sampler: Sampler = ALL, verify: int = 0, prompt_k: int = 0) -> tuple[tuple, dict]:
         by_address = (self._params_by_address is not None
                       and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
         return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
-                     ops=self.ops, sampler=sampler, verify=verify, platform=self.platform))
+                     ops=self.ops, sampler=sampler, verify=verify, platform=self.platform, prompt_k=prompt_k))
 
     def run_program(self, args: tuple, static: dict) -> jax.Array:
         """Run the step program of these arguments (`_step_arguments`): the cache and state advance."""
@@ -260,7 +279,8 @@ class Engine(EngineBase):
     def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
-        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"])  # program_key
+        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"],
+               static.get("prompt_k", 0))  # program_key
         # Only a GPU's narrower variants compile in the background (step_programs.py).
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait or not self.samplers.specializes)
 

@@ -68,6 +68,10 @@ class StepEngine(Protocol):
         """A mixture of experts' tokens per expert and layer in the calls since the last take
         (device arrays, copied with the round's tokens); empty for a dense model."""
 
+    def take_prompt_scores(self) -> list:
+        """The prompt scores of the calls since the last take: (device score columns, their
+        pieces), for `PromptScores.fill` once the round's results are on the host."""
+
     def deactivate(self, slot: int) -> None: ...
 
     def copy_kv(self, copies: Sequence[tuple[int, int]]) -> None: ...
@@ -84,6 +88,11 @@ class StepEngine(Protocol):
         """Block until programs compiling in the background are ready; returns how many there were."""
 
     def reset(self) -> None: ...
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether its step scores the prompt rows that ask for prompt logprobs; else a request's
+        are computed by `prompt_scorer` before it is queued."""
 
     def prompt_scorer(self, ids: list[int], k: int) -> Any:
         """A `PromptScorer`: the prompt's logprobs, a chunk at a time."""

@@ -86,6 +86,26 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
     return flat, ints, floats
 
 
+def score_targets(rows: list[Row], num_tokens: int) -> tuple[np.ndarray | None, list[tuple], int]:
+    """A call's prompt scoring (cbjax/prompt_scores.py): `[N]` int32 targets, each token's next
+    prompt token where a score is missing (-1 elsewhere), as `flat`'s third row; the pieces
+    they score, (`PromptScores`, flat offset, start position, tokens); the largest top k asked.
+    `(None, [], 0)` when no row of the call scores anything (the step without scoring)."""
+    targets, pieces, k, t = None, [], 0, 0
+    for row in rows:
+        scores = row.request.prompt_scores if row.request is not None and not row.decodes else None
+        if scores is not None and not scores.done:
+            wanted = scores.targets(row.start, row.num_tokens)
+            if (wanted >= 0).any():
+                if targets is None:
+                    targets = np.full(num_tokens, -1, np.int32)
+                targets[t:t + row.num_tokens] = wanted
+                pieces.append((scores, t, row.start, row.num_tokens))
+                k = max(k, scores.k)
+        t += row.num_tokens
+    return targets, pieces, k
+
+
 def split_rows(rows: list[Row], top: int) -> list[list[tuple[int, Row]]]:
     """The round's rows in calls of at most `top` tokens (the step budget), in order; a
     prompt chunk that does not fit the call being filled continues in the next (only its

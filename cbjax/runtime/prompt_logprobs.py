@@ -1,10 +1,7 @@
 """Prompt log-probabilities (vLLM's `prompt_logprobs`, the completions API's `echo` with
-`logprobs`): the model over the prompt, outside the batched step, with each position's
-log-softmax.
-
-The batched step computes logits only at each row's last token, so a request that asks for
-its prompt's distribution pays one more forward over the prompt: a research engine's choice,
-where vLLM keeps every prefill position's logits inside its step. The forward runs in chunks
+`logprobs`) for an engine whose step does not score prompts (`scores_prompts`: a pipeline's
+stages; the step of every other engine does, cbjax/prompt_scores.py): the model over the
+prompt, outside the batched step, with each position's log-softmax. The forward runs in chunks
 over a one-sequence cache of its own (`PromptScorer`), so that a server can interleave it with
 the batched step (serve/engine_loop.py): beside running streams a small chunk at a time, with a
 bounded share of the engine's time, so a long prompt's scoring never stalls them for its whole
@@ -27,6 +24,7 @@ from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models.ops import XLA
 from cbjax.request import TokenLogprob
+from cbjax.runtime.traced.step import score_columns
 
 # Tokens per forward: small beside running streams (a chunk then costs about one decode step),
 # large when nothing else runs.
@@ -41,12 +39,7 @@ def _chunk_columns(params, config, cache, tokens, targets, start, num_valid, *, 
     and their ids; the cache with the chunk written."""
     logits, cache = forward(params, config, cache, tokens[None], start[None], num_valid=num_valid[None], ops=ops,
                             history_block=history_block)
-    logp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)
-    rank = 1 + jnp.sum(logp > chosen, axis=-1, keepdims=True).astype(jnp.float32)
-    top, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], jnp.zeros((logp.shape[0], 0), jnp.int32))
-    return jnp.concatenate([chosen, rank, top, ids.astype(jnp.float32)], axis=-1), cache
-
+    return score_columns(logits[0], targets, k), cache
 
 _compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-score-compile")
 _programs: dict[tuple, concurrent.futures.Future] = {}  # compiled chunk programs, by shapes and settings

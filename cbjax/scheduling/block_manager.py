@@ -66,13 +66,18 @@ class BlockManager:
         """The free pages in the order they are handed out."""
         return list(self._free_plain) + list(self._free_cached)
 
-    def _cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        return self.prefix.lookup(tokens) if self.prefix is not None else ([], [])
+    def _cached_prefix(self, tokens: list[int], reusable: int | None = None) -> tuple[list[int], list[int]]:
+        """The cached pages `tokens` can reuse (`reusable`: within its first that many tokens)."""
+        if self.prefix is None:
+            return [], []
+        return self.prefix.lookup(tokens if reusable is None else tokens[:reusable + 1])
 
-    def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0, lookup: bool = True) -> bool:
+    def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0, lookup: bool = True,
+                     reusable: int | None = None) -> bool:
         """Whether `tokens` (grown to `num_tokens` positions, if more) fit in the free pages
-        while `reserved` of them stay free for others (`lookup`: reusing cached prefix pages)."""
-        cached = self._cached_prefix(tokens)[0] if lookup else []
+        while `reserved` of them stay free for others (`lookup`: reusing cached prefix pages,
+        within the first `reusable` tokens when given)."""
+        cached = self._cached_prefix(tokens, reusable)[0] if lookup else []
         fresh = self.pages_needed(max(len(tokens), num_tokens)) - len(cached)
         revived = sum(1 for p in cached if self.ref_counts[p] == 0)  # cached but free: leaves the free list
         return fresh + revived + reserved <= self.num_free
@@ -88,18 +93,19 @@ class BlockManager:
         self.ref_counts[page] = 1
         return page
 
-    def allocate(self, seq_id: str, tokens: list[int], lookup: bool = True) -> int:
+    def allocate(self, seq_id: str, tokens: list[int], lookup: bool = True, reusable: int | None = None) -> int:
         """Pages for a prompt; returns how many leading tokens are already in the cache
         (whole cached pages, and never the last prompt token, which must be computed to
         produce the first output token). Pages hit in the host tier are loaded back into
-        fresh ones. `lookup=False`: fresh pages only (a swapped-in sequence brings its own)."""
+        fresh ones. `lookup=False`: fresh pages only (a swapped-in sequence brings its own);
+        `reusable`: cached pages within its first that many tokens only (a prompt scored from there)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
         if not tokens:
             raise ValueError("cannot allocate pages for an empty sequence")
-        if not self.can_allocate(tokens, lookup=lookup):
+        if not self.can_allocate(tokens, lookup=lookup, reusable=reusable):
             raise MemoryError(f"not enough free pages for {len(tokens)} tokens")
-        cached, host_keys = self._cached_prefix(tokens) if lookup else ([], [])
+        cached, host_keys = self._cached_prefix(tokens, reusable) if lookup else ([], [])
         if self.prefix is not None and lookup:
             self.prefix.count(len(tokens), len(cached), len(host_keys))
         table = []

@@ -69,9 +69,11 @@ class PageReservations:
         `reserved` pages of others' coming decodes all fit; returns the new reservation, or
         None (nothing taken) when they do not."""
         first_decode = self.decode_need(r, r.prefill_len + 1)
-        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved):
+        # A prompt still to be scored computes the positions it scores (cbjax/prompt_scores.py).
+        reusable = r.prompt_scores.reusable if r.prompt_scores is not None else None
+        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved, reusable=reusable):
             return None
-        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids)
+        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids, reusable=reusable)
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
     def take_swapped(self, r: Request, reserved: int) -> int | None:

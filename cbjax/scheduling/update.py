@@ -60,6 +60,9 @@ def update_round(sched, plan: Plan, result: RoundResult) -> Outcome:
 def _prefill_row(sched, chunk: Row, token: int, device_done: bool, now: float, touched: dict[str, Request]) -> None:
     """A prompt chunk's result; the device's and the scheduler's stop decisions must agree."""
     finished = record_prefill(sched, chunk, token if chunk.is_last else -1, now)
+    r = chunk.request
+    if chunk.is_last and r.prompt_scores is not None and r.prompt_logprobs is None:  # scored by now
+        r.prompt_logprobs = r.prompt_scores.entries()
     if chunk.is_last:
         if device_done != finished:
             raise RuntimeError(f"engine and scheduler disagree on whether {chunk.request.request_id!r} finished")

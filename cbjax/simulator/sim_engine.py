@@ -63,6 +63,7 @@ class SimulatedEngine(Engine):
     can_run_ahead = False  # the simulated clock charges each call when it is made: no overlap to model
     supports_structured_output = False  # its tokens are fillers, no grammar could follow them
     takes_sampler_variants = False  # it compiles nothing
+    scores_prompts = False  # nor scores a prompt in its step
 
     def __init__(self, model, config: EngineConfig, cost, clock: SimClock, platform: str | None = None,
                  dtype: str = "float32"):

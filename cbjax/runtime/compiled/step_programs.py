@@ -93,9 +93,10 @@ class SamplerVariants:
 
 
 def program_key(args: tuple, static: dict) -> tuple:
-    """(the packed arrays' shapes, steps, verify positions, sampler): what tells one engine's step
-    programs apart."""
-    return tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"]
+    """(the packed arrays' shapes, steps, verify positions, sampler, prompt scores' top k): what
+    tells one engine's step programs apart."""
+    return (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"],
+            static.get("prompt_k", 0))
 
 
 class StepPrograms:

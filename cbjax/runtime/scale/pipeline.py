@@ -95,6 +95,7 @@ class PipelineEngine(Engine):
     can_run_ahead = False  # its decode hands activations between stages through the host loop
     supports_structured_output = False  # its last stage samples without masks
     takes_sampler_variants = False  # its last stage samples with every part of sampling
+    scores_prompts = False  # prompt logprobs by a forward of their own (`Engine.prompt_scorer`)
 
     def __init__(self, model, config, stages: int = 2, micro_batches: int = 1, devices=None):
         self.stages = checks.integer("pipeline_stages", stages, 2)
@@ -183,9 +184,10 @@ class PipelineEngine(Engine):
         return super().run(rows, steps)
 
     @override
-    def _dispatch(self, packed, steps: int, sampler=None, verify: int = 0) -> jax.Array:
+    def _dispatch(self, packed, steps: int, sampler=None, verify: int = 0, prompt_k: int = 0) -> jax.Array:
         """A call of prompt rows through the stages (logged with the longest row's end as its
-        attended length); `sampler` is always ALL here (`takes_sampler_variants`)."""
+        attended length); `sampler` is always ALL here (`takes_sampler_variants`), and no row
+        scores its prompt (`scores_prompts`)."""
         ints = packed[1]
         attended = int((ints[:, START] + ints[:, QLEN]).max())
         return self._through_stages(packed, ("prefill", len(self.call_log[-1])), "prefill", attended)[None]

@@ -20,6 +20,9 @@ computes nothing. Rows that end a prompt or decode sample a token; the result is
 int32 array `[steps, R, 2]` = (token or -1, done), the one copy the host makes. A speculating
 request's row (a verify row: its last token and proposed ones) is sampled at every position
 by the program compiled with `verify`, whose result is `[1 + k, R, 2]` (speculative.py).
+A call whose prompt rows score their prompt (`SamplingParams.prompt_logprobs`) packs each
+token's next prompt token as a third row of `flat`; its program computes logits at every
+token and returns each one's `score_columns` beside the result (cbjax/prompt_scores.py).
 """
 
 from __future__ import annotations
@@ -39,15 +42,28 @@ from cbjax.runtime.packed import Resolved, resolve
 
 
 
+def score_columns(logits, targets, k: int):
+    """`[N, 2 + 2k]` float32 for logits `[N, vocab]` and `targets [N]` (-1: none): the target's
+    log-probability, its rank (1 = likeliest), the top k log-probabilities and their ids."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)
+    rank = 1 + jnp.sum(logp > chosen, axis=-1, keepdims=True).astype(jnp.float32)
+    top, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], jnp.zeros((logp.shape[0], 0), jnp.int32))
+    return jnp.concatenate([chosen, rank, top, ids.astype(jnp.float32)], axis=-1)
+
+
 def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention_kernel=False, history_block=None,
-               first_layer=0, embed=True, head=True, ops=XLA, verify=0, routing=False):
+               first_layer=0, embed=True, head=True, ops=XLA, verify=0, routing=False, every_token=False):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
     `head=False`, the hidden states of every token), and the cache with the keys written.
     `verify`: logits `[R * verify, vocab]` at each position of verify rows (speculative.py).
+    `every_token`: the logits of every flat token follow those, `[N, vocab]` more rows.
     `routing`: a third result, the tokens each MoE layer sent to each expert (`forward`)."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
     last_token = (speculative.logits_rows(batch, verify) if verify
                   else jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1))
+    if every_token:
+        last_token = jnp.concatenate([last_token, jnp.arange(num_tokens, dtype=jnp.int32)])
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
         if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
@@ -76,13 +92,13 @@ def sample_rows(state, logits, batch: Resolved, flat, ints, floats, *, max_len, 
 
 
 _STATIC = ("config", "max_len", "steps", "max_logprobs", "attention_kernel", "history_block", "ops", "sampler",
-           "verify", "platform")
+           "verify", "platform", "prompt_k")
 JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state"))  # ragged_step's
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
-                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None):
+                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None, prompt_k=0):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state (and, for a mixture of experts,
@@ -92,34 +108,54 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     `verify > 0` (`steps` 1): the program of calls with speculating rows of up to `verify`
     tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py).
     `platform`: the one the program is traced for, its branches alone (`Ops.platform`; what it
-    saves: docs/experiments.md); None: every platform's, chosen at lowering."""
+    saves: docs/experiments.md); None: every platform's, chosen at lowering.
+    A `flat` of three rows (steps 1): the third holds each token's scoring target (-1: none),
+    and the result is `(result, [N, 2 + 2 prompt_k] score_columns)`."""
     ops = ops.on(platform)
-    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify)] += 1
+    scoring = flat.shape[0] > 2
+    TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify,
+                  scoring, prompt_k)] += 1
+    if scoring and steps != 1:
+        raise ValueError("a call that scores its prompt rows runs one step")
+
+    def scored(logits):  # (the logits to sample from, the scoring targets' columns or None)
+        if not scoring:
+            return logits, None
+        num_tokens = flat.shape[1]
+        return logits[:-num_tokens], score_columns(logits[-num_tokens:], flat[2], prompt_k)
+
+    def with_scores(result, scores):
+        return result if scores is None else (result, scores)
+
     if verify:
         batch = resolve(state, cache.lengths, flat, ints)
         logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                                    history_block=history_block, ops=ops, verify=verify,
-                                                   routing=config.is_moe)
+                                                   routing=config.is_moe, every_token=scoring)
+        logits, scores = scored(logits)
         out, logprobs, state, held = speculative.sample_positions(
             state, logits, batch, flat, ints, floats, positions=verify, max_len=max_len, max_logprobs=max_logprobs,
             mask=mask, ops=ops, sampler=sampler)
-        return ((out if logprobs is None else (out, logprobs)), speculative.settle_lengths(cache, batch, held), state,
-                *expert_tokens)
+        return (with_scores(out if logprobs is None else (out, logprobs), scores),
+                speculative.settle_lengths(cache, batch, held), state, *expert_tokens)
 
     def one_step(carry, _):
         cache, state = carry
         batch = resolve(state, cache.lengths, flat, ints)
         logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
-                                                   history_block=history_block, ops=ops, routing=config.is_moe)
+                                                   history_block=history_block, ops=ops, routing=config.is_moe,
+                                                   every_token=scoring)
+        logits, scores = scored(logits)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
                                            max_logprobs=max_logprobs, mask=mask, ops=ops, sampler=sampler)
-        return (cache, state), (out, logprobs, expert_tokens)
+        return (cache, state), (out, logprobs, expert_tokens, scores)
 
     if steps == 1:  # one step needs no scan (a one-trip while loop around the whole model)
         (cache, state), out = one_step((cache, state), None)
         out = jax.tree.map(lambda a: a[None], out)
     else:
         (cache, state), out = jax.lax.scan(one_step, (cache, state), None, length=steps)
-    out, logprobs, expert_tokens = out
+    out, logprobs, expert_tokens, scores = out
     # A mixture of experts' tokens per expert and layer, summed over the steps: a fourth result.
-    return ((out if logprobs is None else (out, logprobs)), cache, state, *(jnp.sum(a, axis=0) for a in expert_tokens))
+    return (with_scores(out if logprobs is None else (out, logprobs), None if scores is None else scores[0]), cache,
+            state, *(jnp.sum(a, axis=0) for a in expert_tokens))
