@@ -16,7 +16,7 @@ PACKAGES = ("cbjax", "pallas_kernels")
 LAYERS = [
     ("leaves", ["cbjax.checks", "cbjax.knobs", "cbjax.config", "cbjax.request", "cbjax.metrics", "cbjax.workload",
                 "cbjax.tokenization", "cbjax.compile_cache", "cbjax.grammar", "cbjax.traces",
-                "cbjax.shipped_predictors", "pallas_kernels"]),
+                "cbjax.shipped_predictors", "cbjax.prompt_scores", "pallas_kernels"]),
     ("models", ["cbjax.models"]),
     ("loading", ["cbjax.loading", "cbjax.perplexity"]),
     ("scheduling", ["cbjax.scheduling"]),

@@ -279,8 +279,8 @@ class Engine(EngineBase):
     def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
-        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static["sampler"],
-               static.get("prompt_k", 0))  # program_key
+        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static.get("prompt_k", 0),
+               static["sampler"])  # program_key
         # Only a GPU's narrower variants compile in the background (step_programs.py).
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait or not self.samplers.specializes)
 
