@@ -115,8 +115,6 @@ _WHERE = {
     "summarize_outputs": "cbjax.metrics",
     "write_json": "cbjax.metrics",
     # perplexity
-    "window_nlls": "cbjax.perplexity",
-    "windows": "cbjax.perplexity",
     # tokenization
     "chat_prompt_ids": "cbjax.tokenization",
     # shipped_predictors

@@ -1,16 +1,18 @@
-"""The public API is `cbjax`'s `__all__`; studies that need more import `cbjax.experimental`.
-By AST: experiments/ import nothing else of cbjax, the server nothing else but its own
+"""The public API is `cbjax`'s `__all__` (and lm-eval's backend, `cbjax.eval`'s); studies that
+need more import `cbjax.experimental`. By AST: experiments/ import nothing else of cbjax, the server nothing else but its own
 modules, and every name of the experimental table resolves and is used."""
 
 import ast
 import pathlib
 
 import cbjax
+import cbjax.eval
 import cbjax.experimental
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = frozenset(cbjax.__all__) | {"__version__"}
 EXPERIMENTAL = frozenset(cbjax.experimental.__all__)
+EVAL = frozenset(cbjax.eval.__all__)
 
 
 def cbjax_imports(source: str) -> list[tuple[int, str, str]]:
@@ -31,7 +33,8 @@ def outside_the_api(source: str, own: str | None = None) -> list[str]:
     for line, module, name in cbjax_imports(source):
         if own is not None and (module == own or module.startswith(own + ".")):
             continue
-        allowed = (module == "cbjax" and name in PUBLIC) or (module == "cbjax.experimental" and name in EXPERIMENTAL)
+        allowed = ((module == "cbjax" and name in PUBLIC) or (module == "cbjax.experimental" and name in EXPERIMENTAL)
+                   or (module == "cbjax.eval" and name in EVAL))
         if not allowed:
             bad.append(f"{line}: {module} {name}")
     return bad

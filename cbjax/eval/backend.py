@@ -29,29 +29,40 @@ from cbjax import LLM, EngineArgs, SamplingParams
 # The backend's engine defaults where they differ from the engine's own: the paged cache and
 # its prefix caching (a task's choices share their context).
 EVAL_DEFAULTS = {"kv_cache": "paged", "enable_prefix_caching": True}
-OWN_ARGS = ("pretrained", "add_bos_token", "max_gen_toks", "batch_size", "max_batch_size", "device")
+OWN_ARGS = ("pretrained", "add_bos_token", "max_gen_toks", "max_length", "batch_size", "max_batch_size", "device")
 
 
-def engine_args(kwargs: dict) -> dict:
-    """The `EngineArgs` fields among lm-eval's `model_args`; an unknown key is refused, named."""
+def engine_args(kwargs: dict, max_length: int | None = None) -> dict:
+    """The `EngineArgs` fields among lm-eval's `model_args`; an unknown key is refused, named.
+    `max_length` without a `max_seq_len`: the engine's length holds it (and the two tokens a
+    request adds: its first, predicted by nothing, and the one it generates), in whole pages."""
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(k for k in kwargs if k not in fields)
     if unknown:
         raise ValueError(f"unknown model_args for cbjax: {', '.join(unknown)} (known: {', '.join(OWN_ARGS)} "
                          f"and the fields of cbjax.EngineArgs)")
-    return {**EVAL_DEFAULTS, **kwargs}
+    args = {**EVAL_DEFAULTS, **kwargs}
+    if max_length is not None and "max_seq_len" not in args:
+        page = int(args.get("page_size", EngineArgs.page_size))
+        args["max_seq_len"] = -(-(int(max_length) + 2) // page) * page
+    return args
 
 
 @register_model("cbjax")
 class CbjaxLM(TemplateLM):
-    """`pretrained`: a preset name, a Hugging Face directory, a GGUF file or an orbax directory
-    (`LLM`'s model argument); every other model_arg is an `EngineArgs` field. `batch_size` is
+    """`pretrained`: a preset name, a Hugging Face directory, a GGUF file, an orbax directory or
+    a training run's checkpoint (`LLM`'s model argument); `max_length` as the `hf` model's (the
+    longest scored sequence); every other model_arg is an `EngineArgs` field. `batch_size` is
     accepted and ignored: the engine batches by its slots (`num_slots`)."""
 
     def __init__(self, pretrained: str = "smollm2-135m", add_bos_token: bool | None = None, max_gen_toks: int = 256,
-                 batch_size=None, max_batch_size=None, device=None, **kwargs):
+                 max_length: int | None = None, batch_size=None, max_batch_size=None, device=None, **kwargs):
         super().__init__()
-        self.llm = LLM(pretrained, **engine_args(kwargs))
+        self.llm = LLM(pretrained, **engine_args(kwargs, max_length))
+        if max_length is not None and int(max_length) + 2 > self.llm.args.max_seq_len:
+            raise ValueError(f"max_length={max_length} needs max_seq_len >= {int(max_length) + 2}, "
+                             f"got {self.llm.args.max_seq_len}")
+        self._max_length = None if max_length is None else int(max_length)
         if self.llm.tokenizer is None:
             raise ValueError(f"{pretrained!r} has no tokenizer: lm-eval's tasks are text")
         self.tokenizer = self.llm.tokenizer
@@ -65,9 +76,9 @@ class CbjaxLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        """Tokens a scored sequence predicts at most: the engine's length less the prompt's
-        first token and the one token a request must generate."""
-        return self.llm.args.max_seq_len - 2
+        """Tokens a scored sequence predicts at most: `max_length` when given, else the engine's
+        length less the prompt's first token and the one token a request must generate."""
+        return self.llm.args.max_seq_len - 2 if self._max_length is None else self._max_length
 
     @property
     @override

@@ -1,12 +1,13 @@
 """`load_model(spec)`: the one entry point over every format. `spec` is a preset name
-(presets.py), a Hugging Face directory, a `.gguf` file, or a directory written by
-`save_orbax`. Nothing in cbjax.loading imports this module."""
+(presets.py), a Hugging Face directory, a `.gguf` file, a directory written by
+`save_orbax`, or a JAX training run's checkpoint (flax params by orbax, flax_checkpoint.py). Nothing in cbjax.loading imports this module."""
 
 from __future__ import annotations
 
 import os
 
 from cbjax.loading import presets
+from cbjax.loading.flax_checkpoint import is_flax_checkpoint, load_flax_checkpoint
 from cbjax.loading.gguf import load_gguf
 from cbjax.loading.huggingface import load_hf_dir
 from cbjax.loading.model import Model, as_dtype
@@ -31,8 +32,10 @@ def load_model(spec: str, dtype=None, seed: int = 0, with_tokenizer: bool = True
         return presets.load_preset(spec, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
     if os.path.isfile(spec) and spec.endswith(".gguf"):
         return load_gguf(spec, dtype=dtype, with_tokenizer=with_tokenizer, keep_blocks=keep_gguf_blocks)
+    if os.path.isdir(spec) and is_flax_checkpoint(spec):
+        return load_flax_checkpoint(spec, dtype=dtype, with_tokenizer=with_tokenizer)
     if os.path.isdir(spec):
         return load_hf_dir(spec, dtype=dtype, with_tokenizer=with_tokenizer)
     raise ValueError(
         f"cannot load model {spec!r}: not a preset ({', '.join(sorted(presets.PRESETS))}), "
-        "a Hugging Face directory, a .gguf file or an orbax directory")
+        "a Hugging Face directory, a .gguf file, an orbax directory or a training run's checkpoint")
