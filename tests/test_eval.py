@@ -12,6 +12,7 @@ from lm_eval.models.huggingface import HFLM
 from cbjax import SamplingParams
 from cbjax.eval import CbjaxLM
 from tests.hf_models import _CORPUS, save_chat_model
+from tests.tiers import slow
 
 MAX_SEQ_LEN = 64
 
@@ -74,3 +75,54 @@ def test_bad_arguments_are_named(models):
         CbjaxLM(pretrained="tiny-llama", num_slotz=4)
     with pytest.raises(ValueError, match="num_beams"):
         ours.sampling({"until": ["."], "num_beams": 4})
+
+
+def test_local_tasks_agree_with_the_hf_model(models, monkeypatch):
+    """The offline tasks shipped with the backend (cbjax/eval/tasks), run by lm-eval itself with
+    the hub switched off: the same accuracy, log-likelihoods within 1e-3 and the same
+    generations as `hf`."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from cbjax.eval import TASKS_DIR
+
+    ours, theirs = models
+    manager = TaskManager(include_path=TASKS_DIR)
+    runs = [lm_eval.simple_evaluate(model=lm, tasks=["cbjax_cloze", "cbjax_recite"], task_manager=manager, limit=6,
+                                    log_samples=True, bootstrap_iters=0) for lm in (ours, theirs)]
+    assert runs[0]["results"]["cbjax_cloze"]["acc,none"] == runs[1]["results"]["cbjax_cloze"]["acc,none"]
+    for task in ("cbjax_cloze", "cbjax_recite"):
+        for mine, hers in zip(runs[0]["samples"][task], runs[1]["samples"][task], strict=True):
+            if task == "cbjax_recite":
+                assert mine["filtered_resps"] == hers["filtered_resps"]
+                continue
+            for (ll, greedy), (hf_ll, hf_greedy) in zip(mine["filtered_resps"], hers["filtered_resps"], strict=True):
+                assert ll == pytest.approx(hf_ll, abs=1e-3) and greedy == hf_greedy
+
+
+@slow
+def test_the_server_path_agrees_with_the_in_process_backend(models):
+    """lm-eval's `local-completions` against `cbjax.serve` (echo + logprobs for loglikelihood,
+    the server's own tokenizer through /tokenize, /detokenize and /tokenizer_info): the same
+    log-likelihoods, is-greedy and generations as the in-process backend."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from cbjax.serve import Server
+
+    ours, _ = models
+    pairs = [("The quick brown fox", " jumps over the lazy dog."), ("The quick brown fox", " sleeps."),
+             ("Paged attention keeps", " the KV cache in pages.")]
+    generations = [(_CORPUS[0], {"until": ["."], "max_gen_toks": 16}), (_CORPUS[2], {"until": ["e"], "max_gen_toks": 8})]
+    want = ours.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
+    want_text = ours.generate_until(instances("generate_until", generations), disable_tqdm=True)
+    with Server(ours.llm, "tiny", port=0) as server:
+        api = LocalCompletionsAPI(model="tiny", base_url=server.url + "/v1/completions", tokenizer_backend="remote",
+                                  tokenized_requests=True, max_length=ours.max_length, num_concurrent=2, batch_size=2,
+                                  custom_prefix_token_id=ours.prefix_token_id)
+        got = api.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
+        got_text = api.generate_until(instances("generate_until", generations), disable_tqdm=True)
+    for (logprob, greedy), (mine, my_greedy) in zip(got, want, strict=True):
+        assert logprob == pytest.approx(mine, abs=1e-4) and greedy == my_greedy
+    assert got_text == want_text

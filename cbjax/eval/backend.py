@@ -162,7 +162,8 @@ class CbjaxLM(TemplateLM):
         for req in requests:
             context, gen_kwargs = req.args
             sampling, until = self.sampling(dict(gen_kwargs))
-            prompt = self.tok_encode(context)[-(self.llm.args.max_seq_len - sampling.max_tokens):]
+            # The hf model's cut: the context's last `max_length - max_gen_toks` tokens.
+            prompt = self.tok_encode(context)[-max(self.max_length - sampling.max_tokens, 1):]
             ids.append(self.llm.add_request(prompt, sampling))
             stops.append(until)
         texts = run_with_stops(self.llm, ids, stops, self.tok_decode, disable_tqdm)

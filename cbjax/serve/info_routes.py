@@ -1,6 +1,8 @@
 """The routes beside generation: `/health`, `/metrics` (Prometheus), the model card
-(`/v1/models`, `/v1/models/{id}`), `/version`, and vLLM's `/tokenize` and `/detokenize`. Parsing and tokenizing run on the server's
-parser threads, as the generation routes' do."""
+(`/v1/models`, `/v1/models/{id}`), `/version`, and vLLM's `/tokenize`, `/detokenize` and
+`/tokenizer_info` (what lm-eval's remote tokenizer reads: `local-completions` with
+`tokenizer_backend=remote` then needs no tokenizer files of its own). Parsing and tokenizing run
+on the server's parser threads, as the generation routes' do."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class InfoRoutes:
         app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
@@ -59,6 +62,17 @@ class InfoRoutes:
 
         return json_response(await self.server.off_loop(request, job))
 
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """The tokenizer's special tokens and chat template (vLLM's route)."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise APIError(404, "this model has no tokenizer")
+        template = getattr(tokenizer, "chat_template", None)
+        return json_response({"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                              "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                              "chat_template": None if template is None else str(template),
+                              "model_max_length": self.llm.max_model_len})
+
     async def detokenize(self, request: web.Request) -> web.Response:
         def job(body):
             return {"prompt": parse_detokenize(body, self.model_name, self.llm.tokenizer,
@@ -72,14 +86,21 @@ def json_response(body: dict, status: int = 200) -> web.Response:
 
 
 def parse_tokenize(body: dict, served: str, tokenizer, max_len: int) -> list[int]:
-    """`/tokenize` (vLLM's): a text or token-id `prompt`, or chat `messages` with their template."""
+    """`/tokenize` (vLLM's): a text or token-id `prompt`, or chat `messages` with their template;
+    `add_special_tokens` (default true) as the tokenizer takes it. An empty text is no tokens."""
     if protocol.require_object(body).get("model") is not None:
         protocol.check_model(body, served)
     if "messages" in body:
         return protocol.parse_chat({**body, "model": served}, served, tokenizer, max_len).prompts[0]
+    special = protocol.get_field(body, "add_special_tokens", (bool,))
+    if body.get("prompt") == "":
+        return []
     prompts = protocol.prompt_list(body.get("prompt"))
     if len(prompts) != 1:
         raise protocol.bad("'prompt' must be one prompt", "prompt")
+    if special is False and isinstance(prompts[0], str) and tokenizer is not None:
+        protocol.check_text_length(len(prompts[0].encode("utf-8", "replace")), tokenizer, max_len, "prompt")
+        return [int(t) for t in tokenizer(prompts[0], add_special_tokens=False)["input_ids"]]
     return protocol.prompt_ids(prompts[0], tokenizer, max_len)
 
 
