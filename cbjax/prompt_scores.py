@@ -1,8 +1,8 @@
 """A request's prompt logprobs as the batched step computes them (`SamplingParams.prompt_logprobs`).
 
-A prompt row of a request that asks for them carries, for each of its tokens, the next prompt
-token as a target (`targets`); the step's program for such calls returns each token's columns
-(the target's log-probability, its rank, the top k), which fill this record (`fill`) until
+A prompt row of a request that asks for them names the tokens whose next prompt token is still
+to be scored (`targets`); the step's program for such calls returns their columns (the
+target's log-probability, its rank, the top k), which fill this record (`fill`) until
 every position from `first` on is scored. The prompt's earlier tokens, which nothing asks a
 score for, are free for the prefix cache to serve (`reusable`): that is how a task's shared
 context is computed once. A position scored twice (a preempted request prefilled again, a
@@ -50,11 +50,11 @@ class PromptScores:
         wanted[inside] = ~self.scored[nexts[inside]]
         return np.where(wanted, self.prompt[np.minimum(nexts, len(self.prompt) - 1)], -1).astype(np.int32)
 
-    def fill(self, start: int, columns: np.ndarray) -> None:
-        """The step's columns (`[count, 2 + 2K]`: log-probability, rank, K top values, K top ids,
-        K >= k) for the tokens at positions start..: each scores the next position."""
+    def fill(self, positions: np.ndarray, columns: np.ndarray) -> None:
+        """The step's columns (`[n, 2 + 2K]`: log-probability, rank, K top values, K top ids,
+        K >= k) for the tokens at `positions` (`[n]`): each scores the position after it."""
         width = (columns.shape[1] - 2) // 2
-        positions = np.arange(start + 1, start + 1 + len(columns))
+        positions = np.asarray(positions) + 1
         keep = positions < len(self.prompt)
         positions, columns = positions[keep], columns[keep]
         keep = ~self.scored[positions]

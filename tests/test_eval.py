@@ -12,7 +12,7 @@ from lm_eval.models.huggingface import HFLM
 from cbjax import SamplingParams
 from cbjax.eval import CbjaxLM
 from tests.hf_models import _CORPUS, save_chat_model
-from tests.tiers import slow
+from tests.tiers import slow, sweep
 
 MAX_SEQ_LEN = 64
 
@@ -126,3 +126,21 @@ def test_the_server_path_agrees_with_the_in_process_backend(models):
     for (logprob, greedy), (mine, my_greedy) in zip(got, want, strict=True):
         assert logprob == pytest.approx(mine, abs=1e-4) and greedy == my_greedy
     assert got_text == want_text
+
+
+@pytest.mark.parametrize("family", sweep(["mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
+                                          "olmoe"], quick={"qwen3"}))
+def test_each_family_agrees_with_the_hf_model(family, tmp_path):
+    """One tiny random-init checkpoint per family (llama: the module's): log-likelihoods within
+    1e-3 with the same is-greedy, and the same greedy generation."""
+    path = save_chat_model(str(tmp_path / family), family=family)
+    ours = CbjaxLM(pretrained=path, num_slots=4, max_seq_len=MAX_SEQ_LEN)
+    theirs = HFLM(pretrained=path, device="cpu", dtype="float32", max_length=ours.max_length, batch_size=4)
+    pairs = [("The quick brown fox", " jumps over the lazy dog."), ("The quick brown fox", " sleeps."),
+             (" ".join(_CORPUS) * 2, " How are you today?")]
+    got = ours.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
+    want = theirs.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
+    for (logprob, greedy), (hf_logprob, hf_greedy) in zip(got, want, strict=True):
+        assert logprob == pytest.approx(hf_logprob, abs=1e-3) and greedy == hf_greedy
+    request = instances("generate_until", [(_CORPUS[1], {"until": ["\n\n"], "max_gen_toks": 10})])
+    assert ours.generate_until(request, disable_tqdm=True) == theirs.generate_until(request, disable_tqdm=True)

@@ -90,7 +90,7 @@ def test_prompt_scores_record():
     scores = PromptScores([5, 6, 7, 8], k=1, first=2)
     assert scores.reusable == 1 and list(scores.targets(0, 4)) == [-1, 7, 8, -1]
     columns = np.array([[-1.0, 2, -0.5, 9, 0], [-2.0, 1, -2.0, 8, 0]], np.float32)  # k = 1 of a 2-wide step
-    scores.fill(1, columns)
+    scores.fill(np.array([1, 2]), columns)
     assert scores.done and scores.reusable == 4 and list(scores.targets(0, 4)) == [-1] * 4
     entries = scores.entries()
     assert entries[:2] == [None, None] and entries[2].logprob == -1.0 and entries[2].rank == 2

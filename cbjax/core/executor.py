@@ -73,8 +73,8 @@ class Executor:
         if expert_tokens:  # a mixture of experts' routing, copied with the tokens
             stats.count_expert_tokens(expert_tokens)
         for columns, (_, scored) in zip(score_columns, prompt_scores):  # prompt logprobs, copied with them too
-            for scores, offset, start, count in scored:
-                scores.fill(start, columns[offset:offset + count])
+            for scores, first, positions in scored:
+                scores.fill(positions, columns[first:first + len(positions)])
         results = []
         for pieces, outs, call in zip(dispatched, host, calls):
             results.append(CallResult(call.rows, [(members, *split_logprobs(out))

@@ -225,18 +225,19 @@ class Engine(EngineBase):
             sampler = self.samplers.for_rows(call_rows)
             verify = self.verify_positions if any(r.verify for r in call_rows) else 0
             num_tokens = self.call_tokens(call_rows)
-            targets, scored, k = packing.score_targets(call_rows, num_tokens)
+            to_score, pieces, k = packing.score_targets(call_rows, num_tokens)
             prompt_k = self.max_logprobs if k else 0  # top entries computed: none, or as many as any request takes
-            result = self._dispatch(self._pack(call_rows, num_tokens, targets), steps, sampler, verify, prompt_k)
-            if scored:
+            result = self._dispatch(self._pack(call_rows, num_tokens, to_score), steps, sampler, verify, prompt_k)
+            if pieces:
                 result, columns = result
-                self._prompt_scores.append((columns, scored))
+                self._prompt_scores.append((columns, pieces))
             calls.append((result, [i for i, _ in members]))
         return calls
 
-    def _pack(self, rows: list[Row], num_tokens: int, targets: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    def _pack(self, rows: list[Row], num_tokens: int, to_score: np.ndarray | None = None) -> tuple:
         """The step's host arrays, and the structured-output masks if a sampling row has a
-        constraint. `targets`: the prompt tokens to score (`packing.score_targets`), a third row of `flat`."""
+        constraint (else None when `to_score`); `to_score`: the prompt tokens to score
+        (`packing.score_targets`), last."""
         key, num_rows = packing.slot_decodes_key(rows, num_tokens), row_bucket(num_tokens, self.num_slots)
         if key is not None:  # the overlap's decode calls, the same step after step: packed once, and
             # kept on the device (one engine device), so such a call copies nothing to it
@@ -244,9 +245,9 @@ class Engine(EngineBase):
                 a if self.mesh is not None else jax.device_put(a)
                 for a in pack(rows, num_tokens, num_rows, self.sampling_row)))
         packed = pack(rows, num_tokens, num_rows, self.sampling_row)
-        if targets is not None:
-            packed = (np.concatenate([packed[0], targets[None]]), *packed[1:])
         masks = packing.grammar_masks(rows, num_rows, self.model.config.vocab_size)
+        if to_score is not None:
+            return (*packed, masks, to_score)
         return packed if masks is None else (*packed, masks)
 
     def _dispatch(self, packed: tuple[np.ndarray, ...], steps: int, sampler: Sampler = ALL,
@@ -279,8 +280,8 @@ class Engine(EngineBase):
     def _program(self, args: tuple, static: dict, wait: bool = False):
         """The compiled step for these arguments (`StepPrograms.get`), by `warmup` for the programs it
         lists; a program already compiled is one dict lookup here (a step's host time)."""
-        key = (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static.get("prompt_k", 0),
-               static["sampler"])  # program_key
+        key = (tuple(getattr(a, "shape", None) for a in args[3:]), static["steps"], static["verify"],
+               static.get("prompt_k", 0), static["sampler"])  # program_key
         # Only a GPU's narrower variants compile in the background (step_programs.py).
         return self.compiled.ready.get(key) or self.compiled.get(args, static, wait or not self.samplers.specializes)
 

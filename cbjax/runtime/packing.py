@@ -87,23 +87,32 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
 
 
 def score_targets(rows: list[Row], num_tokens: int) -> tuple[np.ndarray | None, list[tuple], int]:
-    """A call's prompt scoring (cbjax/prompt_scores.py): `[N]` int32 targets, each token's next
-    prompt token where a score is missing (-1 elsewhere), as `flat`'s third row; the pieces
-    they score, (`PromptScores`, flat offset, start position, tokens); the largest top k asked.
-    `(None, [], 0)` when no row of the call scores anything (the step without scoring)."""
-    targets, pieces, k, t = None, [], 0, 0
+    """A call's prompt scoring (cbjax/prompt_scores.py): `scored [2, S]` int32, the flat index of
+    each token whose next prompt token's score is missing and that token (S a quarter of the
+    call's tokens, at least 8, or all of them; padding scores token 0 against -1), so the step
+    computes the LM head at those tokens alone; the pieces they score, (`PromptScores`, first
+    column, the tokens' positions); the largest top k asked. `(None, [], 0)` when no row scores anything
+    (the step without scoring)."""
+    index, targets, pieces, k, t = [], [], [], 0, 0
     for row in rows:
         scores = row.request.prompt_scores if row.request is not None and not row.decodes else None
         if scores is not None and not scores.done:
             wanted = scores.targets(row.start, row.num_tokens)
-            if (wanted >= 0).any():
-                if targets is None:
-                    targets = np.full(num_tokens, -1, np.int32)
-                targets[t:t + row.num_tokens] = wanted
-                pieces.append((scores, t, row.start, row.num_tokens))
+            at = np.flatnonzero(wanted >= 0)
+            if len(at):
+                pieces.append((scores, len(index), row.start + at))
+                index += (t + at).tolist()
+                targets += wanted[at].tolist()
                 k = max(k, scores.k)
         t += row.num_tokens
-    return targets, pieces, k
+    if not pieces:
+        return None, [], 0
+    quarter = max(num_tokens // 4, min(8, num_tokens))  # two programs a bucket: a quarter of its tokens, or all
+    size = quarter if len(index) <= quarter else num_tokens
+    scored = np.zeros((2, size), np.int32)
+    scored[1] = -1
+    scored[0, :len(index)], scored[1, :len(index)] = index, targets
+    return scored, pieces, k
 
 
 def split_rows(rows: list[Row], top: int) -> list[list[tuple[int, Row]]]:

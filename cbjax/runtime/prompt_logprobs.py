@@ -16,7 +16,6 @@ import functools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cbjax.models import forward

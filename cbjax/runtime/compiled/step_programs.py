@@ -95,8 +95,8 @@ class SamplerVariants:
 def program_key(args: tuple, static: dict) -> tuple:
     """(the packed arrays' shapes, steps, verify positions, prompt scores' top k, sampler): what
     tells one engine's step programs apart."""
-    return (tuple(a.shape for a in args[3:]), static["steps"], static["verify"], static.get("prompt_k", 0),
-            static["sampler"])
+    return (tuple(getattr(a, "shape", None) for a in args[3:]), static["steps"], static["verify"],
+            static.get("prompt_k", 0), static["sampler"])
 
 
 class StepPrograms:

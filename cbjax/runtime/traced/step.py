@@ -20,9 +20,9 @@ computes nothing. Rows that end a prompt or decode sample a token; the result is
 int32 array `[steps, R, 2]` = (token or -1, done), the one copy the host makes. A speculating
 request's row (a verify row: its last token and proposed ones) is sampled at every position
 by the program compiled with `verify`, whose result is `[1 + k, R, 2]` (speculative.py).
-A call whose prompt rows score their prompt (`SamplingParams.prompt_logprobs`) packs each
-token's next prompt token as a third row of `flat`; its program computes logits at every
-token and returns each one's `score_columns` beside the result (cbjax/prompt_scores.py).
+A call whose prompt rows score their prompt (`SamplingParams.prompt_logprobs`) names the
+tokens to score and their next prompt tokens (`scored`); its program computes the LM head at
+those tokens too and returns their `score_columns` beside the result (cbjax/prompt_scores.py).
 """
 
 from __future__ import annotations
@@ -53,17 +53,17 @@ def score_columns(logits, targets, k: int):
 
 
 def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention_kernel=False, history_block=None,
-               first_layer=0, embed=True, head=True, ops=XLA, verify=0, routing=False, every_token=False):
+               first_layer=0, embed=True, head=True, ops=XLA, verify=0, routing=False, score_at=None):
     """The model over a resolved batch: logits `[R, vocab]` at each row's last token (or, with
     `head=False`, the hidden states of every token), and the cache with the keys written.
     `verify`: logits `[R * verify, vocab]` at each position of verify rows (speculative.py).
-    `every_token`: the logits of every flat token follow those, `[N, vocab]` more rows.
+    `score_at [S]`: flat token indices whose logits follow those, `[S, vocab]` more rows.
     `routing`: a third result, the tokens each MoE layer sent to each expert (`forward`)."""
     num_tokens, num_rows = batch.inputs.shape[0], batch.slot.shape[0]
     last_token = (speculative.logits_rows(batch, verify) if verify
                   else jnp.clip(batch.cu_q[1:] - 1, 0, num_tokens - 1))
-    if every_token:
-        last_token = jnp.concatenate([last_token, jnp.arange(num_tokens, dtype=jnp.int32)])
+    if score_at is not None:
+        last_token = jnp.concatenate([last_token, score_at])
     ragged = (batch.cu_q, batch.start + batch.q_len, jnp.minimum(batch.slot, cache.num_slots - 1)) \
         if attention_kernel else None
     x = batch.inputs[:, None] if hidden is None else hidden
@@ -97,7 +97,7 @@ JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state")) 
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
-def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, max_len, steps=1, max_logprobs=0,
+def ragged_step(params, cache, state, flat, ints, floats, mask=None, scored=None, *, config, max_len, steps=1, max_logprobs=0,
                 attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None, prompt_k=0):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
@@ -109,20 +109,21 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
     tokens, whose result is `[verify, R, 2]`, each row's accepted tokens in order (speculative.py).
     `platform`: the one the program is traced for, its branches alone (`Ops.platform`; what it
     saves: docs/experiments.md); None: every platform's, chosen at lowering.
-    A `flat` of three rows (steps 1): the third holds each token's scoring target (-1: none),
-    and the result is `(result, [N, 2 + 2 prompt_k] score_columns)`."""
+    `scored [2, S]` (steps 1): flat token indices and the prompt token each one's logits score
+    (-1: padding); the result is then `(result, [S, 2 + 2 prompt_k] score_columns)`."""
     ops = ops.on(platform)
-    scoring = flat.shape[0] > 2
+    scoring = scored is not None
+    score_at = scored[0] if scoring else None
     TRACE_COUNTS[("step", config, ops, flat.shape[1], steps, cache.num_slots, mask is not None, sampler, verify,
                   scoring, prompt_k)] += 1
     if scoring and steps != 1:
         raise ValueError("a call that scores its prompt rows runs one step")
 
-    def scored(logits):  # (the logits to sample from, the scoring targets' columns or None)
+    def split_scores(logits):  # (the logits to sample from, the scored tokens' columns or None)
         if not scoring:
             return logits, None
-        num_tokens = flat.shape[1]
-        return logits[:-num_tokens], score_columns(logits[-num_tokens:], flat[2], prompt_k)
+        size = scored.shape[1]
+        return logits[:-size], score_columns(logits[-size:], scored[1], prompt_k)
 
     def with_scores(result, scores):
         return result if scores is None else (result, scores)
@@ -131,8 +132,8 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
         batch = resolve(state, cache.lengths, flat, ints)
         logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                                    history_block=history_block, ops=ops, verify=verify,
-                                                   routing=config.is_moe, every_token=scoring)
-        logits, scores = scored(logits)
+                                                   routing=config.is_moe, score_at=score_at)
+        logits, scores = split_scores(logits)
         out, logprobs, state, held = speculative.sample_positions(
             state, logits, batch, flat, ints, floats, positions=verify, max_len=max_len, max_logprobs=max_logprobs,
             mask=mask, ops=ops, sampler=sampler)
@@ -144,8 +145,8 @@ def ragged_step(params, cache, state, flat, ints, floats, mask=None, *, config, 
         batch = resolve(state, cache.lengths, flat, ints)
         logits, cache, *expert_tokens = run_layers(params, config, cache, batch, attention_kernel=attention_kernel,
                                                    history_block=history_block, ops=ops, routing=config.is_moe,
-                                                   every_token=scoring)
-        logits, scores = scored(logits)
+                                                   score_at=score_at)
+        logits, scores = split_scores(logits)
         out, logprobs, state = sample_rows(state, logits, batch, flat, ints, floats, max_len=max_len,
                                            max_logprobs=max_logprobs, mask=mask, ops=ops, sampler=sampler)
         return (cache, state), (out, logprobs, expert_tokens, scores)
