@@ -64,8 +64,8 @@ class EngineBase:
         return taken
 
     def take_prompt_scores(self) -> list:
-        """(device `[N, 2 + 2k]` score columns, pieces (a `PromptScores`, flat offset, start
-        position, tokens)) of the calls run since the last take, for `PromptScores.fill`."""
+        """(device `[S, 2 + 2k]` score columns, pieces (a `PromptScores`, its first column, the
+        positions of the tokens scored)) of the calls run since the last take, for `PromptScores.fill`."""
         taken, self._prompt_scores = self._prompt_scores, []
         return taken
 
