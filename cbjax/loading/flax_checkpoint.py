@@ -26,7 +26,6 @@ from cbjax.config import ModelConfig
 from cbjax.loading.model import Model, as_dtype, convert_tensors
 
 PARAMS_DIR = "params"
-LAYOUTS = ("nnx", "linen", "stacked")
 
 
 def _in_out(w):  # a Dense kernel [in, out] (or [hidden, heads, head_dim]) as [out, in]

@@ -1,6 +1,7 @@
 """`load_model(spec)`: the one entry point over every format. `spec` is a preset name
 (presets.py), a Hugging Face directory, a `.gguf` file, a directory written by
-`save_orbax`, or a JAX training run's checkpoint (flax params by orbax, flax_checkpoint.py). Nothing in cbjax.loading imports this module."""
+`save_orbax`, or a JAX training run's checkpoint (flax params by orbax, flax_checkpoint.py).
+Nothing in cbjax.loading imports this module."""
 
 from __future__ import annotations
 

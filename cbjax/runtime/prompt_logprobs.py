@@ -22,6 +22,7 @@ from cbjax.models import forward
 from cbjax.models import quant
 from cbjax.models.kv_cache import SlotCache
 from cbjax.models.ops import XLA
+from cbjax.prompt_scores import PromptScores
 from cbjax.request import TokenLogprob
 from cbjax.runtime.traced.step import score_columns
 
@@ -107,11 +108,9 @@ class PromptScorer:
     def result(self) -> list[TokenLogprob | None]:
         """Each prompt token's `TokenLogprob` (with its rank and the k likeliest tokens at that
         position); None for the first, which nothing predicts."""
-        k, k_max = self.k, self.k_max
-        columns = np.concatenate(self.columns) if self.columns else np.zeros((0, 2 + 2 * k_max), np.float32)
-        out: list[TokenLogprob | None] = [None]
-        for token, row in zip(self.ids[1:], columns):
-            top = tuple((int(i), float(v)) for v, i in zip(row[2:2 + k], row[2 + k_max:2 + k_max + k]))
-            out.append(TokenLogprob(token, float(row[0]), top, rank=int(row[1])))
-        return out
+        scores = PromptScores(self.ids, self.k)
+        if self.columns:
+            columns = np.concatenate(self.columns)
+            scores.fill(np.arange(len(columns)), columns)
+        return scores.entries()
 

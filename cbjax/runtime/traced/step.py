@@ -97,8 +97,9 @@ JIT_OPTIONS = dict(static_argnames=_STATIC, donate_argnames=("cache", "state")) 
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
-def ragged_step(params, cache, state, flat, ints, floats, mask=None, scored=None, *, config, max_len, steps=1, max_logprobs=0,
-                attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0, platform=None, prompt_k=0):
+def ragged_step(params, cache, state, flat, ints, floats, mask=None, scored=None, *, config, max_len, steps=1,
+                max_logprobs=0, attention_kernel=False, history_block=None, ops=XLA, sampler=ALL, verify=0,
+                platform=None, prompt_k=0):
     """`steps` steps of the batch (more than one only for decode rows, which feed themselves):
     returns `[steps, R, 2]` int32 (token or -1, done), with `[steps, R, 1 + 2 max_logprobs]`
     logprob columns when `max_logprobs`, the cache and the state (and, for a mixture of experts,
