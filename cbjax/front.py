@@ -47,8 +47,9 @@ class Front(Protocol):
     # Requests in.
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None,
-                    scored_prompt: list | None = None) -> str:
-        """Queue a request; ValueError for a bad one (nothing else is touched)."""
+                    scored_prompt: list | None = None, lora: str | None = None) -> str:
+        """Queue a request (`lora`: a loaded LoRA adapter's name); ValueError for a bad one
+        (nothing else is touched)."""
 
     def prompt_scorer(self, prompt: Prompt, sampling: SamplingParams) -> Any:
         """For a request asking for prompt logprobs: a scorer that computes them a chunk at a
@@ -83,6 +84,13 @@ class Front(Protocol):
 
     def replay(self, workload: Sequence[tuple[float, Prompt, SamplingParams]], use_tqdm: bool = True,
                desc: str | None = None, concurrency: int | None = None) -> list[RequestOutput]: ...
+
+    # LoRA adapters (enable_lora).
+    def load_lora(self, name: str, path: str) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+    def lora_adapters(self) -> list[str]: ...
 
     # Compiling ahead.
     def warmup(self) -> int: ...

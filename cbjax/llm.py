@@ -63,15 +63,18 @@ and `error_output`)."""
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, desc: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, desc: str | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. A bad prompt gets an
-        `error` output with its message; the others run unharmed."""
+        `error` output with its message; the others run unharmed. `lora`: the LoRA adapter
+        (`load_lora`) of every prompt, or one per prompt; None: the base model."""
         workload = offline_workload(prompts, sampling_params)
+        loras = per_prompt_lora(lora, len(workload))
         bar = progress_bar(len(workload), use_tqdm, desc or self._desc())
         ids, errors = [], {}  # request ids in order (None: refused), refusals' messages by index
         for i, (_, prompt, sampling) in enumerate(workload):
             try:
-                ids.append(self.add_request(prompt, sampling))
+                ids.append(self.add_request(prompt, sampling, lora=loras[i]))
             except ValueError as e:
                 ids.append(None)
                 errors[i] = str(e)
@@ -137,6 +140,8 @@ class LLM(OfflineRuns):
         self.book = RequestBook(self.tokenizer, args.seed)  # the live requests
         # Structured output's compiler (llguidance over the tokenizer, read on first use).
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, tuple(self.model.config.eos_token_ids))
+        for name, path in args.lora_paths().items():
+            self.load_lora(name, path)
 
     def load(self):  # what the engine holds after its latest round (`cbjax.core.engine_core.Load`)
         return self.core.load()
@@ -160,9 +165,10 @@ class LLM(OfflineRuns):
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None,
-                    scored_prompt: list | None = None) -> str:
+                    scored_prompt: list | None = None, lora: str | None = None) -> str:
         """Queue a request; raises ValueError for a bad one (nothing else is touched).
-        `scored_prompt`: its prompt logprobs, when the caller computed them (`engine.prompt_scorer`)."""
+        `scored_prompt`: its prompt logprobs, when the caller computed them (`engine.prompt_scorer`);
+        `lora`: the name of a loaded LoRA adapter to run it with (None: the base model)."""
         sampling = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling).__name__}")
@@ -172,19 +178,20 @@ class LLM(OfflineRuns):
         arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
+        salt = self.core.lora_salt(lora)
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
         prompt_lp, scores = self._prompt_logprobs(ids, sampling, scored_prompt)  # the n samples share them
         request_id = self.book.new_id(request_id)
         if sampling.num_samples == 1:
             self._add(request_id, ids, sampling, arrival, priority, text, self.book.seed_of(request_id, sampling),
-                      grammar=grammar, prompt_lp=prompt_lp, scores=scores)
+                      grammar=grammar, prompt_lp=prompt_lp, scores=scores, lora=(lora, salt))
             return request_id
         samples = SampleGroups.sample_params(sampling, self.book.seed_of(request_id, sampling))
         children = self.book.sample_ids(request_id, len(samples))
         first = None
         for child, child_sampling in zip(children, samples):
             r = self._add(child, ids, child_sampling, arrival, priority, text, child_sampling.seed, fork_of=first,
-                          grammar=grammar, prompt_lp=prompt_lp, scores=scores)
+                          grammar=grammar, prompt_lp=prompt_lp, scores=scores, lora=(lora, salt))
             first = first or r
         self.book.groups.add(request_id, children, sampling)
         return request_id
@@ -202,13 +209,28 @@ class LLM(OfflineRuns):
         return [None if p < first else entry for p, entry in enumerate(scored)], None
 
     def _add(self, request_id, ids, sampling, arrival, priority, text, seed, fork_of=None, grammar=None,
-             prompt_lp=None, scores=None) -> Request:
+             prompt_lp=None, scores=None, lora=(None, 0)) -> Request:
         grammar = None if grammar is None else self.grammars.state(grammar)
         request = Request(request_id, ids, sampling, arrival, priority=priority, prompt=text, seed=seed,
-                          fork_of=fork_of, grammar=grammar, prompt_logprobs=prompt_lp, prompt_scores=scores)
+                          fork_of=fork_of, grammar=grammar, prompt_logprobs=prompt_lp, prompt_scores=scores,
+                          lora=lora[0], prefix_salt=lora[1])
         self.book.add(request)
         self.core.add(request)
         return request
+
+    # ------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter directory as `name` (enable_lora); refused, naming it, when the
+        engine cannot apply it. Requests name it by `lora=`."""
+        self.core.load_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; refused while a request waits for it or runs it."""
+        self.core.unload_lora(name)
+
+    def lora_adapters(self) -> list[str]:
+        """The loaded LoRA adapters' names."""
+        return self.core.lora_adapters()
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` (a request, or a group of samples) is still live."""
@@ -313,3 +335,14 @@ def offline_workload(prompts, sampling_params) -> list[tuple[float, Prompt, Samp
         if len(sampling_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_list)} sampling params")
     return [(0.0, p, s) for p, s in zip(prompts, sampling_list)]
+
+
+def per_prompt_lora(lora, num_prompts: int) -> list[str | None]:
+    """`generate`'s `lora=`: one adapter name (or None) for every prompt, or a list of one per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * num_prompts
+    loras = list(lora)
+    if len(loras) != num_prompts or not all(x is None or isinstance(x, str) for x in loras):
+        raise ValueError(f"lora must be an adapter name, None, or one of those per prompt ({num_prompts}), "
+                         f"got {lora!r}")
+    return loras

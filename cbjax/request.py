@@ -257,6 +257,13 @@ class Request:
     grammar: object | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when sampling.prompt_logprobs is set
     prompt_scores: object | None = None  # a `PromptScores` the step fills, while they are computed
+    # The LoRA adapter it runs (None: the base model), and the device pool slot the scheduler
+    # pinned for it from its first placement until it finishes (0: none yet).
+    lora: str | None = None
+    lora_slot: int = 0
+    # Where its prefix-cache keys start: 0 for the base model, its adapter's registration's own
+    # number otherwise (a name loaded again is another adapter), so no KV is shared across adapters.
+    prefix_salt: int = 0
 
     def __post_init__(self):
         if self.metrics is None:

@@ -22,6 +22,8 @@ from cbjax.runtime.engine import Engine
 from cbjax.runtime.engine_choices import wants_fusion
 from cbjax.runtime.engine_ops import start_cpu_kernel_build
 from cbjax.scheduling import BlockManager, Scheduler
+from cbjax.scheduling.adapter_slots import AdapterSlots
+from cbjax.scheduling.adapter_store import AdapterStore
 from cbjax.scheduling.host_tier import HostTier
 from cbjax.scheduling.roles import DecodeScheduler, PrefillScheduler
 from cbjax.scheduling.speculation import make_speculator
@@ -112,6 +114,11 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     scheduler_class = {"both": Scheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}[role]
     scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                                 pages=pages, host=host)
+    if args.enable_lora:
+        if simulate is not None:
+            raise ValueError("enable_lora: the simulator does not model LoRA adapters yet")
+        store = AdapterStore(model.config, args.max_lora_rank, engine_config.lora_modules(), args.max_cpu_loras)
+        scheduler.adapters = AdapterSlots(store, args.max_loras, args.lora_max_bypass)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
     draft = None
     if simulate is not None and args.speculation_tokens:

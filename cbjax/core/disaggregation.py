@@ -32,6 +32,7 @@ from cbjax.core.builder import build_core
 from cbjax.core.engine_args import EngineArgs
 from cbjax.core.engine_core import EngineCore
 from cbjax.core.engine_queries import EngineQueries
+from cbjax.core.lora_admin import LoraAdmin
 from cbjax.core.kv_hand_off import KVHandOff
 from cbjax.core.step_stats import Load
 from cbjax.core.step_stats import StepStats
@@ -40,7 +41,7 @@ from cbjax.request import Request, RequestState
 from cbjax.scheduling.roles import PrefillScheduler
 
 
-class DisaggregatedCore(EngineQueries):
+class DisaggregatedCore(EngineQueries, LoraAdmin):
     def __init__(self, prefill: list[EngineCore], decode: list[EngineCore], clock: Callable[[], float],
                  simulated: bool = False, transfer_seconds: Callable[[int], float] | None = None,
                  kv_bytes_per_token: int = 0, parallel_step: bool = True):

@@ -142,7 +142,23 @@ class SpeculationKnobs:
 
 
 @dataclasses.dataclass
-class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
+class LoraKnobs:
+    """Many LoRA adapters in one batch (cbjax/models/lora.py, cbjax/scheduling/adapter_slots.py)."""
+
+    enable_lora: bool = like(EngineConfig, "enable_lora")
+    max_loras: int = like(EngineConfig, "max_loras")
+    max_lora_rank: int = like(EngineConfig, "max_lora_rank")
+    lora_target_modules: str = like(EngineConfig, "lora_target_modules")
+    max_cpu_loras: int = knob(None, "LoRA: adapters kept in host memory behind the device's (read from disk again "
+                              "past them); default max_loras.", lower=1)
+    lora_max_bypass: int = knob(16, "LoRA admission: how many later requests may start past one whose adapter "
+                                "waits for a device slot, before admission waits for it.", lower=0)
+    lora_modules: str = knob(None, "LoRA adapters loaded at start, name=path,... (enable_lora); requests name one "
+                             "by lora= (the server: by model).")
+
+
+@dataclasses.dataclass
+class EngineArgs(LoraKnobs, SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
     """Every knob (the groups above, by job), checked once here; the scheduler's and the
     engine's own configs derived from them."""
 
@@ -168,6 +184,7 @@ class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
             raise ValueError("expert_parallel does not combine with pipeline stages or disaggregated instances yet")
         check_host_tier(self)
         check_speculation(self)
+        check_lora(self)
 
     def scheduler_config(self, num_slots: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(
@@ -191,7 +208,23 @@ class EngineArgs(SpeculationKnobs, ScaleKnobs, DeviceKnobs, SchedulingKnobs):
             quantized_matmul=self.quantized_matmul, kernel_tuning=self.kernel_tuning,
             kv_cache_dtype=self.kv_cache_dtype,
             max_logprobs=self.max_logprobs, max_step_tokens=self.max_step_tokens,
-            min_step_tokens=self.min_step_tokens, num_speculative_tokens=self.speculation_tokens)
+            min_step_tokens=self.min_step_tokens, num_speculative_tokens=self.speculation_tokens,
+            enable_lora=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+            lora_target_modules=self.lora_target_modules)
+
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as {name: path}."""
+        out = {}
+        for item in (self.lora_modules or "").split(","):
+            if not item.strip():
+                continue
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise checks.FieldError(f"lora_modules: {item!r} is not name=path", "lora_modules")
+            if name.strip() in out:
+                raise checks.FieldError(f"lora_modules: {name.strip()!r} named twice", "lora_modules")
+            out[name.strip()] = path.strip()
+        return out
 
     @property
     def speculation_tokens(self) -> int:
@@ -280,3 +313,20 @@ def check_speculation(args: EngineArgs) -> None:
     if args.speculative_method == "draft" and (args.tensor_parallel > 1 or args.expert_parallel > 1):
         raise ValueError("speculative_method='draft' runs its draft on one device: not with tensor_parallel or "
                          "expert_parallel yet")
+
+
+def check_lora(args: EngineArgs) -> None:
+    """Refuse (ValueError) LoRA knobs that do not combine."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise checks.FieldError("lora_modules needs enable_lora=True", "lora_modules")
+        return
+    args.lora_paths()
+    if args.max_cpu_loras is None:
+        args.max_cpu_loras = args.max_loras
+    if args.max_cpu_loras < args.max_loras:
+        raise checks.FieldError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras})",
+                                "max_cpu_loras")
+    if args.pipeline_stages > 1 or args.prefill_instances:
+        raise ValueError("enable_lora runs the adapters in one engine's step: not with pipeline stages nor "
+                         "disaggregated instances yet")

@@ -18,6 +18,7 @@ from typing import Callable
 
 from cbjax.core.engine_queries import EngineQueries
 from cbjax.core.executor import Executor
+from cbjax.core.lora_admin import LoraAdmin
 from cbjax.core.step_stats import Load, StepStats
 from cbjax.request import Request, SamplingParams
 from cbjax.scheduling import BlockManager, Plan, RoundResult, Scheduler
@@ -51,7 +52,7 @@ def check_request(engine, pages: BlockManager | None, ids: list[int], sampling: 
                              f"{pages.num_pages}: it could never fit")
 
 
-class EngineCore(EngineQueries):
+class EngineCore(EngineQueries, LoraAdmin):
     def __init__(self, engine, scheduler: Scheduler, pages: BlockManager | None, clock: Callable[[], float],
                  overlap: bool = False):
         self.scheduler = scheduler
@@ -156,9 +157,9 @@ class EngineCore(EngineQueries):
         self.idle, self.wake_time = plan.idle, plan.wake_time
         self.stats.schedule_s += time.perf_counter() - t0
         if plan.idle:
-            return []
+            return plan.failed
         result = self.executor.execute(plan, self.scheduler.slots)
-        return self._update(plan, result)
+        return plan.failed + self._update(plan, result)
 
     def step_ahead(self) -> list[Request]:
         """The overlap loop's step: record the decode call dispatched ahead of the last record,

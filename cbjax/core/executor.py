@@ -51,6 +51,8 @@ class Executor:
         engine = self.engine
         for slot in plan.preempted_slots:
             engine.deactivate(slot)
+        for slot, adapter in plan.lora_loads:  # LoRA adapters into the device pool, before a row reads them
+            engine.load_adapter(slot, adapter)
         if plan.kv_ops:  # swaps and prefix pages to and from host memory, before anything writes
             engine.move_kv(plan.kv_ops)
         if plan.copies:

@@ -74,6 +74,18 @@ class Core(Protocol):
     def prompt_scorer(self, ids: list[int], k: int | None) -> Any:
         """The scorer that computes a prompt's logprobs a chunk at a time (`PromptScorer`)."""
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT LoRA adapter directory as `name` (checked now)."""
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter no request uses."""
+
+    def lora_adapters(self) -> list[str]:
+        """The loaded adapters' names."""
+
+    def lora_salt(self, name: str | None) -> int:
+        """A request's prefix-cache salt for adapter `name` (ValueError when not loaded)."""
+
     def snapshot(self) -> Snapshot:
         """A read-only copy of what it holds: the page pool, the host tier, the call log,
         the compile counts, the speculation counters."""

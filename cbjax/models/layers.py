@@ -77,12 +77,17 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, ops: Ops = XLA
     return y if b is None else y + b
 
 
-def mlp(x: jax.Array, p: dict, config: ModelConfig, ops: Ops = XLA) -> jax.Array:
+def mlp(x: jax.Array, p: dict, config: ModelConfig, ops: Ops = XLA, lora=None, layer: int = 0) -> jax.Array:
+    """The dense MLP; `lora`: each token's adapter added to gate/up/down (cbjax/models/lora.py)."""
+    def adapted(y, inputs, module):
+        return y if lora is None else lora.add(y, inputs, module, layer)
+
     if "w_gate_up" in p:  # one product for the two (cbjax/models/fusion.py)
         gate, up = split_gate_up(dense(x, p["w_gate_up"], p.get("b_gate_up"), ops))
-        h = jax.nn.silu(gate) * up
+        h = jax.nn.silu(adapted(gate, x, "gate_proj")) * adapted(up, x, "up_proj")
     elif config.is_gpt2:
         h = jax.nn.gelu(dense(x, p["w_up"], p.get("b_up"), ops), approximate=True)
     else:
-        h = jax.nn.silu(dense(x, p["w_gate"], p.get("b_gate"), ops)) * dense(x, p["w_up"], p.get("b_up"), ops)
-    return dense(h, p["w_down"], p.get("b_down"), ops)
+        h = (jax.nn.silu(adapted(dense(x, p["w_gate"], p.get("b_gate"), ops), x, "gate_proj"))
+             * adapted(dense(x, p["w_up"], p.get("b_up"), ops), x, "up_proj"))
+    return adapted(dense(h, p["w_down"], p.get("b_down"), ops), h, "down_proj")

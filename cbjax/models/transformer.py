@@ -31,10 +31,11 @@ from cbjax.models.attention import attention_part, flat_self_part, merge_parts, 
 from cbjax.models.kv_cache import KVCache, QuantizedKV, as_stored, rotate
 from cbjax.models.quant import activation_dtype, embedding_rows
 from cbjax.models.moe import moe_mlp
+from cbjax.models.lora import TokenAdapters, layer_adapters
 from cbjax.models.layers import apply_rope, dense, mlp, norm, rms_norm, rope_inv_freq, rope_tables
 
 
-def qkv_projections(x, p, config, cos, sin, ops: Ops = XLA):
+def qkv_projections(x, p, config, cos, sin, ops: Ops = XLA, lora: TokenAdapters | None = None, layer: int = 0):
     b, t, _ = x.shape
     hd = config.head_dim
     h = norm(x, p["attn_norm"], config)
@@ -42,6 +43,8 @@ def qkv_projections(x, p, config, cos, sin, ops: Ops = XLA):
         q, k, v = split_qkv(dense(h, p["wqkv"], p.get("bqkv"), ops), config)
     else:
         q, k, v = (dense(h, p[w], p.get(bias), ops) for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    if lora is not None:  # each token's adapter, on the projections' outputs as PEFT adds it
+        q, k, v = (lora.add(y, h, module, layer) for y, module in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     if config.qk_norm_whole:  # OLMoE: over each token's whole projection, before the heads split
         q, k = rms_norm(q, p["q_norm"], config.norm_eps), rms_norm(k, p["k_norm"], config.norm_eps)
     if config.clip_qkv is not None:
@@ -160,6 +163,7 @@ def forward(
     ops: Ops = XLA,  # static: the backend's operations (cbjax/models/ops.py)
     history_block: int | None = None,  # static: read the history in blocks up to the longest (not kv_len)
     routing: bool = False,  # static: also return the tokens each MoE layer sent to each expert
+    adapters: jax.Array | None = None,  # [B]: each row's LoRA slot in params["lora"] (cbjax/models/lora.py)
 ) -> tuple[jax.Array, KVCache]:
     """Returns `(logits, cache)`: logits `[B, T, vocab]` (or `[B, vocab]` with
     `logits_index`) in float32, and the cache with the chunk written and
@@ -192,6 +196,7 @@ def forward(
     history_end = starts if history_end is None else history_end
     ks, vs = list(cache.k), list(cache.v)
     expert_tokens = []
+    lora = layer_adapters(params, adapters)
     # The layers are a Python loop over per-layer weight and cache arrays, not a lax.scan over
     # stacked ones: the scan compiles faster and runs about as fast on XLA:CPU with XLA's
     # matmuls (experiments/benchmarks/bench_layer_loop.py; docs/engine.md, "The step's figures").
@@ -201,12 +206,12 @@ def forward(
     # around its reads; on an accelerator the scan's compile time is the open question.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
-        whole = None if attention_kernel else ops.decoder_layer(x, p, config, cache, ks[layer], vs[layer], slot_ids,
-                                                             positions, num_valid, cos, sin, window)
+        whole = None if attention_kernel or lora is not None else ops.decoder_layer(
+            x, p, config, cache, ks[layer], vs[layer], slot_ids, positions, num_valid, cos, sin, window)
         if whole is not None:
             x, ks[layer], vs[layer] = whole
             continue
-        q, k, v = qkv_projections(x, p, config, cos, sin, ops)
+        q, k, v = qkv_projections(x, p, config, cos, sin, ops, lora, first_layer + layer)
         rotated = isinstance(ks[layer], QuantizedKV)  # an 8-bit cache holds rotated vectors (kv_rotation)
         if rotated:
             q, k, v = (rotate(a, config.head_dim) for a in (q, k, v))
@@ -224,14 +229,16 @@ def forward(
                                        history_block)
         if rotated:
             out = rotate(out, config.head_dim, back=True)
-        x = x + dense(out.reshape(b, t, -1), p["wo"], p.get("bo"), ops)
+        out = out.reshape(b, t, -1)
+        o = dense(out, p["wo"], p.get("bo"), ops)
+        x = x + (o if lora is None else lora.add(o, out, "o_proj", first_layer + layer))
         h = norm(x, p["mlp_norm"], config)
         if "router" in p:
             out, counts = moe_mlp(h, p, config, offsets < num_valid[:, None], ops)
             x = x + out
             expert_tokens.append(counts)
         else:
-            x = x + mlp(h, p, config, ops)
+            x = x + mlp(h, p, config, ops, lora, first_layer + layer)
     if cache.kv_sharding is not None:  # keep the donated cache's layout, so the next call neither
         # reshards it nor compiles again for a new input sharding
         ks, vs = ([jax.lax.with_sharding_constraint(a, cache.kv_sharding) for a in kv] for kv in (ks, vs))

@@ -75,9 +75,10 @@ class Replicas:
     # ----------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: float = 0, arrival_time: float | None = None,
-                    scored_prompt: list | None = None) -> str:
+                    scored_prompt: list | None = None, lora: str | None = None) -> str:
         """Route and queue a request; raises ValueError for a bad one (nothing else is touched).
-        `scored_prompt`: as `LLM.add_request` (the replicas' engines score alike)."""
+        `scored_prompt`, `lora`: as `LLM.add_request` (the replicas' engines score alike; every
+        replica loads every adapter)."""
         # Only prefix affinity needs the token ids before the replica tokenizes the prompt itself.
         ids = self.replicas[0].prompt_ids(prompt)[0] if self.router.reads_prompt else None
         if request_id is None:
@@ -89,10 +90,33 @@ class Replicas:
         if self.simulated and not self.replicas[i].has_unfinished_requests():  # an idle lane starts now
             self.replicas[i].clock.catch_up(self.clock() if arrival_time is None else arrival_time)
         rid = self.replicas[i].add_request(prompt, sampling_params, request_id=request_id, priority=priority,
-                                           arrival_time=arrival_time, scored_prompt=scored_prompt)
+                                           arrival_time=arrival_time, scored_prompt=scored_prompt, lora=lora)
         self._owner[rid] = i
         self.router.routed_to(i)
         return rid
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the adapter into every replica (none keeps it if one refuses it)."""
+        done = []
+        try:
+            for replica in self.replicas:
+                replica.load_lora(name, path)
+                done.append(replica)
+        except ValueError:
+            for replica in done:
+                replica.unload_lora(name)
+            raise
+
+    def unload_lora(self, name: str) -> None:
+        """Unload the adapter from every replica (refused while any replica's request uses it)."""
+        in_use = [r for r in self.replicas if any(q.lora == name for q in r.requests.values())]
+        if in_use:
+            in_use[0].unload_lora(name)  # raises, naming the requests
+        for replica in self.replicas:
+            replica.unload_lora(name)
+
+    def lora_adapters(self) -> list[str]:
+        return self.replicas[0].lora_adapters()
 
     def abort(self, request_id: str, index: int | None = None):
         """As `LLM.abort` (a request with n > 1 samples: sample `index`, else every live sample's output)."""

@@ -34,6 +34,8 @@ from cbjax.runtime.engine_choices import choose_attention, kv_dtype
 from cbjax.runtime.engine_ops import engine_ops
 from cbjax.runtime.engine_config import EngineConfig, prefill_buckets
 from cbjax.runtime.host_kv import HostKV
+from cbjax.runtime.lora_pool import DeviceAdapters
+from cbjax.models.quant import activation_dtype
 from cbjax.runtime.prompt_logprobs import PromptScorer
 from cbjax.runtime.packing import pack, row_bucket, token_buckets
 from cbjax.runtime.interface import EngineInfo
@@ -55,6 +57,7 @@ class EngineBase:
     kernel_launches: dict = {}  # (kernel, shape) -> the launch its warm-up tuned (Engine.warmup sets it)
     ops = None  # the operations its programs are traced with (`Ops`); None: it traces nothing
     mesh = None  # a tensor-parallel mesh, or None
+    lora = None  # its LoRA adapter pool (`DeviceAdapters`), or None: it serves the base model alone
     takes_sampler_variants = False
 
     def take_expert_tokens(self) -> list:
@@ -184,7 +187,9 @@ class Engine(EngineBase):
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
             kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
-        self._params_by_address = {**self.params, "layers": addresses} if addresses else None
+        self._params_by_address = {**self.params, "layers": addresses} if addresses and not config.enable_lora else None
+        self.lora = DeviceAdapters(mc, config.lora_modules(), config.max_loras, config.max_lora_rank,
+                                   activation_dtype(self.params), self.put) if config.enable_lora else None
         self.compiled = StepPrograms()
         self._slot_decodes = {}  # packed arrays of slot-only decode rows by (tokens, slots)
         self.host_kv = HostKV()
@@ -263,7 +268,10 @@ class Engine(EngineBase):
                         sampler: Sampler = ALL, verify: int = 0, prompt_k: int = 0) -> tuple[tuple, dict]:
         by_address = (self._params_by_address is not None
                       and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
-        return ((self._params_by_address if by_address else self.params, self.cache, self.state, *packed),
+        params = self._params_by_address if by_address else self.params
+        if self.lora is not None:  # the adapter pool rides in the params (cbjax/models/lora.py)
+            params = {**params, "lora": self.lora.pool}
+        return ((params, self.cache, self.state, *packed),
                 dict(config=self.model.config, max_len=self.max_len, steps=steps, max_logprobs=self.max_logprobs,
                      attention_kernel=self.attention == "pallas", history_block=self.history_block(),
                      ops=self.ops, sampler=sampler, verify=verify, platform=self.platform, prompt_k=prompt_k))
@@ -348,6 +356,10 @@ class Engine(EngineBase):
     def move_kv(self, ops: list) -> None:
         """Run a round's moves between the cache and its host tier (`HostKV.apply`)."""
         self.host_kv.apply(self, ops)
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Write a LoRA adapter (a host `peft.Adapter`) into the pool's `slot` (`DeviceAdapters.load`)."""
+        self.lora.load(slot, adapter)
 
     def deactivate(self, slot: int) -> None:
         self.state = programs.deactivate(self.state, np.int32(slot))

@@ -8,6 +8,7 @@ import dataclasses
 from cbjax import checks, knobs
 from cbjax.knobs import knob, like
 from cbjax.models.kv_cache import KV_DTYPES
+from cbjax.models.lora import MODULES
 from cbjax.scheduling.config import SchedulerConfig
 
 
@@ -102,9 +103,20 @@ class EngineConfig:
     # A verify row is its last token and these: the programs of calls with such rows sample
     # 1 + this many positions per row (runtime/traced/speculative.py).
     num_speculative_tokens: int = like(SchedulerConfig, "num_speculative_tokens")
+    # The LoRA adapter pool (cbjax/models/lora.py): slots padded to one rank, on these projections.
+    enable_lora: bool = knob(False, "Serve LoRA adapters beside the base model (PEFT directories: LLM.load_lora, "
+                             "--lora_modules), many in one batch.")
+    max_loras: int = knob(4, "LoRA: adapters held on the device at once (the pool's slots), so at most this many "
+                          "distinct adapters run in one round.", lower=1, upper=4096)
+    max_lora_rank: int = knob(16, "LoRA: the largest adapter rank the pool holds (smaller ranks are zero-padded).",
+                              lower=1, upper=1024)
+    lora_target_modules: str = knob("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                    "LoRA: the projections the pool holds, comma-separated PEFT module names (each "
+                                    "costs every step its adapters' reads; an adapter on another is refused).")
 
     def __post_init__(self):
         knobs.check(self)
+        self.lora_modules()
         if self.token_bucket_steps & (self.token_bucket_steps - 1):
             raise ValueError(f"token_bucket_steps must be a power of two, got {self.token_bucket_steps}")
         if self.kv_cache == "paged":
@@ -114,6 +126,15 @@ class EngineConfig:
             if self.num_pages is None:
                 self.num_pages = self.num_slots * self.max_seq_len // self.page_size
             self.num_pages = checks.integer("num_pages", self.num_pages, 1)
+
+    def lora_modules(self) -> tuple[str, ...]:
+        """`lora_target_modules` as PEFT module names, checked."""
+        names = tuple(m.strip() for m in str(self.lora_target_modules).split(",") if m.strip())
+        bad = [m for m in names if m not in MODULES]
+        if bad or not names:
+            raise checks.FieldError(f"lora_target_modules: {bad or 'none'} not among {list(MODULES)}",
+                                    "lora_target_modules")
+        return names
 
     def step_tokens(self, platform: str) -> int:
         """The step's token budget on `platform` ("cpu" or anything else; see `max_step_tokens`),

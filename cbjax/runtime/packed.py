@@ -9,11 +9,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from cbjax.runtime.traced.device_state import LORA
+
 # Packed int32 columns of one row, then the sampling parameters of a row that ends its prompt,
 # packed as `SlotState.ints` and `.floats` are. VERIFY: the row is a running sequence's last
 # token followed by proposed tokens, each of whose positions the step samples (speculative.py).
-SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN, VERIFY = range(8)
-HEADER = 8
+# ADAPTER: a prompt or verify row's LoRA slot (a decode row's is its slot's, on the device).
+SLOT, START, QLEN, IS_DECODE, IS_LAST, GENERATED, PROMPT_LEN, VERIFY, ADAPTER = range(9)
+HEADER = 9
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +37,7 @@ class Resolved:
     decode: jax.Array  # [R] bool
     is_last: jax.Array  # [R] bool: ends its prompt
     verify: jax.Array  # [R] bool: a running sequence's last token and proposed tokens (speculative.py)
+    token_adapter: jax.Array  # [N] each token's LoRA slot (0: none; cbjax/models/lora.py)
 
 
 def resolve(state, lengths, flat, ints) -> Resolved:
@@ -52,5 +56,6 @@ def resolve(state, lengths, flat, ints) -> Resolved:
     valid = (token_row < num_rows) & (offset < q_len[row])
     inputs = jnp.where(decode[row], state.tokens[live[row]], tokens)
     verify = (ints[:, VERIFY] > 0) & (host_len > 0) & (slot < num_slots) & ~decode
+    adapter = jnp.where(decode, state.ints[live, LORA], ints[:, ADAPTER])
     return Resolved(inputs, token_row, live[row], start[row] + offset, valid, slot, start, q_len, cu_q, decode,
-                    (ints[:, IS_LAST] > 0) & (q_len > 0) & ~decode & ~verify, verify)
+                    (ints[:, IS_LAST] > 0) & (q_len > 0) & ~decode & ~verify, verify, adapter[row])

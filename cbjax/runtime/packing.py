@@ -14,8 +14,8 @@ import numpy as np
 from cbjax import grammar
 from cbjax.checks import FieldError
 from cbjax.request import SamplingParams
-from cbjax.runtime.traced.device_state import (FREQUENCY, LOGPROBS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS, NUM_INTS,
-                                        PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P)
+from cbjax.runtime.traced.device_state import (FREQUENCY, LOGPROBS, LORA, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_FLOATS,
+                                               NUM_INTS, PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P)
 from cbjax.runtime.packed import HEADER
 from cbjax.scheduling.plan import Row
 
@@ -79,7 +79,7 @@ def pack(rows: list[Row], num_tokens: int, num_rows: int, sampling_row) -> tuple
             flat[0, t:t + n] = row.tokens
         flat[1, t:t + n] = i
         ints[i, :HEADER] = (row.slot, row.start, n, row.is_decode, row.is_last, row.generated, row.prompt_len,
-                            row.verify)
+                            row.verify, row.adapter)
         if row.is_last:
             ints[i, HEADER:], floats[i] = sampling_row(row)
         t += n
@@ -158,16 +158,17 @@ def grammar_masks(rows: list[Row], num_rows: int, vocab_size: int) -> np.ndarray
 
 
 # ---------------------------------------------------------------- host side: the packed rows
-def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's `(ints, floats)`, in `SlotState.ints` and `.floats` columns."""
+def pack_sampling(sampling, seed: int, stop_ids: np.ndarray, max_logit_bias: int,
+                  adapter: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One row's `(ints, floats)`, in `SlotState.ints` and `.floats` columns (`adapter`: its LoRA slot)."""
     bias_ids = np.full(max_logit_bias, -1, np.int32)
     bias_values = np.zeros(max_logit_bias, np.float32)
     for i, (token, bias) in enumerate(sampling.logit_bias):
         bias_ids[i], bias_values[i] = token, bias
     logprobs = -1 if sampling.logprobs is None else sampling.logprobs
     head_ints, head_floats = np.zeros(NUM_INTS, np.int32), np.zeros(NUM_FLOATS, np.float32)
-    head_ints[[MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS]] = (sampling.max_tokens, sampling.top_k, seed,
-                                                                   sampling.min_tokens, logprobs)
+    head_ints[[MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS, LORA]] = (sampling.max_tokens, sampling.top_k, seed,
+                                                                         sampling.min_tokens, logprobs, adapter)
     head_floats[[TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P]] = (
         sampling.temperature, sampling.top_p, sampling.presence_penalty, sampling.frequency_penalty,
         sampling.repetition_penalty, sampling.min_p)
@@ -210,7 +211,7 @@ def sampling_row(row: Row | None, stops: np.ndarray | None, max_stop_tokens: int
     samples nothing."""
     if row is None:
         return pack_sampling(BLANK, 0, np.full(max_stop_tokens, -1, np.int32), max_logit_bias)
-    return pack_sampling(row.sampling, row.seed, stops, max_logit_bias)
+    return pack_sampling(row.sampling, row.seed, stops, max_logit_bias, row.adapter)
 
 
 def history_tokens(row: Row, buckets: list[int]) -> np.ndarray:

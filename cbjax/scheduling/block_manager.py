@@ -66,18 +66,20 @@ class BlockManager:
         """The free pages in the order they are handed out."""
         return list(self._free_plain) + list(self._free_cached)
 
-    def _cached_prefix(self, tokens: list[int], reusable: int | None = None) -> tuple[list[int], list[int]]:
-        """The cached pages `tokens` can reuse (`reusable`: within its first that many tokens)."""
+    def _cached_prefix(self, tokens: list[int], reusable: int | None = None,
+                       salt: int = 0) -> tuple[list[int], list[int]]:
+        """The cached pages `tokens` can reuse (`reusable`: within its first that many tokens;
+        `salt`: computed under that LoRA adapter, `Request.prefix_salt`)."""
         if self.prefix is None:
             return [], []
-        return self.prefix.lookup(tokens if reusable is None else tokens[:reusable + 1])
+        return self.prefix.lookup(tokens if reusable is None else tokens[:reusable + 1], salt)
 
     def can_allocate(self, tokens: list[int], num_tokens: int = 0, reserved: int = 0, lookup: bool = True,
-                     reusable: int | None = None) -> bool:
+                     reusable: int | None = None, salt: int = 0) -> bool:
         """Whether `tokens` (grown to `num_tokens` positions, if more) fit in the free pages
         while `reserved` of them stay free for others (`lookup`: reusing cached prefix pages,
-        within the first `reusable` tokens when given)."""
-        cached = self._cached_prefix(tokens, reusable)[0] if lookup else []
+        within the first `reusable` tokens when given, of the adapter `salt`)."""
+        cached = self._cached_prefix(tokens, reusable, salt)[0] if lookup else []
         fresh = self.pages_needed(max(len(tokens), num_tokens)) - len(cached)
         revived = sum(1 for p in cached if self.ref_counts[p] == 0)  # cached but free: leaves the free list
         return fresh + revived + reserved <= self.num_free
@@ -93,7 +95,8 @@ class BlockManager:
         self.ref_counts[page] = 1
         return page
 
-    def allocate(self, seq_id: str, tokens: list[int], lookup: bool = True, reusable: int | None = None) -> int:
+    def allocate(self, seq_id: str, tokens: list[int], lookup: bool = True, reusable: int | None = None,
+                 salt: int = 0) -> int:
         """Pages for a prompt; returns how many leading tokens are already in the cache
         (whole cached pages, and never the last prompt token, which must be computed to
         produce the first output token). Pages hit in the host tier are loaded back into
@@ -103,9 +106,9 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
         if not tokens:
             raise ValueError("cannot allocate pages for an empty sequence")
-        if not self.can_allocate(tokens, lookup=lookup, reusable=reusable):
+        if not self.can_allocate(tokens, lookup=lookup, reusable=reusable, salt=salt):
             raise MemoryError(f"not enough free pages for {len(tokens)} tokens")
-        cached, host_keys = self._cached_prefix(tokens, reusable) if lookup else ([], [])
+        cached, host_keys = self._cached_prefix(tokens, reusable, salt) if lookup else ([], [])
         if self.prefix is not None and lookup:
             self.prefix.count(len(tokens), len(cached), len(host_keys))
         table = []
@@ -117,6 +120,7 @@ class BlockManager:
         if self.prefix is not None:
             table += self.prefix.load_back(host_keys, self._take_free)
             self.prefix.seq_keys[seq_id] = [self.prefix.page_key[p] for p in table]
+            self.prefix.seq_salt[seq_id] = salt
         for _ in range(self.pages_needed(len(tokens)) - len(table)):
             table.append(self._take_free())
         self.tables[seq_id] = table
@@ -156,7 +160,8 @@ class BlockManager:
         self.tables[seq_id] = table
         self.lengths[seq_id] = len(tokens)
         if self.prefix is not None:
-            self.prefix.seq_keys[seq_id] = self.prefix.keys(tokens[:len(by_reference) * self.page_size])
+            salt = self.prefix.seq_salt[seq_id] = self.prefix.seq_salt.get(src_id, 0)
+            self.prefix.seq_keys[seq_id] = self.prefix.keys(tokens[:len(by_reference) * self.page_size], salt=salt)
         return copy
 
     def register(self, seq_id: str, tokens: list[int], num_computed: int) -> None:
@@ -200,6 +205,7 @@ class BlockManager:
         del self.lengths[seq_id]
         if self.prefix is not None:
             self.prefix.seq_keys.pop(seq_id, None)
+            self.prefix.seq_salt.pop(seq_id, None)
 
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id]

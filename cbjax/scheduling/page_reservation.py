@@ -71,9 +71,11 @@ class PageReservations:
         first_decode = self.decode_need(r, r.prefill_len + 1)
         # A prompt still to be scored computes the positions it scores (cbjax/prompt_scores.py).
         reusable = r.prompt_scores.reusable if r.prompt_scores is not None else None
-        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved, reusable=reusable):
+        if not self.pages.can_allocate(r.prefill_token_ids, first_decode, reserved, reusable=reusable,
+                                       salt=r.prefix_salt):
             return None
-        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids, reusable=reusable)
+        r.num_prefilled = self.pages.allocate(r.request_id, r.prefill_token_ids, reusable=reusable,
+                                              salt=r.prefix_salt)
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 
     def take_swapped(self, r: Request, reserved: int) -> int | None:
@@ -84,7 +86,7 @@ class PageReservations:
         first_decode = self.decode_need(r, r.num_tokens)
         if not self.pages.can_allocate(cached, first_decode, reserved, lookup=False):
             return None
-        self.pages.allocate(r.request_id, cached, lookup=False)
+        self.pages.allocate(r.request_id, cached, lookup=False, salt=r.prefix_salt)
         self.pages.register(r.request_id, cached, len(cached))
         return reserved + self.pages.pages_needed(first_decode) - len(self.pages.table(r.request_id))
 

@@ -61,6 +61,11 @@ class Row:
                    prompt_len=request.prompt_len, verify=True)
 
     @property
+    def adapter(self) -> int:
+        """The LoRA slot the row's tokens read (0: the base model; cbjax/models/lora.py)."""
+        return self.request.lora_slot if self.request is not None else 0
+
+    @property
     def decodes(self) -> bool:
         """A running request's row: a decode, or a speculating one's verification."""
         return not self.tokens or self.verify
@@ -124,6 +129,10 @@ class Plan:
     # Moves between the device cache and its host tier, in order (host_tier.KVOp), run after
     # the preempted slots are deactivated and before the copies and the steps.
     kv_ops: list = dataclasses.field(default_factory=list)
+    # LoRA adapters to write into the device pool before the calls: (slot, host adapter)
+    lora_loads: list = dataclasses.field(default_factory=list)
+    # Requests it finished with an error before running them (an adapter no longer readable)
+    failed: list = dataclasses.field(default_factory=list)
     draft_len: int = 0  # speculative decoding: the most tokens a decoding request proposes this round
     calls: list[Call] = dataclasses.field(default_factory=list)  # the device calls, in order
     # The slots a decode call may be dispatched for before this round's results are recorded

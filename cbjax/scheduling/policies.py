@@ -57,7 +57,8 @@ class SchedulerView:
     def startable(self) -> Sequence[Request]:
         """The waiting requests that may start now, in admission order (forks.py)."""
         sched = self._sched
-        return forks.startable(sched.waiting) if sched.forks_seen else sched.waiting
+        waiting = forks.startable(sched.waiting) if sched.forks_seen else sched.waiting
+        return waiting if sched.adapters is None else sched.adapters.startable(waiting)
 
     def holders(self) -> list[Request]:
         """The requests holding a slot, in slot order."""

@@ -36,23 +36,27 @@ class PrefixIndex:
         self.page_key: dict[int, int] = {}  # page -> prefix key (full, cached pages)
         self.cached: dict[int, int] = {}  # prefix key -> page
         self.seq_keys: dict[str, list[int]] = {}  # sequence id -> keys of its computed full pages
+        # sequence id -> the salt its chain starts from: its LoRA adapter's (`Request.prefix_salt`),
+        # so no KV computed under one adapter serves another
+        self.seq_salt: dict[str, int] = {}
         self.stats = PrefixStats()
 
-    def keys(self, tokens: list[int], known: tuple[int, ...] | list[int] = ()) -> list[int]:
-        """Hash-chain keys of the full pages of `tokens`, extending the `known` leading ones."""
+    def keys(self, tokens: list[int], known: tuple[int, ...] | list[int] = (), salt: int = 0) -> list[int]:
+        """Hash-chain keys of the full pages of `tokens`, extending the `known` leading ones (or
+        starting from `salt`)."""
         keys = list(known)
-        key = keys[-1] if keys else 0
+        key = keys[-1] if keys else salt
         for i in range(len(keys), len(tokens) // self.page_size):
             key = hash((key, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])))
             keys.append(key)
         return keys
 
-    def lookup(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def lookup(self, tokens: list[int], salt: int = 0) -> tuple[list[int], list[int]]:
         """The cached pages a prompt can reuse, on the device and then (their keys) in the host
         tier: whole pages, and never one holding its last token, which must be computed to
         produce the first output token."""
         pages, host_keys = [], []
-        for key in self.keys(tokens[:len(tokens) - 1]):
+        for key in self.keys(tokens[:len(tokens) - 1], salt=salt):
             page = self.cached.get(key)
             if page is not None and not host_keys:
                 pages.append(page)
@@ -101,7 +105,7 @@ class PrefixIndex:
         known = self.seq_keys[seq_id]
         if num_computed // self.page_size <= len(known):
             return
-        keys = self.keys(tokens[:num_computed], known)
+        keys = self.keys(tokens[:num_computed], known, self.seq_salt.get(seq_id, 0))
         for i in range(len(known), len(keys)):
             if keys[i] not in self.cached and table[i] not in self.page_key:
                 self.bind(keys[i], table[i])

@@ -17,6 +17,7 @@ import bisect
 
 from cbjax.request import FinishReason, Request, RequestState
 from cbjax.scheduling import forks, ordering
+from cbjax.scheduling.adapter_slots import AdapterSlots
 from cbjax.scheduling.block_manager import BlockManager
 from cbjax.scheduling.config import SchedulerConfig
 from cbjax.scheduling.host_tier import HostTier
@@ -52,6 +53,7 @@ class Scheduler:
         self.view = SchedulerView(self)  # what its policies read
         self.admission = admission_policy(config)
         self.speculator: Speculator | None = None  # speculative decoding's proposer and length policy
+        self.adapters: AdapterSlots | None = None  # the LoRA adapter pool's slots (enable_lora)
 
     # ------------------------------------------------------------- queue
     def add(self, request: Request, predicted_len: int | None = None) -> None:
@@ -110,6 +112,7 @@ class Scheduler:
         (speculative decoding; None: its speculator's length), counted against the mixed step's
         token budget. `run_ahead`: the executor may dispatch a decode call before it records."""
         speculator = self.speculator
+        failed = self._fail_unreadable_adapters(now) if self.adapters is not None else []
         if draft_len is None:
             draft_len = speculator.length(len(self.running)) if speculator is not None else 0
         mixed = self.config.merge_mode != "prefill_first"
@@ -128,7 +131,8 @@ class Scheduler:
         copies, self.copies = self.copies, []
         plan = Plan(prefills, decode, wake_time=admission.wake if not prefills and not decode else None, mixed=mixed,
                     preempted_slots=preempted, copies=copies, kv_ops=self.host.take_ops() if self.host is not None else [],
-                    draft_len=(step.draft_len if mixed else draft_len) if decode else 0, time=now)
+                    draft_len=(step.draft_len if mixed else draft_len) if decode else 0, time=now,
+                    lora_loads=self.adapters.take_loads() if self.adapters is not None else [], failed=failed)
         plan.calls, may_run_ahead = round_calls(self.slots, plan, speculator, self.config.decode_steps)
         if run_ahead and may_run_ahead:
             plan.ahead = slots_to_run_ahead(self, self.config.decode_steps, speculator)
@@ -139,6 +143,14 @@ class Scheduler:
         to record now; and whether a next one may be dispatched ahead of its record."""
         ahead = slots_to_run_ahead(self, self.config.decode_steps, self.speculator) if run_ahead else None
         return Plan([], True, calls=[call], ahead=ahead, in_flight=True, time=now)
+
+    def _fail_unreadable_adapters(self, now: float) -> list[Request]:
+        """Finish, with the error, the waiting requests whose LoRA adapter can no longer be read."""
+        failed = self.adapters.unreadable(self.waiting)
+        for r, message in failed:
+            self.waiting.remove(r)
+            self.finish(r, FinishReason.ERROR, now, error=message)
+        return [r for r, _ in failed]
 
     def _admit(self, now: float) -> Admission:
         admission = self.admission.admit(self.view, now)
@@ -178,6 +190,8 @@ class Scheduler:
         if self.pages is None and forked and (shared := forks.fork_point(r)) is not None:
             self.copies.append((r.fork_of.slot, slot))  # the slot cache copies the sibling's slot
             r.num_prefilled = shared
+        if self.adapters is not None:
+            self.adapters.pin(r, now)
         self.slots[slot] = r
         r.slot = slot
         r.state = RequestState.PREFILLING
@@ -232,6 +246,8 @@ class Scheduler:
             self.slots[r.slot] = None
         if self.speculator is not None:
             self.speculator.forget(r.request_id)
+        if self.adapters is not None:
+            self.adapters.release(r)
         self.admission.on_left(r)
 
 

@@ -35,6 +35,8 @@ def _warm_small_programs(engine, only: str | None) -> None:
     for size in (1 << i for i in range((engine.num_slots - 1).bit_length() + 1)) if only != "decode" else ():
         engine.copy_kv([(0, 0)] * size)
     engine.deactivate(0)  # abort and preemption
+    if engine.lora is not None:  # loading a LoRA adapter into the pool
+        engine.lora.warmup()
 
 
 def warm_structured_output(engine, background: bool = False) -> int:

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 
 # A request's sampling parameters, packed per slot in two arrays (and per row on the host, one
 # copy each): int columns, then its stop ids and logit-bias ids; float columns, then the bias values.
-MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS = range(5)
+# LORA: the request's LoRA adapter slot (0: the base model; cbjax/models/lora.py), which its
+# decode rows read here.
+MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LOGPROBS, LORA = range(6)
 TEMPERATURE, TOP_P, PRESENCE, FREQUENCY, REPETITION, MIN_P = range(6)
-NUM_INTS, NUM_FLOATS = 5, 6
+NUM_INTS, NUM_FLOATS = 6, 6
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +44,7 @@ class SlotState:
             return jnp.full((num_slots, *shape), value, dtype)
 
         ints = jnp.full((num_slots, NUM_INTS + max_stop_tokens + max_logit_bias), -1, jnp.int32)
-        ints = ints.at[:, [MAX_TOKENS, TOP_K, SEED, MIN_TOKENS]].set(0)
+        ints = ints.at[:, [MAX_TOKENS, TOP_K, SEED, MIN_TOKENS, LORA]].set(0)
         floats = jnp.zeros((num_slots, NUM_FLOATS + max_logit_bias), jnp.float32)
         floats = floats.at[:, [TOP_P, REPETITION]].set(1)
         return cls(tokens=full(0), active=full(False, bool), num_generated=full(0), ints=ints, floats=floats,

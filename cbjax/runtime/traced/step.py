@@ -71,7 +71,8 @@ def run_layers(params, config, cache, batch: Resolved, *, hidden=None, attention
         params, config, cache, x, batch.token_pos, num_valid=batch.valid.astype(jnp.int32), slot_ids=batch.token_slot,
         kv_len=cache.max_len, logits_rows=last_token, attention_kernel=attention_kernel, ragged=ragged,
         flat_rows=batch.token_row, history_end=batch.start[jnp.minimum(batch.token_row, num_rows - 1)],
-        history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops, routing=routing)
+        history_block=history_block, first_layer=first_layer, embed=embed, head=head, ops=ops, routing=routing,
+        adapters=batch.token_adapter)
     # Several tokens of one slot set its length in any order; one write per row settles it.
     lengths = cache.lengths.at[jnp.where(batch.q_len > 0, batch.slot, cache.num_slots)].set(
         batch.start + batch.q_len, mode="drop")
