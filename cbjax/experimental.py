@@ -40,6 +40,8 @@ _WHERE = {
     "is_orbax_dir": "cbjax.loading",
     "load_hf_dir": "cbjax.loading",
     "load_model": "cbjax.loading",
+    "write_random_adapter": "cbjax.loading.peft",
+    "module_shapes": "cbjax.models.lora",
     "load_preset": "cbjax.loading.presets",
     "smollm2_gguf_path": "cbjax.loading.presets",
     # config

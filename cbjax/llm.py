@@ -178,7 +178,7 @@ class LLM(OfflineRuns):
         arrival = self.clock() if arrival_time is None else checks.real("arrival_time", arrival_time)
         ids, text = self.prompt_ids(prompt)
         self.core.check_request(ids, sampling)
-        salt = self.core.lora_salt(lora)
+        salt = self.core.lora_salt(lora) if lora is not None else 0
         grammar = self.grammars.compile(sampling.structured) if sampling.structured is not None else None
         prompt_lp, scores = self._prompt_logprobs(ids, sampling, scored_prompt)  # the n samples share them
         request_id = self.book.new_id(request_id)

@@ -96,6 +96,11 @@ class Load:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # LoRA adapters since the start (scheduling/adapter_slots.py's counters).
+    lora_loads: int = 0
+    lora_hits: int = 0
+    lora_waits: int = 0
+    lora_wait_s: float = 0.0
     # A mixture of experts since the start: tokens each MoE layer sent to each expert (StepStats's).
     expert_tokens: Any = dataclasses.field(default=None, compare=False)
 
@@ -122,8 +127,11 @@ class Load:
         spec = {} if speculator is None else dict(spec_drafts=speculator.verify_rows,
                                                   spec_draft_tokens=speculator.proposed,
                                                   spec_accepted_tokens=speculator.accepted)
+        lora = {} if sched.adapters is None else dict(
+            lora_loads=sched.adapters.counters.loads, lora_hits=sched.adapters.counters.hits,
+            lora_waits=sched.adapters.counters.waits, lora_wait_s=sched.adapters.counters.wait_s)
         return Load(running, len(sched.waiting), usage, sched.num_preemptions, **cache_counters(pages, sched.host),
-                    **spec, expert_tokens=expert_tokens)
+                    **spec, **lora, expert_tokens=expert_tokens)
 
     @staticmethod
     def combine(loads: list["Load"]) -> "Load":

@@ -157,3 +157,28 @@ def _read_tensors(name: str, path: str) -> dict[str, np.ndarray]:
             return {key: np.asarray(f.get_tensor(key), np.float32) for key in f.keys()}
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise AdapterError(f"LoRA adapter {name!r}: {file} is not a readable safetensors file ({e})") from e
+
+
+def write_random_adapter(path: str, config: ModelConfig, rank: int, modules, seed: int = 0, alpha: float | None = None,
+                         std: float = 0.02) -> str:
+    """A random adapter for `config` in PEFT's format at `path` (studies and benchmarks: no
+    download, no torch): Gaussian A and B (B non-zero, so it changes the outputs) on `modules`."""
+    from safetensors.numpy import save_file
+
+    shapes = module_shapes(config)
+    check_targets(os.path.basename(path), modules, config, MODULES)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in modules:
+            fan_in, fan_out = shapes[module]
+            part = "mlp" if module in MLP_TARGETS else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, std, (rank, fan_in)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, std, (fan_out, rank)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha if alpha is not None else 2 * rank,
+                   "target_modules": list(modules), "bias": "none", "use_rslora": False}, f)
+    return path

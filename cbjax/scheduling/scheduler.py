@@ -112,7 +112,7 @@ class Scheduler:
         (speculative decoding; None: its speculator's length), counted against the mixed step's
         token budget. `run_ahead`: the executor may dispatch a decode call before it records."""
         speculator = self.speculator
-        failed = self._fail_unreadable_adapters(now) if self.adapters is not None else []
+        failed = fail_unreadable_adapters(self, now) if self.adapters is not None else []
         if draft_len is None:
             draft_len = speculator.length(len(self.running)) if speculator is not None else 0
         mixed = self.config.merge_mode != "prefill_first"
@@ -143,14 +143,6 @@ class Scheduler:
         to record now; and whether a next one may be dispatched ahead of its record."""
         ahead = slots_to_run_ahead(self, self.config.decode_steps, self.speculator) if run_ahead else None
         return Plan([], True, calls=[call], ahead=ahead, in_flight=True, time=now)
-
-    def _fail_unreadable_adapters(self, now: float) -> list[Request]:
-        """Finish, with the error, the waiting requests whose LoRA adapter can no longer be read."""
-        failed = self.adapters.unreadable(self.waiting)
-        for r, message in failed:
-            self.waiting.remove(r)
-            self.finish(r, FinishReason.ERROR, now, error=message)
-        return [r for r, _ in failed]
 
     def _admit(self, now: float) -> Admission:
         admission = self.admission.admit(self.view, now)
@@ -344,3 +336,12 @@ def slots_to_run_ahead(sched, steps: int, speculator: Speculator | None) -> list
     if sched.pages is not None and not all(map(sched.reservations.covers, holders, after)):
         return None
     return [r.slot for r in holders]
+
+
+def fail_unreadable_adapters(sched: Scheduler, now: float) -> list[Request]:
+    """Finish, with the error, the waiting requests whose LoRA adapter can no longer be read."""
+    failed = sched.adapters.unreadable(sched.waiting)
+    for r, message in failed:
+        sched.waiting.remove(r)
+        sched.finish(r, FinishReason.ERROR, now, error=message)
+    return [r for r, _ in failed]

@@ -28,6 +28,7 @@ from cbjax.serve.choices import Choices
 from cbjax.serve.connections import ConnectionGuard, GuardedSite, default_max_connections, quiet_accept_errors
 from cbjax.serve.engine_loop import EngineLoop
 from cbjax.serve.info_routes import InfoRoutes, json_response
+from cbjax.serve.lora_routes import LoraRoutes
 from cbjax.serve.prometheus import ServerMetrics
 from cbjax.serve.protocol import APIError
 
@@ -141,6 +142,7 @@ class Server:
         # does not hold up the next request's parse).
         self._parser = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cbjax-parse")
         self.model_name = model_name
+        self.adapters = list(llm.lora_adapters())  # the LoRA adapters `model` may name besides it
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
@@ -158,6 +160,7 @@ class Server:
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         GenerationRoutes(self).add_to(app)
         InfoRoutes(self).add_to(app)
+        LoraRoutes(self).add_to(app)
         return app
 
     async def _start_site(self) -> None:
@@ -231,6 +234,10 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def served_models(self) -> tuple[str, ...]:
+        """The names `model` may take: the base model's, then each loaded LoRA adapter's."""
+        return (self.model_name, *self.adapters)
+
     @property
     def pending(self) -> int:
         """Sequences accepted and not finished."""
@@ -275,7 +282,7 @@ class GenerationRoutes:
         """The body parsed and its prompts tokenized on the parser threads, never on the event
         loop: a megabyte prompt takes the tokenizer seconds, which would stall every stream."""
         return await self.server.off_loop(request, lambda body: _grammar_checked(
-            self.llm, parse(body, self.model_name, self.llm.tokenizer, self.llm.max_model_len)))
+            self.llm, parse(body, self.server.served_models(), self.llm.tokenizer, self.llm.max_model_len)))
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         received = self.llm.clock()
@@ -291,7 +298,7 @@ class GenerationRoutes:
         choices = Choices(job, self.llm.tokenizer, [f"{response_id}-{i}" for i in range(n)])
         try:
             futures = [self.engine.submit(prompt, job.sampling, _sink(loop, outputs, i), arrival_time=received,
-                                          request_id=rid, priority=job.priority)
+                                          request_id=rid, priority=job.priority, lora=job.lora)
                        for i, (prompt, rid) in enumerate(zip(job.prompts, choices.request_ids))]
             for future in futures:
                 try:

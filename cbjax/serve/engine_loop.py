@@ -36,6 +36,7 @@ class _Submit:
     future: concurrent.futures.Future
     priority: float = 0
     scorer: object | None = None  # its prompt logprobs' `PromptScorer`, when it asks for them
+    lora: str | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 class EngineLoop:
@@ -75,7 +76,7 @@ class EngineLoop:
 
     def submit(self, prompt: Prompt, sampling: SamplingParams, sink: Sink,
                arrival_time: float | None = None, request_id: str | None = None,
-               priority: float = 0) -> concurrent.futures.Future:
+               priority: float = 0, lora: str | None = None) -> concurrent.futures.Future:
         """Queue a request; the future gives its id, or the ValueError that refused it.
         `sink(output)` is then called on the engine thread with each output of the request,
         the last one finished."""
@@ -84,7 +85,18 @@ class EngineLoop:
             future.set_exception(RuntimeError(self.error or "the engine loop is not running"))
             return future
         arrival = self.llm.clock() if arrival_time is None else arrival_time
-        self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future, priority)))
+        self._commands.put(("submit", _Submit(prompt, sampling, sink, arrival, request_id, future, priority,
+                                              lora=lora)))
+        return future
+
+    def call(self, fn: Callable[[Front], object]) -> concurrent.futures.Future:
+        """Run `fn(llm)` on the engine thread between rounds (loading a LoRA adapter); the future
+        gives its result or the ValueError it raised."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError(self.error or "the engine loop is not running"))
+            return future
+        self._commands.put(("call", fn, future))
         return future
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
@@ -131,6 +143,11 @@ class EngineLoop:
                 self._add(command[1])
             elif command[0] == "abort":
                 self._abort(*command[1:])
+            elif command[0] == "call" and command[2].set_running_or_notify_cancel():
+                try:
+                    command[2].set_result(command[1](self.llm))
+                except ValueError as e:
+                    command[2].set_exception(e)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -176,6 +193,7 @@ class EngineLoop:
         try:
             request_id = self.llm.add_request(submit.prompt, submit.sampling, arrival_time=submit.arrival_time,
                                               request_id=submit.request_id, priority=submit.priority,
+                                              lora=submit.lora,
                                               **({"scored_prompt": scored_prompt} if scored_prompt else {}))
         except ValueError as e:
             submit.future.set_exception(e)
@@ -233,6 +251,8 @@ class EngineLoop:
                 break
             if command[0] == "submit" and command[1].future.set_running_or_notify_cancel():
                 command[1].future.set_exception(RuntimeError(message))
+            elif command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(RuntimeError(message))
 
     def _note_load(self) -> None:
         self.load = self.llm.load()

@@ -40,16 +40,19 @@ class InfoRoutes:
         body = self.server.metrics.render(self.server.engine.load)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
-    def _card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.server.created, "owned_by": "cbjax",
+    def _card(self, name: str) -> dict:
+        """A model's card: the base model's, or a LoRA adapter's (`parent`: the base, as vLLM's)."""
+        card = {"id": name, "object": "model", "created": self.server.created, "owned_by": "cbjax",
+                "root": name, "parent": None if name == self.model_name else self.model_name,
                 "max_model_len": self.llm.max_model_len}
+        return card
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._card()]})
+        return json_response({"object": "list", "data": [self._card(n) for n in self.server.served_models()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        protocol.check_model({"model": request.match_info["model_id"]}, self.model_name)
-        return json_response(self._card())
+        name = protocol.check_model({"model": request.match_info["model_id"]}, self.server.served_models())
+        return json_response(self._card(name))
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": __version__})

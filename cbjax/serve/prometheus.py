@@ -53,6 +53,10 @@ class ServerMetrics:
                                    "each expert since the server started.", labels + ["layer", "expert"], registry=r)
         self.expert_imbalance = gauge("cbjax:moe_expert_imbalance", "Mixture of experts: the busiest expert's tokens "
                                       "over the mean expert's, averaged over the MoE layers (1: balanced).")
+        self.lora_loads = gauge("cbjax:lora_loads", "LoRA adapters written into a device slot since the start.")
+        self.lora_hits = gauge("cbjax:lora_hits", "Requests placed whose LoRA adapter was on the device already.")
+        self.lora_waits = gauge("cbjax:lora_waits", "Requests that waited for their LoRA adapter's device slot.")
+        self.lora_wait = gauge("cbjax:lora_wait_seconds", "Those requests' time from arrival to placement, summed.")
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests started.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
@@ -106,6 +110,10 @@ class ServerMetrics:
         self.swaps.set(load.swaps_out)
         self.swap_fallbacks.set(load.swap_fallbacks)
         self.host_kv_usage.set(load.host_kv_cache_usage)
+        self.lora_loads.set(load.lora_loads)
+        self.lora_hits.set(load.lora_hits)
+        self.lora_waits.set(load.lora_waits)
+        self.lora_wait.set(load.lora_wait_s)
         self.spec_drafts.set(load.spec_drafts)
         self.spec_draft_tokens.set(load.spec_draft_tokens)
         self.spec_accepted.set(load.spec_accepted_tokens)

@@ -42,6 +42,7 @@ class Job:
     structured_field: str | None = None  # the request field that constrains the output, for its errors
     prompt_logprobs: int | None = None  # vLLM's field: each choice carries its prompt's top-k per position
     logprobs_field: str = "logprobs"  # the field that asked for logprobs' k (chat's top_logprobs), for its errors
+    lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
     def field_name(self, field: str) -> str:
         """A sampling field as this request spelled it."""
@@ -281,12 +282,20 @@ def require_object(body) -> dict:
     return body
 
 
-def check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served) -> str:
+    """The body's `model`: one of `served` (a name, or the base model's name and then its LoRA
+    adapters'), else a 404 in OpenAI's shape."""
     model = get_field(body, "model", (str,), allow_none=False)
-    if model != served:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'", "model",
-                       code="model_not_found")
+    names = (served,) if isinstance(served, str) else tuple(served)
+    if model not in names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in names)}", "model", code="model_not_found")
     return model
+
+
+def lora_of(model: str, served) -> str | None:
+    """The LoRA adapter a checked `model` names (None: the base model, `served`'s first name)."""
+    return None if isinstance(served, str) or model == served[0] else model
 
 
 # ----------------------------------------------------------------- parsers
@@ -314,7 +323,7 @@ def parse_completion(body: dict, served: str, tokenizer, max_len: int) -> Job:
     structured, field = _structured(body)
     return Job("completion", model, prompts, _sampling(body, max_tokens, stop_ids, logprobs, structured, prompt_k),
                stream, _stream_options(body, stream), stop, echo, _priority(body), structured_field=field,
-               prompt_logprobs=asked)
+               prompt_logprobs=asked, lora=lora_of(model, served))
 
 
 def prompt_list(prompt) -> list:
@@ -370,4 +379,5 @@ def parse_chat(body: dict, served: str, tokenizer, max_len: int) -> Job:
     return Job("chat", model, [ids], _sampling(body, max_tokens, stop_ids, _chat_logprobs(body), structured, asked,
                                                logprobs_field),
                stream, _stream_options(body, stream), stop, priority=_priority(body), tools=tools,
-               structured_field=field, prompt_logprobs=asked, logprobs_field=logprobs_field)
+               structured_field=field, prompt_logprobs=asked, logprobs_field=logprobs_field,
+               lora=lora_of(model, served))
