@@ -49,9 +49,10 @@ def family_adapters(family: str, count: int = 2):
 
 
 def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers + PEFT's greedy tokens, up to EOS (as `SamplingParams` without ignore_eos)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False)
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

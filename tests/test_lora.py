@@ -9,9 +9,13 @@ import shutil
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from cbjax import LLM, SamplingParams
+from cbjax.loading import load_model
+from cbjax.loading.peft import read_adapter
 from cbjax.runtime.engine import Engine
+from tests.hf_models import make_hf_model, save_hf_model
 from tests.internals import pages_of, scheduler_of
 from tests.lora_adapters import edit_config, family_adapters, greedy, make_adapter
 from tests.tiers import slow, sweep
@@ -44,10 +48,11 @@ def test_greedy_tokens_equal_transformers_with_peft(family):
     llm = _llm(family, 2)
     prompts = _prompts(6, seed=1)
     names = [None, "a0", "a1", "a1", "a0", None]
-    outs = llm.generate(prompts, GREEDY, lora=names, use_tqdm=False)
+    sampling = SamplingParams(max_tokens=8, temperature=0)  # up to EOS, as transformers' generate
+    outs = llm.generate(prompts, sampling, lora=names, use_tqdm=False)
     for prompt, name, out in zip(prompts, names, outs):
         reference = base if name is None else adapters[int(name[1])][1]
-        assert out.token_ids == greedy(reference, prompt, GREEDY.max_tokens), (name, prompt)
+        assert out.token_ids == greedy(reference, prompt, sampling.max_tokens), (name, prompt)
 
 
 LAYOUTS = {
@@ -210,14 +215,19 @@ def test_target_modules_the_family_lacks_are_refused_by_name(tmp_path):
     path = str(tmp_path / "gpt2")
     make_adapter("gpt2", 0, path, ["c_attn"], rank=4)
     base_dir = str(tmp_path / "gpt2-base")
-    from tests.hf_models import make_hf_model, save_hf_model
     save_hf_model(make_hf_model("gpt2"), base_dir)
-    llm = LLM(base_dir, enable_lora=True, num_slots=2, max_seq_len=32, lora_target_modules="q_proj")
+    with pytest.raises(ValueError, match="GPT-2's fused Conv1D projections"):
+        LLM(base_dir, enable_lora=True, num_slots=2, max_seq_len=32)
     with pytest.raises(ValueError, match="LoRA adapter 'g'.*c_attn.*GPT-2"):
-        llm.load_lora("g", path)
+        read_adapter("g", path, load_model(base_dir, with_tokenizer=False).config, max_rank=8)
     moe_base, moe_adapter = str(tmp_path / "moe-base"), str(tmp_path / "moe-mlp")
     save_hf_model(make_hf_model("qwen3_moe"), moe_base)
-    make_adapter("qwen3_moe", 0, moe_adapter, ["q_proj", "gate_proj"], rank=4)
+    make_adapter("qwen3_moe", 0, moe_adapter, ["q_proj"], rank=4)
+    weights = os.path.join(moe_adapter, "adapter_model.safetensors")  # PEFT itself refuses fused experts:
+    tensors = load_file(weights)  # an adapter on a dense MLP projection, written by hand
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = np.zeros((4, 64), np.float32)
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = np.zeros((96, 4), np.float32)
+    save_file(tensors, weights)
     llm = LLM(moe_base, enable_lora=True, num_slots=2, max_seq_len=32, lora_target_modules="q_proj,v_proj")
     with pytest.raises(ValueError, match="LoRA adapter 'm'.*gate_proj"):
         llm.load_lora("m", moe_adapter)

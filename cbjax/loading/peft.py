@@ -61,6 +61,10 @@ def read_config(name: str, path: str) -> dict:
         raise AdapterError(f"LoRA adapter {name!r}: {file} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list) and any(t in _GPT2_MODULES for t in targets):
+        raise AdapterError(f"LoRA adapter {name!r}: target modules {targets}: adapters on GPT-2's fused Conv1D "
+                           "projections (c_attn, c_proj, c_fc) are not supported")
     refused = [("use_dora", cfg.get("use_dora")), ("modules_to_save", cfg.get("modules_to_save")),
                ("rank_pattern", cfg.get("rank_pattern")), ("alpha_pattern", cfg.get("alpha_pattern")),
                ("layers_to_transform", cfg.get("layers_to_transform")), ("lora_bias", cfg.get("lora_bias")),

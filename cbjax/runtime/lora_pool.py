@@ -26,6 +26,9 @@ class DeviceAdapters:
 
     def __init__(self, model_config, modules, max_loras: int, rank: int, dtype, put):
         family = module_shapes(model_config)
+        if model_config.is_gpt2:
+            raise ValueError("enable_lora: LoRA adapters on GPT-2's fused Conv1D projections (c_attn, c_proj, c_fc) "
+                             "are not supported")
         missing = [m for m in modules if m not in family]
         if missing:
             raise ValueError(f"lora_target_modules {missing}: not projections a LoRA adapter may target in "

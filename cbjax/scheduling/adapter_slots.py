@@ -44,6 +44,7 @@ class AdapterSlots:
         self._bypassed: dict[str, int] = {}  # waiting request id -> later requests placed before it
         self._blocked_ahead: dict[str, tuple[str, ...]] = {}  # request id -> blocked ids ahead of it
         self._waited: set[str] = set()
+        self._claimed: set[str] = set()  # adapters the latest `startable` let start: not evicted for another
 
     @property
     def max_loras(self) -> int:
@@ -70,23 +71,17 @@ class AdapterSlots:
 
     def startable(self, ordered) -> list[Request]:
         """The requests of `ordered` (in admission order) admission may start now (module doc)."""
-        room = self.holder[1:].count(None) + len(self.idle)
-        claimed: set[str] = set()  # adapters this list starts (each takes a slot out of `room` once)
+        # Resident adapters a waiting request wants keep their slots; new ones take what is left.
+        self._claimed = {r.lora for r in ordered if r.lora is not None and r.lora in self.slot_of}
+        room = self.holder[1:].count(None) + sum(self.holder[s] not in self._claimed for s in self.idle)
         out, blocked = [], []
         for r in ordered:
             name = r.lora
-            if name is None or r.lora_slot or name in claimed:
+            ok = name is None or r.lora_slot > 0 or name in self._claimed
+            if not ok and room > 0 and name in self.store.host:
                 ok = True
-            elif (slot := self.slot_of.get(name)) is not None:  # resident: pinned, or idle (its slot stays)
-                ok = True
-                if slot in self.idle:
-                    claimed.add(name)
-                    room -= 1
-            else:
-                ok = room > 0 and name in self.store.host
-                if ok:
-                    claimed.add(name)
-                    room -= 1
+                self._claimed.add(name)
+                room -= 1
             if ok:
                 if blocked:
                     self._blocked_ahead[r.request_id] = tuple(blocked)
@@ -128,9 +123,11 @@ class AdapterSlots:
     def _free_slot(self) -> int:
         if None in self.holder[1:]:
             return self.holder.index(None, 1)
-        if not self.idle:
+        # The least recently used resident adapter that no request admission let start leaves.
+        slot = next((s for s in self.idle if self.holder[s] not in self._claimed), None)
+        if slot is None:
             raise AssertionError("no LoRA slot free to load into")
-        slot, _ = self.idle.popitem(last=False)  # the least recently used resident adapter leaves
+        del self.idle[slot]
         del self.slot_of[self.holder[slot]]
         self.holder[slot] = None
         return slot
