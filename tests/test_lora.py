@@ -279,3 +279,28 @@ def test_lora_modules_load_at_start_and_generate_takes_one_name_per_prompt():
     outs = llm.generate([[1, 2, 3], [1, 2, 3]], GREEDY, lora=["x0", "x1"], use_tqdm=False)
     assert [o.token_ids for o in outs] == [llm.generate([[1, 2, 3]], GREEDY, lora=name, use_tqdm=False)[0].token_ids
                                            for name in ("x0", "x1")]
+
+
+def test_the_cpu_kernel_adds_each_rows_adapter_as_the_xla_gather_does():
+    """`cbjax_lora_delta` (lora.h) against XLA's gather (`Ops.lora_delta`, the reference): rows of
+    the base slot 0 get zeros, the others their own adapter, at any layer of the stacked pool."""
+    import jax
+    import jax.numpy as jnp
+
+    from cbjax.models.ops import XLA
+    from cbjax.runtime.cpu import kernels
+
+    if not kernels.available():
+        pytest.skip("no C++ compiler: the CPU kernels are not built")
+    rng = np.random.default_rng(0)
+    layers, slots, rank, fan_in, fan_out, rows = 3, 5, 8, 72, 40, 19
+    a = jnp.asarray(rng.normal(size=(layers, slots, rank, fan_in)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(layers, slots, fan_out, rank)), jnp.float32)
+    scale = jnp.asarray([0.0, 2.0, 0.5, 1.5, 3.0], jnp.float32)
+    x = jnp.asarray(rng.normal(size=(rows, fan_in)), jnp.float32)
+    which = jnp.asarray(rng.integers(0, slots, size=rows), jnp.int32)
+    for layer in range(layers):
+        got = jax.jit(lambda *args: kernels.CPU_KERNELS.lora_delta(*args, layer))(x, a, b, scale, which)
+        want = jax.jit(lambda *args: XLA.lora_delta(*args, layer))(x, a, b, scale, which)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4)
+        assert not np.asarray(got)[np.asarray(which) == 0].any()

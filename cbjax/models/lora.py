@@ -69,6 +69,7 @@ class TokenAdapters:
 
     pool: LoraPool
     slots: jax.Array
+    ops: object  # the backend's operations (`Ops.lora_delta`: XLA's gather, or the CPU kernel)
 
     def add(self, y: jax.Array, x: jax.Array, module: str, layer: int) -> jax.Array:
         """`y` (the base projection of `x`) plus each token's adapter on `module`, where the pool holds it."""
@@ -76,24 +77,20 @@ class TokenAdapters:
             return y
         slots = jnp.broadcast_to(self.slots.reshape(self.slots.shape + (1,) * (x.ndim - 1 - self.slots.ndim)),
                                  x.shape[:-1])
-        flat = slots.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        # The gather reads only the adapters the batch names, rank x (in + out) values a token:
-        # a decode token's share of the pool is its own adapter's bytes (BGMV).
-        a = self.pool.a[module][layer][flat]
-        b = self.pool.b[module][layer][flat]
-        low = jnp.einsum("nd,nrd->nr", xs.astype(a.dtype), a) * self.pool.scale[flat][:, None].astype(a.dtype)
-        delta = jnp.einsum("nr,nor->no", low, b)
+        # Each token reads only its own adapter, rank x (in + out) values: a decode token's share
+        # of the pool is its adapter's bytes (BGMV), whatever the pool holds.
+        delta = self.ops.lora_delta(x.reshape(-1, x.shape[-1]), self.pool.a[module], self.pool.b[module],
+                                    self.pool.scale, slots.reshape(-1), layer)
         return y + delta.reshape(y.shape).astype(y.dtype)
 
 
-def layer_adapters(params: dict, slots: jax.Array | None) -> TokenAdapters | None:
-    """The forward's adapters: `params["lora"]` (an engine's pool) read at `slots`, or None
-    when either is missing (the base model alone)."""
+def layer_adapters(params: dict, slots: jax.Array | None, ops) -> TokenAdapters | None:
+    """The forward's adapters: `params["lora"]` (an engine's pool) read at `slots` by `ops`, or
+    None when either is missing (the base model alone)."""
     pool = params.get("lora")
     if pool is None or slots is None:
         return None
-    return TokenAdapters(pool, slots)
+    return TokenAdapters(pool, slots, ops)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

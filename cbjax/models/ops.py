@@ -60,17 +60,28 @@ class Ops:
         del x, w, experts
         return None
 
+    def lora_delta(self, x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, slots: jax.Array,
+                   layer: int) -> jax.Array:
+        """Each row's LoRA adapter on one module: `scale[s] * (x[n] @ A[s].T) @ B[s].T` for rows
+        `x [N, in]` of slots `slots [N]`, the pool `a [layers, S, rank, in]`, `b [layers, S, out, rank]`
+        read at `layer` (cbjax/models/lora.py). XLA's way: each row gathers its adapter (BGMV)."""
+        a, b = a[layer][slots], b[layer][slots]
+        low = jnp.einsum("nd,nrd->nr", x.astype(a.dtype), a) * scale[slots][:, None].astype(a.dtype)
+        return jnp.einsum("nr,nor->no", low, b)
+
     def history_attention(self, q, cache, layer_k, layer_v, slot_ids, lo, hi):
         """`attention_part` of one query token per row over cached positions [lo, hi) of each
         row's slot, or None to leave it to the reference read (cbjax/models/transformer.py)."""
         del q, cache, layer_k, layer_v, slot_ids, lo, hi
         return None
 
-    def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
+    def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window,
+                      lora=None):
         """A whole decoder layer over rows of one token each (`x [B, 1, hidden]`, the chunk's
-        keys written into `layer_k`/`layer_v`): `(x, layer_k, layer_v)` after it, or None to
-        leave it to the layer's operations one by one (cbjax/models/transformer.py)."""
-        del x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window
+        keys written into `layer_k`/`layer_v`; `lora`: each row's LoRA adapters, a
+        `TokenAdapters` or None): `(x, layer_k, layer_v)` after it, or None to leave it to the
+        layer's operations one by one (cbjax/models/transformer.py)."""
+        del x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window, lora
         return None
 
     def argmax(self, x: jax.Array) -> jax.Array:

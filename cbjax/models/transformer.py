@@ -196,7 +196,7 @@ def forward(
     history_end = starts if history_end is None else history_end
     ks, vs = list(cache.k), list(cache.v)
     expert_tokens = []
-    lora = layer_adapters(params, adapters)
+    lora = layer_adapters(params, adapters, ops)
     # The layers are a Python loop over per-layer weight and cache arrays, not a lax.scan over
     # stacked ones: the scan compiles faster and runs about as fast on XLA:CPU with XLA's
     # matmuls (experiments/benchmarks/bench_layer_loop.py; docs/engine.md, "The step's figures").
@@ -206,8 +206,9 @@ def forward(
     # around its reads; on an accelerator the scan's compile time is the open question.
     for layer, p in enumerate(params["layers"]):
         window = config.windows[first_layer + layer]
-        whole = None if attention_kernel or lora is not None else ops.decoder_layer(
-            x, p, config, cache, ks[layer], vs[layer], slot_ids, positions, num_valid, cos, sin, window)
+        whole = None if attention_kernel else ops.decoder_layer(
+            x, p, config, cache, ks[layer], vs[layer], slot_ids, positions, num_valid, cos, sin, window,
+            **({} if lora is None else {"lora": lora}))
         if whole is not None:
             x, ks[layer], vs[layer] = whole
             continue

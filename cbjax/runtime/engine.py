@@ -187,7 +187,7 @@ class Engine(EngineBase):
         # Programs run by the CPU layer kernel alone take the weights by address (LayerAddresses).
         addresses = (self.ops is cpu_kernels.CPU_KERNELS and self.attention != "pallas" and cpu_kernels.reads_cache(
             kv_dtype(model, config)) and cpu_kernels.layer_addresses(self.params, mc))
-        self._params_by_address = {**self.params, "layers": addresses} if addresses and not config.enable_lora else None
+        self._params_by_address = {**self.params, "layers": addresses} if addresses else None
         self.lora = DeviceAdapters(mc, config.lora_modules(), config.max_loras, config.max_lora_rank,
                                    activation_dtype(self.params), self.put) if config.enable_lora else None
         self.compiled = StepPrograms()

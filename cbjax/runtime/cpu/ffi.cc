@@ -18,6 +18,7 @@
 #include "experts.h"
 #include "int8.h"
 #include "layer.h"
+#include "layer_lora.h"
 #include "matmul.h"
 #include "pool.h"
 #include "sampling.h"
@@ -114,6 +115,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at, Pooled<&DecoderLayerAt>::c
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("intermediate")
                                   .Attr<int64_t>("head_dim"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_decoder_layer_at_lora, Pooled<&DecoderLayerAtLora>::call,
+                              with_rows_and_cache(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                                      .Arg<ffi::Buffer<ffi::U32>>())  // addresses
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("head_dim")
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // each row's adapter slot
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the slots' scales
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // q: A, B
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // k
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // v
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // o
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // gate
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // up
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()   // down
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("modules"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_lora_delta, Pooled<&LoraDelta>::call,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // B pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cbjax_argmax, Pooled<&ArgmaxRows>::call,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

@@ -162,6 +162,13 @@ def history_attention(q: jax.Array, cache, layer_k: jax.Array, layer_v: jax.Arra
 _BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down")
 
 
+def lora_fits(lora) -> bool:
+    """Whether the layer kernel takes these adapters: an f32 pool of rank at most 256, a slot per row."""
+    pool = lora.pool
+    return (lora.slots.ndim == 1 and pool.rank <= 256
+            and all(a.dtype == jnp.float32 for a in jax.tree.leaves((pool.a, pool.b))))
+
+
 def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     """Whether `decoder_layer` runs this layer: rows of one token (at most MAX_ROWS), f32
     weights, an f32 or f16 cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
@@ -179,9 +186,10 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
 
 
 def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin,
-                window, **attributes):
+                window, tail=(), **attributes):
     """One `target` layer call: `x [B, 1, hidden]` -> `(x, layer_k, layer_v)`, the caches
-    (the arguments right after `weights`, cos and sin) updated in place."""
+    (the arguments right after `weights`, cos and sin) updated in place; `tail`: operands after
+    the rows' (a LoRA pool's)."""
     _require()
     b = x.shape[0]
     tables, num_pages, page_size, head_stride, page_stride = cache.kernel_layout(layer_k, slot_ids)
@@ -192,7 +200,7 @@ def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, p
     out, layer_k, layer_v = jax.ffi.ffi_call(target, shapes, vmap_method="sequential",
                                              input_output_aliases={first_cache: 1, first_cache + 1: 2})(
         x.reshape(b, -1), *weights, cos.reshape(b, -1), sin.reshape(b, -1), layer_k, layer_v,
-        tables.astype(jnp.int32), positions.reshape(b).astype(jnp.int32), (num_valid > 0).astype(jnp.int32),
+        tables.astype(jnp.int32), positions.reshape(b).astype(jnp.int32), (num_valid > 0).astype(jnp.int32), *tail,
         eps=np.float32(config.norm_eps), scale=np.float32(config.head_dim ** -0.5),
         num_heads=np.int64(config.num_heads), num_kv_heads=np.int64(config.num_kv_heads), window=np.int64(window),
         page_size=np.int64(page_size), head_stride=np.int64(head_stride), page_stride=np.int64(page_stride),
@@ -200,15 +208,28 @@ def _layer_call(target, x, weights, config, cache, layer_k, layer_v, slot_ids, p
     return out.reshape(x.shape), layer_k, layer_v
 
 
-def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
+def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window,
+                  lora=None):
     """One decoder layer by the kernel for `x [B, 1, hidden]`: `(x, layer_k, layer_v)`, the
     rows' keys and values written into the layer's cache in place. Equals the transformer's
     layer (its reference) on rows whose tokens are valid. `p`: the layer's weights, or its
-    row of a `LayerAddresses` table."""
+    row of a `LayerAddresses` table. `lora`: (`TokenAdapters`, model layer), each row's LoRA
+    adapter added inside the kernel (lora.h; `p` a `LayerAt` only)."""
     rest = (config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
     if isinstance(p, LayerAt):
-        return _layer_call("cbjax_decoder_layer_at", x, [p.table], *rest, layer=np.int64(p.index),
-                           intermediate=np.int64(config.intermediate_size), head_dim=np.int64(config.head_dim))
+        shape = dict(layer=np.int64(p.index), intermediate=np.int64(config.intermediate_size),
+                     head_dim=np.int64(config.head_dim))
+        if lora is None:
+            return _layer_call("cbjax_decoder_layer_at", x, [p.table], *rest, **shape)
+        # The pool's stacked arrays whole (a slice would be copied for the call), read at `layer`
+        # (the table's row: the model's layer, as no pipeline stage serves adapters).
+        pool, none = lora.pool, jnp.zeros((1,), jnp.float32)
+        tail = [lora.slots.reshape(-1).astype(jnp.int32), pool.scale]
+        for module in LORA_MODULES:
+            tail += [pool.a[module], pool.b[module]] if module in pool.a else [none, none]
+        return _layer_call("cbjax_decoder_layer_at_lora", x, [p.table], *rest, tail=tail, **shape,
+                           rank=np.int64(pool.rank),
+                           modules=np.int64(sum(1 << i for i, m in enumerate(LORA_MODULES) if m in pool.a)))
     one = jnp.ones((config.head_dim,), jnp.float32)
     weights = [p["attn_norm"]["scale"], p["wq"], p["wk"], p["wv"], p["wo"], p.get("q_norm", one),
                p.get("k_norm", one), p["mlp_norm"]["scale"], p["w_gate"], p["w_up"], p["w_down"]]
@@ -216,6 +237,8 @@ def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, nu
 
 
 # ---------------------------------------------------------------- weights by address
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # lora.h's order
 
 # A layer's weights in the order of the kernel's LayerWeights (layer.h).
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -325,6 +348,14 @@ class CpuKernelOps(Ops):
         return expert_matmul_nt(x, w, experts) if experts_fit(x, w) else super().expert_dense(x, w, experts)
 
     @override
+    def lora_delta(self, x, a, b, scale, slots, layer):
+        if not (available() and x.dtype == jnp.float32 and a.dtype == jnp.float32 and a.shape[2] <= 256):
+            return super().lora_delta(x, a, b, scale, slots, layer)
+        return jax.ffi.ffi_call("cbjax_lora_delta", jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), jnp.float32),
+                                vmap_method="sequential")(x, a, b, scale, slots.astype(jnp.int32),
+                                                          layer=np.int64(layer))
+
+    @override
     def argmax(self, x):
         if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 0 and available():
             return argmax(x)
@@ -337,12 +368,18 @@ class CpuKernelOps(Ops):
         return history_attention(q, cache, layer_k, layer_v, slot_ids, lo, hi)
 
     @override
-    def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window):
+    def decoder_layer(self, x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window,
+                      lora=None):
         if not layer_fits(x, p, config, layer_k):
             if isinstance(p, LayerAt):  # the weights exist only as addresses: nothing else can run them
                 raise ValueError(f"weights by address need the layer kernel, which does not take rows {x.shape}")
             return None
-        return decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window)
+        if lora is not None and not (isinstance(p, LayerAt) and lora_fits(lora)):
+            if isinstance(p, LayerAt):
+                raise ValueError("weights by address with LoRA adapters the layer kernel does not take")
+            return None  # the layer's operations one by one, each adding its adapters (models/lora.py)
+        return decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, num_valid, cos, sin, window,
+                             lora)
 
 
 CPU_KERNELS = CpuKernelOps()

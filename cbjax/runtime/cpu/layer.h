@@ -3,6 +3,7 @@
 
 #include "attention.h"
 #include "int8.h"
+#include "lora.h"
 
 namespace {
 
@@ -199,7 +200,8 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
                          ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> x_out,
                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t window, int64_t page_size,
-                         int64_t head_stride, int64_t page_stride, int64_t num_pages) {
+                         int64_t head_stride, int64_t page_stride, int64_t num_pages,
+                         const LayerLora* lora = nullptr) {
   const auto xd = x.dimensions();     // [M, H]
   const auto td = tables.dimensions();  // [M, pages_per_row]
   if (xd.size() != 2 || td.size() != 2 || td[0] != xd[0] || num_kv_heads < 1 || num_heads % num_kv_heads ||
@@ -242,6 +244,11 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
   rms_norm_rows(x.typed_data(), w.attn_norm, h, M, H, eps);
   Segments qkv = segments(h, M, H, {{w.wq, q, QD}, {w.wk, k, KD}, {w.wv, v, KD}});
   pool().run(segments_chunk, &qkv, qkv.first_chunk[qkv.count]);
+  if (lora != nullptr) {  // each row's adapter on the projections, before the norms and RoPE (as PEFT)
+    add_lora(lora, lora->q, h, H, q, QD, M);
+    add_lora(lora, lora->k, h, H, k, KD, M);
+    add_lora(lora, lora->v, h, H, v, KD, M);
+  }
 
   // Every row's key and value go into the cache before any row reads it: a row then attends to
   // cached positions [lo, position] alone, which holds its history and the new keys of its own
@@ -281,14 +288,21 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
 
   const ResidualMatmul o = residual_matmul(attn, M, QD, w.wo, tmp, H, x.typed_data(), out);
   pool().run(residual_chunk, &o, chunk_count(H, o.rows_per_chunk));
+  if (lora != nullptr) add_lora(lora, lora->o, attn, QD, out, H, M);  // out = x + o(attn): its delta adds there
 
   rms_norm_rows(out, w.mlp_norm, h, M, H, eps);
   const int64_t rows_f = rows_per_chunk_for(w.w_gate, H);
   const GatedMatmul mlp{layer_input(h, M, H, {w.w_gate, w.w_up}), w.w_gate, w.w_up, gate, up, F, rows_f, act};
   pool().run(gated_chunk, &mlp, chunk_count(F, rows_f));
+  if (lora != nullptr && (lora->gate.a || lora->up.a)) {  // gate and up changed: their product again
+    add_lora(lora, lora->gate, h, H, gate, F, M);
+    add_lora(lora, lora->up, h, H, up, F, M);
+    for (int64_t i = 0; i < M * F; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
 
   const ResidualMatmul down = residual_matmul(act, M, F, w.w_down, tmp, H, out, out);
   pool().run(residual_chunk, &down, chunk_count(H, down.rows_per_chunk));
+  if (lora != nullptr) add_lora(lora, lora->down, act, F, out, H, M);
   return ffi::Error::Success();
 }
 
@@ -334,14 +348,14 @@ ffi::Error DecoderLayer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm
 // are f32), and for kI8 its scales' address and group. A program whose every
 // layer this kernel runs then takes one small table instead of eleven arguments per layer: JAX's
 // dispatch pays per argument (cbjax/runtime/cpu/kernels.py, `LayerAddresses`; docs/cpu_kernels.md).
-ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> addresses, ffi::Buffer<ffi::F32> cos,
+ffi::Error decoder_layer_at(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> addresses, ffi::Buffer<ffi::F32> cos,
                           ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> valid,
                           ffi::ResultBuffer<ffi::F32> x_out, ffi::Result<ffi::AnyBuffer> k_out,
                           ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale, int64_t num_heads,
                           int64_t num_kv_heads, int64_t window, int64_t page_size, int64_t head_stride,
                           int64_t page_stride, int64_t num_pages, int64_t layer, int64_t intermediate,
-                          int64_t head_dim) {
+                          int64_t head_dim, const LayerLora* lora) {
   constexpr int64_t kWeights = 11;
   const auto ad = addresses.dimensions();
   constexpr int64_t kFields = 6;
@@ -373,7 +387,20 @@ ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> address
   }
   return decoder_layer(w, intermediate, head_dim, x, cos, sin, cache_k, cache_v, tables, positions, valid, x_out,
                        k_out, v_out, eps, scale, num_heads, num_kv_heads, window, page_size, head_stride,
-                       page_stride, num_pages);
+                       page_stride, num_pages, lora);
+}
+
+ffi::Error DecoderLayerAt(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> addresses, ffi::Buffer<ffi::F32> cos,
+                          ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> valid,
+                          ffi::ResultBuffer<ffi::F32> x_out, ffi::Result<ffi::AnyBuffer> k_out,
+                          ffi::Result<ffi::AnyBuffer> v_out, float eps, float scale, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t window, int64_t page_size, int64_t head_stride,
+                          int64_t page_stride, int64_t num_pages, int64_t layer, int64_t intermediate,
+                          int64_t head_dim) {
+  return decoder_layer_at(x, addresses, cos, sin, cache_k, cache_v, tables, positions, valid, x_out, k_out, v_out,
+                          eps, scale, num_heads, num_kv_heads, window, page_size, head_stride, page_stride, num_pages,
+                          layer, intermediate, head_dim, nullptr);
 }
 
 }  // namespace

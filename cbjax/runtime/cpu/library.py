@@ -22,7 +22,8 @@ from cbjax.compile_cache import cache_root
 
 TARGETS = ("cbjax_matmul_nt", "cbjax_expert_matmul_nt", "cbjax_matmul_blocks", "cbjax_matmul_int8",
            "cbjax_history_attention",
-           "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_argmax")
+           "cbjax_decoder_layer", "cbjax_decoder_layer_at", "cbjax_decoder_layer_at_lora", "cbjax_lora_delta",
+           "cbjax_argmax")
 SOURCES = Path(__file__).parent
 MAIN = SOURCES / "ffi.cc"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
