@@ -115,9 +115,8 @@ def build_core(model: str | Model, args: EngineArgs, *, clock: Callable[[], floa
     scheduler = scheduler_class(args.scheduler_config(num_slots), set(model.config.eos_token_ids), args.max_seq_len,
                                 pages=pages, host=host)
     if args.enable_lora:
-        if simulate is not None:
-            raise ValueError("enable_lora: the simulator does not model LoRA adapters yet")
-        store = AdapterStore(model.config, args.max_lora_rank, engine_config.lora_modules(), args.max_cpu_loras)
+        store = AdapterStore(model.config, args.max_lora_rank, engine_config.lora_modules(), args.max_cpu_loras,
+                             simulated=simulate is not None)
         scheduler.adapters = AdapterSlots(store, args.max_loras, args.lora_max_bypass)
     core = EngineCore(engine, scheduler, pages, clock, overlap=args.overlap)
     draft = None

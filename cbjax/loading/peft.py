@@ -41,10 +41,31 @@ class Adapter:
     rank: int
     scale: float
     weights: dict  # module name -> (A, B)
+    synthetic_bytes: int = 0  # a synthetic adapter's (no weights: a simulated engine's)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        """Its A and B in float32."""
+        return self.synthetic_bytes or sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+SYNTHETIC = "synthetic:"
+
+
+def synthetic_adapter(name: str, spec: str, config: ModelConfig, max_rank: int, allowed=MODULES) -> Adapter:
+    """An adapter without weights, for a simulated engine (a study of many adapters on a shape
+    whose weights nobody has): `synthetic:RANK:MODULE+MODULE...`, its bytes those of real A and B."""
+    try:
+        rank_text, modules_text = spec[len(SYNTHETIC):].split(":")
+        rank, modules = int(rank_text), [m for m in modules_text.split("+") if m]
+    except ValueError:
+        raise AdapterError(f"LoRA adapter {name!r}: {spec!r} is not synthetic:RANK:MODULE+MODULE") from None
+    if not 1 <= rank <= max_rank:
+        raise AdapterError(f"LoRA adapter {name!r}: rank {rank} exceeds this engine's max_lora_rank={max_rank}")
+    check_targets(name, modules, config, allowed)
+    shapes = module_shapes(config)
+    size = 4 * config.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+    return Adapter(name, spec, rank, 1.0, {}, synthetic_bytes=size)
 
 
 def read_config(name: str, path: str) -> dict:

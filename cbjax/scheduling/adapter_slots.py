@@ -53,6 +53,9 @@ class AdapterSlots:
     def resident(self) -> list[str]:
         return [name for name in self.holder[1:] if name is not None]
 
+    def pinned_names(self) -> list[str]:
+        return [name for slot, name in enumerate(self.holder) if name is not None and self.pins[slot] > 0]
+
     def pinned(self, name: str) -> bool:
         slot = self.slot_of.get(name)
         return slot is not None and self.pins[slot] > 0
@@ -71,17 +74,29 @@ class AdapterSlots:
 
     def startable(self, ordered) -> list[Request]:
         """The requests of `ordered` (in admission order) admission may start now (module doc)."""
-        # Resident adapters a waiting request wants keep their slots; new ones take what is left.
-        self._claimed = {r.lora for r in ordered if r.lora is not None and r.lora in self.slot_of}
-        room = self.holder[1:].count(None) + sum(self.holder[s] not in self._claimed for s in self.idle)
+        # In order: a resident adapter keeps its slot; a new one takes a free slot, else the least
+        # recently used idle one that no request before it claimed (that adapter is then gone for
+        # the requests after it). `_claimed` tells `pin` which resident adapters must stay.
+        self._claimed = set()
+        free = self.holder[1:].count(None)
+        evictable = [self.holder[s] for s in self.idle]  # LRU first
+        pinned = set(self.pinned_names())
         out, blocked = [], []
         for r in ordered:
             name = r.lora
             ok = name is None or r.lora_slot > 0 or name in self._claimed
-            if not ok and room > 0 and name in self.store.host:
+            if not ok and name in self.slot_of and (name in pinned or name in evictable):
                 ok = True
                 self._claimed.add(name)
-                room -= 1
+                if name in evictable:
+                    evictable.remove(name)
+            elif not ok and name in self.store.host and (free or evictable):
+                ok = True
+                self._claimed.add(name)
+                if free:
+                    free -= 1
+                else:
+                    evictable.pop(0)
             if ok:
                 if blocked:
                     self._blocked_ahead[r.request_id] = tuple(blocked)

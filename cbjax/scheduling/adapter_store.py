@@ -14,11 +14,13 @@ import concurrent.futures
 import itertools
 
 from cbjax.config import ModelConfig
-from cbjax.loading.peft import Adapter, AdapterError, read_adapter
+from cbjax.loading.peft import SYNTHETIC, Adapter, AdapterError, read_adapter, synthetic_adapter
 
 
 class AdapterStore:
-    def __init__(self, config: ModelConfig, max_rank: int, modules, max_cpu_loras: int):
+    def __init__(self, config: ModelConfig, max_rank: int, modules, max_cpu_loras: int, simulated: bool = False):
+        """`simulated`: a simulated engine's, which also takes synthetic adapters (`peft.synthetic_adapter`)."""
+        self.simulated = simulated
         self.config = config
         self.max_rank = max_rank
         self.modules = tuple(modules)
@@ -37,7 +39,7 @@ class AdapterStore:
             raise AdapterError(f"a LoRA adapter's name must be a non-empty string without outer spaces, got {name!r}")
         if name in self.paths:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded (unload it first)")
-        adapter = read_adapter(name, str(path), self.config, self.max_rank, self.modules)
+        adapter = self._read(name, str(path))
         self.paths[name] = str(path)
         self.salts[name] = next(self._serial)
         self._keep(adapter)
@@ -59,13 +61,16 @@ class AdapterStore:
         if adapter is not None:
             self.host.move_to_end(name)
             return adapter
+        if self.simulated:  # a simulated clock cannot wait for a thread: read at once (not charged)
+            self._keep(self._read(name, self.paths[name]))
+            self.disk_reads += 1
+            return self.host[name]
         future = self._reading.get(name)
         if future is None:
             if self._reader is None:
                 self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbjax-lora-read")
             self.disk_reads += 1
-            self._reading[name] = self._reader.submit(read_adapter, name, self.paths[name], self.config,
-                                                      self.max_rank, self.modules)
+            self._reading[name] = self._reader.submit(self._read, name, self.paths[name])
             return None
         if not future.done():
             return None
@@ -73,6 +78,14 @@ class AdapterStore:
         adapter = future.result()  # raises the read's AdapterError
         self._keep(adapter)
         return adapter
+
+    def _read(self, name: str, path: str) -> Adapter:
+        if path.startswith(SYNTHETIC):
+            if not self.simulated:
+                raise AdapterError(f"LoRA adapter {name!r}: synthetic adapters ({path!r}) run on a simulated engine "
+                                   "alone (they have no weights)")
+            return synthetic_adapter(name, path, self.config, self.max_rank, self.modules)
+        return read_adapter(name, path, self.config, self.max_rank, self.modules)
 
     def _keep(self, adapter: Adapter) -> None:
         self.host[adapter.name] = adapter

@@ -31,6 +31,7 @@ class Call:
     kv_read: int
     rows: int
     steps: int = 1
+    adapter_bytes: float = 0.0  # LoRA adapters' bytes each forward pass reads (its rows' distinct adapters)
 
     def features(self) -> np.ndarray:
         return np.array([self.steps, self.tokens, self.attended, self.kv_read, self.rows], np.float64)
@@ -42,7 +43,7 @@ class RooflineCost:
         compute = FLOPs / (tp x peak(weight dtype) x compute x M / (M + half_tokens)),
                   M = query tokens per forward pass, the matmuls' FLOPs further over
                   K / (K + half_inner), K their per-device inner dimension
-        memory  = (weights x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
+        memory  = ((weights + LoRA adapters read) x steps + KV bytes read) / (tp x HBM bandwidth x bandwidth efficiency)
         device  = max(compute, memory) + (1 - overlap) x min(compute, memory)
         comm    = steps x 2 x layers x (ring all-reduce(M x hidden x 2 bytes) + all-reduce overhead)
                   (+ steps x MoE layers x (link bytes of expert parallelism + 3 collective overheads))
@@ -117,7 +118,7 @@ class RooflineCost:
         if call.kind != "prefill":
             kv_bytes *= min(e.gqa_kv_reads, self.config.num_heads / self.config.num_kv_heads)
         experts = self._expert_bytes * self.experts_read(rows_per_pass) / max(self.config.num_experts, 1) / ep
-        memory = ((self._weight_bytes - self._expert_bytes + experts) * call.steps + kv_bytes) / (
+        memory = ((self._weight_bytes - self._expert_bytes + experts + call.adapter_bytes) * call.steps + kv_bytes) / (
             tp * a.hbm_bytes_per_s * e.bandwidth)
         device = max(compute, memory) + (1.0 - e.overlap) * min(compute, memory)
         comm = 0.0

@@ -18,7 +18,7 @@ from cbjax.runtime.packing import row_bucket
 from cbjax.scheduling.plan import Row
 from cbjax.request import SamplingParams
 from cbjax.simulator.cost_model import Call, kv_transfer_cost
-from cbjax.simulator.hardware import LINKS
+from cbjax.simulator.hardware import DTYPE_BYTES, LINKS
 
 
 def causal_pairs(start: int, n: int) -> int:
@@ -83,6 +83,7 @@ class SimulatedEngine(Engine):
         self.kv_bytes_per_token = kv_transfer_cost(cost, model.config, dtype)[1]  # at the modelled KV dtype
         self.host_s = 0.0  # simulated time of KV moves to and from host memory (within busy_s)
         self.swapped: dict[object, tuple] = {}  # swapped-out sequences' slot counters
+        self.lora = SimulatedAdapters(self, dtype_bytes(cost, dtype) / 4) if config.enable_lora else None
         self.reset()
 
     @override
@@ -194,16 +195,18 @@ class SimulatedEngine(Engine):
                 pairs += causal_pairs(start, n)
                 keys += end
                 longest = max(longest, start)
+        adapter_bytes = self.lora.call_bytes(rows) if self.lora is not None else 0.0
         kinds = {r.is_decode for r in rows}
         kind = "mixed" if len(kinds) == 2 or any(r.verify for r in rows) else "decode" if True in kinds else "prefill"
         active = sum(r.decodes for r in rows) if kind != "prefill" else len(rows)
         if self.reads_live_pages:  # ragged kernels: the real tokens, their causal pairs, live pages
-            call = Call(kind, tokens=real, attended=pairs, kv_read=keys, rows=active, steps=steps)
+            call = Call(kind, tokens=real, attended=pairs, kv_read=keys, rows=active, steps=steps,
+                        adapter_bytes=adapter_bytes)
         else:  # the reference step: every padded token, the flat square, the history in blocks
             block = self.history_block()
             read = steps * num_tokens * (-(-longest // block) * block)
             call = Call(kind, tokens=steps * num_tokens, attended=read + steps * num_tokens * num_tokens,
-                        kv_read=read, rows=active, steps=steps)
+                        kv_read=read, rows=active, steps=steps, adapter_bytes=adapter_bytes)
         self._charge(call)
         return out
 
@@ -244,3 +247,34 @@ class SimulatedEngine(Engine):
     @override
     def warmup(self, only: str | None = None) -> int:
         return 0  # nothing to compile
+
+
+def dtype_bytes(cost, dtype: str) -> float:
+    """Bytes per weight the cost model charges (a roofline's modelled weight dtype), else `dtype`'s."""
+    return DTYPE_BYTES[getattr(cost, "weight_dtype", None) or dtype]
+
+
+class SimulatedAdapters:
+    """A simulated engine's LoRA pool: no weights, each slot's bytes at the modelled weight dtype.
+    A call reads its rows' distinct adapters (`Call.adapter_bytes`, charged with the weights);
+    loading one moves its bytes over the host link, charged on the clock (as if the load did not
+    overlap the steps: an upper bound on its cost)."""
+
+    def __init__(self, engine: SimulatedEngine, scale: float):
+        self.engine = engine
+        self.scale = scale  # modelled bytes per float32 byte of the adapter
+        self.nbytes: dict[int, float] = {}  # slot -> bytes
+        self.load_s = 0.0  # simulated seconds of adapter loads
+
+    def load(self, slot: int, adapter) -> None:
+        size = adapter.nbytes * self.scale
+        self.nbytes[slot] = size
+        seconds = getattr(self.engine.cost, "host_link", LINKS["pcie4-host"]).transfer_seconds(size)
+        self.load_s += seconds
+        self.engine.charge(seconds)
+
+    def call_bytes(self, rows) -> float:
+        return float(sum(self.nbytes.get(slot, 0.0) for slot in {r.adapter for r in rows} if slot))
+
+    def warmup(self) -> int:
+        return 0
