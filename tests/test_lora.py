@@ -304,3 +304,32 @@ def test_the_cpu_kernel_adds_each_rows_adapter_as_the_xla_gather_does():
         want = jax.jit(lambda *args: XLA.lora_delta(*args, layer))(x, a, b, scale, which)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4)
         assert not np.asarray(got)[np.asarray(which) == 0].any()
+
+
+def test_the_simulator_charges_the_adapters_reads_and_loads():
+    """A simulated H100 serving synthetic adapters (no weights): every request finishes through four
+    device slots, each load is counted, and the same workload takes longer than on one merged
+    adapter (the adapters' bytes read each pass, their loads over the host link)."""
+    sampling = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [[1] * 64] * 48
+
+    def run(lora: bool):
+        options = dict(enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=16,
+                       lora_target_modules="q_proj,k_proj,v_proj,o_proj") if lora else {}
+        llm = LLM("llama2-7b", simulate="h100", dtype="float16", num_slots=16, max_seq_len=256, **options)
+        names = None
+        if lora:
+            for i in range(16):
+                llm.load_lora(f"s{i}", "synthetic:16:q_proj+k_proj+v_proj+o_proj")
+            names = [f"s{i % 16}" for i in range(len(prompts))]
+        start = llm.clock()
+        outs = llm.generate(prompts, sampling, lora=names, use_tqdm=False)
+        assert all(len(o.token_ids) == 32 for o in outs)
+        return llm.clock() - start, llm.load()
+
+    with_lora, load = run(True)
+    merged, _ = run(False)
+    assert load.lora_loads >= 16 and with_lora > merged
+    real = LLM(family_adapters("llama", 1)[0], enable_lora=True, num_slots=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="LoRA adapter 'x': synthetic adapters"):
+        real.load_lora("x", "synthetic:8:q_proj")

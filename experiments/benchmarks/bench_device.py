@@ -20,6 +20,7 @@ In one run, each against a figure measured in the same run:
   (experiments/lib/device_quant.py);
 - moe: a Mixtral-shaped decode (8 of its 32 layers, so that it fits one device) at each batch
   against a dense model of its active parameters (experiments/lib/device_moe.py);
+- lora: the 8B shape with rank-16 adapters, 1 and 64 distinct, against no LoRA (device_lora.py);
 - peer: transformers `generate` on the same device and shapes, per decode step, eager and with
   a static cache under `torch.compile` (mode "reduce-overhead": CUDA graphs, gpt-fast's recipe),
   run first in a subprocess (before JAX takes the device's memory).
@@ -47,13 +48,14 @@ from experiments.lib.device_common import (LLAMA3_8B, TINY, batches, budget, bui
                            device_model, roofline_ms, tuned_launches)
 from experiments.lib.device_copy import copy_bandwidth, suspect
 from experiments.lib.device_kernel import kernel_bandwidth, kernel_check, kernel_lines
+from experiments.lib.device_lora import lora_decode, lora_lines
 from experiments.lib.device_moe import moe_decode, moe_lines
 from experiments.lib.device_quant import quant_8b, quant_matmul, table_lines
 from experiments.lib.device_trace import summarise_trace
 
 FLAGS = flags.FLAGS
 # In the order they run (the peer first: see main), the must-have figures before the sweeps.
-SECTIONS = ("peer", "copy", "kernel", "quant_matmul", "quant_8b", "step_135m", "decode_8b", "moe", "kernel_bw")
+SECTIONS = ("peer", "copy", "kernel", "quant_matmul", "quant_8b", "step_135m", "decode_8b", "moe", "lora", "kernel_bw")
 ENGINES = ("slots/auto", "paged/auto", "slots/reference", "paged/reference")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, of {', '.join(SECTIONS)}.")
 flags.DEFINE_list("engines", list(ENGINES), "decode_8b's engines as kv_cache/attention, in order (the defaults, "
@@ -254,6 +256,7 @@ def table(results: dict) -> list[str]:
             line("copy", name, f"{m['GBps']:.0f} GB/s" if "GBps" in m else "error (see JSON)")
     kernel_lines(results, line)
     moe_lines(results, line)
+    lora_lines(results, line)
     peer = results.get("peer", {}).get("steps", {})
     compiled = results.get("peer", {}).get("compiled", {}).get("steps", {})
     decode = results.get("decode_8b", {})
@@ -354,8 +357,8 @@ def main(argv):
                 results["kernel_bw"] = kernel_bandwidth(copy_GBps)
             elif section == "decode_8b":
                 results["decode_8b"] = decode_8b(copy_GBps, deadline)
-            elif section == "moe":
-                results["moe"] = moe_decode(copy_GBps, FLAGS.tiny)
+            elif section in ("moe", "lora"):
+                results[section] = (moe_decode if section == "moe" else lora_decode)(copy_GBps, FLAGS.tiny)
             elif section == "step_135m":
                 results["step_135m"] = step_135m(copy_GBps)
                 if FLAGS.step_xla_flags and (FLAGS.tiny or jax_platform() == "gpu"):

@@ -66,11 +66,12 @@ def _accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int, around=contextlib.nullcontext) -> float:
+def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int, around=contextlib.nullcontext,
+              loras: list | None = None) -> float:
     """Milliseconds per decode step of `batch` sequences past `prompt_len` prompt tokens: the
     wall time of `timed` rounds over the tokens they returned per sequence (with the host's
     run-ahead, a round may return the previous one's tokens). The timed rounds run inside
-    the context `around()` (a profiler's, say)."""
+    the context `around()` (a profiler's, say); `loras`: the LoRA adapters the sequences run, in turn."""
     import numpy as np
 
     from cbjax import SamplingParams
@@ -79,7 +80,8 @@ def decode_ms(llm, batch: int, prompt_len: int, warm: int, timed: int, around=co
     vocab = llm.model.config.vocab_size
     sampling = SamplingParams(max_tokens=budget(prompt_len, warm, timed, llm.args.decode_steps) - prompt_len,
                               ignore_eos=True)
-    ids = [llm.add_request(rng.integers(10, vocab - 10, prompt_len).tolist(), sampling) for _ in range(batch)]
+    ids = [llm.add_request(rng.integers(10, vocab - 10, prompt_len).tolist(), sampling,
+                           lora=None if loras is None else loras[i % len(loras)]) for i in range(batch)]
     counts = dict.fromkeys(ids, 0)
     while min(counts.values()) < warm:
         for out in llm.step():
