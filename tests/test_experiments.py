@@ -137,7 +137,10 @@ def test_bench_device_tiny_runs_every_section(tmp_path):
     result = json.loads(out.read_text())
     assert not [k for k in result if k.endswith("_error")], result
     assert set(result["sections"]) == {"copy", "kernel", "kernel_bw", "decode_8b", "step_135m", "peer", "quant_8b",
-                                       "quant_matmul", "moe"}
+                                       "quant_matmul", "moe", "lora"}
+    lora = result["lora"]
+    assert set(lora["steps"]) == {"1", "4"} and lora["adapters"] == 4
+    assert all(s[k] > 0 for s in lora["steps"].values() for k in ("base_ms", "one_ms", "many_ms", "adapter_MB"))
     moe = result["moe"]
     assert set(moe) == {"moe", "dense_active"} and moe["moe"]["expert_imbalance"] >= 1.0
     assert all(set(r["steps"]) == {"1", "4"} and all(s["ms"] > 0 for s in r["steps"].values()) for r in moe.values())
@@ -385,6 +388,22 @@ def test_bench_moe_smoke(tmp_path):
     assert set(result["seconds_per_step"]) == {"moe", "dense_active", "dense_all"}
     assert all(set(times) == {"1", "4"} for times in result["seconds_per_step"].values())
     assert (tmp_path / "moe.png").stat().st_size > 0
+
+
+@slow
+def test_lora_batching_and_bench_lora_smoke(tmp_path):
+    run_script("lora_batching.py", "--sections=cpu,simulated", "--model=tiny-llama", "--adapter_counts=1,4",
+               "--num_requests=6", "--prompt_len=4", "--output_len=3", "--num_slots=4", "--max_loras=2",
+               "--max_cpu_loras=2", "--accelerators=h100", "--qps=2", "--duration=4", f"--output_dir={tmp_path}")
+    result = json.loads((tmp_path / "lora_batching.json").read_text())
+    assert set(result["cpu"]) == {"1", "4"} and set(result["cpu"]["4"]) == {"batched", "merged", "one at a time",
+                                                                           "distinct"}
+    assert set(result["simulated"]["h100"]) == {"1", "4"} and (tmp_path / "lora_batching.png").stat().st_size > 0
+    out = tmp_path / "bench_lora.json"
+    run_script("bench_lora.py", "--model=tiny-llama", "--rows=4", "--rank=4", "--steps=2", "--rounds=1",
+               "--prompt_len=4", "--max_seq_len=32", f"--output_json={out}")
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 5 and all(c["ms"] > 0 for c in cells.values()) and cells["base"]["ratio"] == 1.0
 
 
 @slow

@@ -121,7 +121,7 @@ class SimulatedEngine(Engine):
             elif op.kind in ("page_out", "page_in"):
                 moved += self.config.page_size * per_token
         if moved:
-            seconds = getattr(self.cost, "host_link", LINKS["pcie4-host"]).transfer_seconds(moved)
+            seconds = self.host_seconds(moved)
             self.host_s += seconds
             self.busy_s += seconds
             self.clock.advance(seconds)
@@ -136,6 +136,10 @@ class SimulatedEngine(Engine):
 
     def _charge(self, call: Call) -> None:
         self.charge(self.cost.seconds(call))
+
+    def host_seconds(self, size: float) -> float:
+        """Seconds `size` bytes take over the host link (the cost model's, or PCIe 4's)."""
+        return getattr(self.cost, "host_link", LINKS["pcie4-host"]).transfer_seconds(size)
 
     def charge(self, seconds: float) -> None:
         """Device time spent: the clock moves on (a simulated draft model's steps come here too)."""
@@ -269,7 +273,7 @@ class SimulatedAdapters:
     def load(self, slot: int, adapter) -> None:
         size = adapter.nbytes * self.scale
         self.nbytes[slot] = size
-        seconds = getattr(self.engine.cost, "host_link", LINKS["pcie4-host"]).transfer_seconds(size)
+        seconds = self.engine.host_seconds(size)
         self.load_s += seconds
         self.engine.charge(seconds)
 
