@@ -41,10 +41,6 @@ class DeviceAdapters:
         shape = jax.eval_shape(lambda: LoraPool.init(self.shapes, self.num_layers, max_loras + 1, rank, dtype))
         self.pool = jax.tree.map(lambda s: put(np.zeros(s.shape, s.dtype)), shape)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self.pool))
-
     def padded(self, adapter) -> tuple[dict, dict, float]:
         """The adapter's `A` and `B` of every module of the pool, zero-padded to its rank (zeros
         for modules it leaves alone), as host arrays of the pool's dtype."""

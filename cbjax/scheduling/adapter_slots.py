@@ -50,15 +50,8 @@ class AdapterSlots:
     def max_loras(self) -> int:
         return len(self.holder) - 1
 
-    def resident(self) -> list[str]:
-        return [name for name in self.holder[1:] if name is not None]
-
     def pinned_names(self) -> list[str]:
         return [name for slot, name in enumerate(self.holder) if name is not None and self.pins[slot] > 0]
-
-    def pinned(self, name: str) -> bool:
-        slot = self.slot_of.get(name)
-        return slot is not None and self.pins[slot] > 0
 
     def unreadable(self, waiting: list[Request]) -> list[tuple[Request, str]]:
         """Waiting requests whose adapter can no longer be read (its files changed since it was

@@ -93,10 +93,5 @@ class AdapterStore:
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
 
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
-            self._reader = None
-
 
 __all__ = ["AdapterError", "AdapterStore"]
