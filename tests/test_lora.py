@@ -333,3 +333,22 @@ def test_the_simulator_charges_the_adapters_reads_and_loads():
     real = LLM(family_adapters("llama", 1)[0], enable_lora=True, num_slots=2, max_seq_len=32)
     with pytest.raises(ValueError, match="LoRA adapter 'x': synthetic adapters"):
         real.load_lora("x", "synthetic:8:q_proj")
+
+
+def test_an_adapter_gone_from_disk_fails_its_requests_alone(tmp_path):
+    """Host memory holds one adapter: the other is read back from disk when a request needs it. Its
+    files deleted meanwhile, its requests finish with the error naming it; the others run."""
+    base, _, adapters = family_adapters("llama", 2)
+    llm = LLM(base, enable_lora=True, num_slots=2, max_seq_len=64, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    first = shutil.copytree(adapters[0][0], tmp_path / "first")
+    llm.load_lora("first", str(first))
+    llm.load_lora("second", adapters[1][0])  # host memory now holds "second" alone
+    shutil.rmtree(first)
+    prompt = _prompts(1, seed=8)[0]
+    names = ["first", "second", None, "first"]
+    outs = llm.generate([prompt] * 4, GREEDY, lora=names, use_tqdm=False)
+    for name, out in zip(names, outs):
+        if name == "first":
+            assert out.finish_reason == "error" and "LoRA adapter 'first'" in out.error, out
+        else:
+            assert out.token_ids == llm.generate([prompt], GREEDY, lora=name, use_tqdm=False)[0].token_ids

@@ -55,15 +55,23 @@ class AdapterSlots:
 
     def unreadable(self, waiting: list[Request]) -> list[tuple[Request, str]]:
         """Waiting requests whose adapter can no longer be read (its files changed since it was
-        registered), with the error to finish them with; starts the disk reads of the others'."""
-        failed = []
+        registered), with the error to finish them with; starts the disk reads of the adapters
+        the first waiting requests need, as many as host memory holds (reading more would evict
+        what those need, and read them again every round)."""
+        wanted: set[str] = set()
+        errors: dict[str, str] = {}
         for r in waiting:
-            if r.lora is not None and not r.lora_slot and r.lora not in self.slot_of:
-                try:
-                    self.store.ready(r.lora)
-                except AdapterError as e:
-                    failed.append((r, str(e)))
-        return failed
+            name = r.lora
+            if name is None or r.lora_slot or name in self.slot_of or name in wanted:
+                continue
+            if len(wanted) >= self.store.max_cpu_loras:
+                break
+            wanted.add(name)
+            try:
+                self.store.ready(name)
+            except AdapterError as e:
+                errors[name] = str(e)
+        return [(r, errors[r.lora]) for r in waiting if r.lora in errors and not r.lora_slot]
 
     def startable(self, ordered) -> list[Request]:
         """The requests of `ordered` (in admission order) admission may start now (module doc)."""
