@@ -41,7 +41,7 @@ _WHERE = {
     "load_hf_dir": "cbjax.loading",
     "load_model": "cbjax.loading",
     "write_random_adapter": "cbjax.loading.peft",
-    "module_shapes": "cbjax.models.lora",
+    "adapter_bytes": "cbjax.models.lora",
     "load_preset": "cbjax.loading.presets",
     "smollm2_gguf_path": "cbjax.loading.presets",
     # config

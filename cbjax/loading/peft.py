@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from cbjax.config import ModelConfig
-from cbjax.models.lora import MODULES, module_shapes
+from cbjax.models.lora import MODULES, adapter_bytes, module_shapes
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _GPT2_MODULES = ("c_attn", "c_proj", "c_fc")
@@ -63,9 +63,7 @@ def synthetic_adapter(name: str, spec: str, config: ModelConfig, max_rank: int, 
     if not 1 <= rank <= max_rank:
         raise AdapterError(f"LoRA adapter {name!r}: rank {rank} exceeds this engine's max_lora_rank={max_rank}")
     check_targets(name, modules, config, allowed)
-    shapes = module_shapes(config)
-    size = 4 * config.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
-    return Adapter(name, spec, rank, 1.0, {}, synthetic_bytes=size)
+    return Adapter(name, spec, rank, 1.0, {}, synthetic_bytes=adapter_bytes(config, rank, modules))
 
 
 def read_config(name: str, path: str) -> dict:

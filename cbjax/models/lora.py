@@ -105,3 +105,9 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         shapes.update(gate_proj=(d, config.intermediate_size), up_proj=(d, config.intermediate_size),
                       down_proj=(config.intermediate_size, d))
     return shapes
+
+
+def adapter_bytes(config: ModelConfig, rank: int, modules, itemsize: int = 4) -> int:
+    """Bytes of one adapter's A and B of `rank` on `modules` over every layer."""
+    shapes = module_shapes(config)
+    return itemsize * config.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)

@@ -43,14 +43,6 @@ flags.DEFINE_string("output_json", "results/bench_lora.json", "Where the results
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def adapter_bytes(model_config, modules, rank: int, count: int) -> int:
-    """Bytes of A and B a step reads for `count` distinct adapters (float32)."""
-    from cbjax.experimental import module_shapes
-
-    shapes = module_shapes(model_config)
-    return 4 * count * model_config.num_layers * sum(rank * (i + o) for i, o in (shapes[m] for m in modules))
-
-
 def cells(model_config, root: str) -> dict:
     """name -> (LLM options, the rows' adapter names, modules); the adapters written under `root`."""
     from cbjax.experimental import write_random_adapter
@@ -93,7 +85,7 @@ def main(argv):
     del argv
     import numpy as np
 
-    from cbjax.experimental import load_model, write_json
+    from cbjax.experimental import adapter_bytes, load_model, write_json
 
     model = load_model(FLAGS.model, with_tokenizer=False)
     config = model.config
@@ -119,7 +111,7 @@ def main(argv):
         median = statistics.median(samples)
         _, names, modules, _ = plan[name]
         distinct = len({n for n in names if n is not None})
-        mb = adapter_bytes(config, modules, FLAGS.rank, distinct) / 1e6 if distinct else 0.0
+        mb = distinct * adapter_bytes(config, FLAGS.rank, modules) / 1e6  # float32
         results[name] = dict(ms=1000 * median, samples_ms=[1000 * s for s in samples], adapter_mb=mb,
                              ratio=median / base, tok_s=FLAGS.rows / median)
         lines.append(f"{name:<28}{1000 * median:>9.2f}{FLAGS.rows / median:>9.0f}{mb:>12.1f}{median / base:>8.2f}x")

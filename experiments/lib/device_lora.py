@@ -21,7 +21,7 @@ RANK, TARGETS = 16, ("q_proj", "v_proj")
 
 
 def lora_decode(copy_GBps: float, tiny: bool) -> dict:
-    from cbjax.experimental import activation_dtype, module_shapes, write_random_adapter
+    from cbjax.experimental import activation_dtype, adapter_bytes, write_random_adapter
 
     model = device_model(TINY if tiny else LLAMA3_8B)
     c = model.config
@@ -30,8 +30,7 @@ def lora_decode(copy_GBps: float, tiny: bool) -> dict:
     max_len = budget(prompt_len, warm, timed, 1)
     path = write_random_adapter(os.path.join(tempfile.mkdtemp(prefix="cbjax-device-lora-"), "adapter"), c, RANK,
                                 TARGETS)
-    itemsize = activation_dtype(model.params).itemsize
-    adapter_bytes = itemsize * c.num_layers * sum(RANK * sum(module_shapes(c)[m]) for m in TARGETS)
+    one_adapter = adapter_bytes(c, RANK, TARGETS, activation_dtype(model.params).itemsize)
     base, base_startup = build_engine(model, "paged", "auto", max(batches()), max_len)
     base_ms = {batch: decode_ms(base, batch, prompt_len, warm, timed) for batch in batches()}
     del base
@@ -47,8 +46,8 @@ def lora_decode(copy_GBps: float, tiny: bool) -> dict:
         many = decode_ms(llm, batch, prompt_len, warm, timed, loras=names)
         distinct = min(batch, count)
         rows[batch] = {"base_ms": base_ms[batch], "one_ms": one, "many_ms": many, "distinct": distinct,
-                       "adapter_MB": distinct * adapter_bytes / 1e6,
-                       "adapter_floor_ms": distinct * adapter_bytes / copy_GBps / 1e6}
+                       "adapter_MB": distinct * one_adapter / 1e6,
+                       "adapter_floor_ms": distinct * one_adapter / copy_GBps / 1e6}
     return {"startup_s": startup, "base_startup_s": base_startup, "adapters": count, "steps": rows}
 
 

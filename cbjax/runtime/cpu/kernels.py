@@ -32,6 +32,7 @@ import numpy as np
 from typing_extensions import override
 
 from cbjax.models.gguf_blocks import GGUFWeight
+from cbjax.models.lora import MODULES
 from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
@@ -238,7 +239,7 @@ def decoder_layer(x, p, config, cache, layer_k, layer_v, slot_ids, positions, nu
 
 # ---------------------------------------------------------------- weights by address
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # lora.h's order
+LORA_MODULES = MODULES  # the order of the adapter pools the layer kernel takes (layer_lora.h)
 
 # A layer's weights in the order of the kernel's LayerWeights (layer.h).
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate", "w_up", "w_down")
