@@ -211,6 +211,21 @@ def test_a_verify_round_costs_its_token_bucket():
     assert policy.choose(ids, guesses(4, length=4)) == [3] * 4
 
 
+def test_lengths_the_cost_curve_cannot_tell_apart_propose_the_longest():
+    """Where the goodput of longer proposals is within `flat` of the best (the curve's noise),
+    the longest of them goes: more tokens kept for the same time; past `flat`, the best."""
+    cost = {0: 1.0, 1: 1.0, 2: 1.17, 3: 1.26, 4: 2.0}  # at acceptance 0.5: k=1 best, 2 and 3 within 1%
+    lengths = []
+    for flat in (0.0, 0.02):
+        policy = AdaptiveLength(max_k=4, flat=flat, prior_acceptance=0.5)
+        measured(policy, 1, lambda b, k: cost[k])
+        for _ in range(20):
+            policy.observe("a", 2, 1, confidence=3)
+        assert policy.acceptance("a", Guess([1], 3, 1)) == pytest.approx(0.5)
+        lengths.append(policy.choose(["a"], guesses(1, length=4)))
+    assert lengths == [[1], [3]]
+
+
 def test_requests_in_one_round_propose_by_their_own_acceptance():
     """Per request: one whose guesses were kept proposes more than one whose guesses were
     rejected, in the same round; a request without a guess proposes nothing."""

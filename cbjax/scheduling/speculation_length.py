@@ -9,6 +9,10 @@ its own length (0 included) so that the batch's tokens per second are highest: t
 of request i adds `a_i^(k_i+1)` tokens, so the best lengths for any total are the highest of
 those marginal gains, and the total is the one whose gains over its cost is highest.
 
+Among totals whose goodput is within `flat` (2%) of the best, the largest goes: the measured
+costs carry a few percent of noise, and where the curve is flat a longer proposal keeps more
+tokens for the same time (without it the size with the luckiest measurement wins).
+
 A request's `a_i` is its own acceptance, shrunk toward the acceptance of guesses as sure
 as its current one (an n-gram's match length; `Guess.confidence`). Where it comes from:
 
@@ -92,8 +96,9 @@ class FixedLength:
 class AdaptiveLength:
     def __init__(self, max_k: int, memory: int = 32, prior_acceptance: float = 0.5, prior_weight: float = 4.0,
                  probe_every: int = 8, batch_memory: int = 256, explore_share: float = 0.01,
-                 buckets: tuple[int, ...] | None = None):
+                 buckets: tuple[int, ...] | None = None, flat: float = 0.02):
         self.max_k = max_k
+        self.flat = flat
         self.accept = Acceptance(memory, prior_acceptance, prior_weight, batch_memory)
         self.curve = CostCurve(buckets)
         self.batch_decay = self.accept.batch_decay
@@ -183,16 +188,14 @@ class AdaptiveLength:
             gains = [(-rates[i] ** (j + 1), i) for i in range(batch) for j in range(caps[i])]
             heapq.heapify(gains)
             tokens = float(batch)  # expected tokens at the current lengths
-            best, best_total, total = tokens / self.cost(batch, 0), 0, 0
+            goodputs = [tokens / self.cost(batch, 0)]
             order = []
             while gains:
                 gain, i = heapq.heappop(gains)
                 order.append(i)
-                total += 1
                 tokens -= gain
-                goodput = tokens / self.cost(batch, total)
-                if goodput > best:
-                    best, best_total = goodput, total
+                goodputs.append(tokens / self.cost(batch, len(order)))
+            best_total = self._longest_near_best(goodputs)
             if self.rounds - self.explored >= self.probe_every and order:
                 best_total = self._explore(batch, best_total, range(1, len(order) + 1))
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
@@ -234,7 +237,7 @@ class AdaptiveLength:
                 tokens = sum(expected_tokens(a, n) for a, n in zip(rates, lengths))
                 return tokens / self.cost(batch, sum(lengths))
 
-            k = max(range(self.max_k + 1), key=goodput)
+            k = self._longest_near_best([goodput(k) for k in range(self.max_k + 1)])
             if self.rounds - self.explored >= self.probe_every:
                 totals = {sum(min(c, n) for c in caps): n for n in range(self.max_k, 0, -1)}  # a total's shortest k
                 k = totals.get(self._explore(batch, sum(min(c, k) for c in caps), list(totals)), k)
@@ -244,6 +247,16 @@ class AdaptiveLength:
         ks = [min(c, k) for c in caps]
         self.proposing = self.proposing * self.batch_decay + sum(1 for n in ks if n)
         return ks
+
+    def _longest_near_best(self, goodputs: list[float]) -> int:
+        """The index (a total, or a length) of the best goodput; when that proposes anything, the
+        largest whose goodput is within `flat` of it. The curve's costs carry a few percent of
+        noise, and where they are flat the longer proposal keeps more tokens for the same time
+        (left alone, the round with the cheapest noise wins and proposals stay short)."""
+        best = max(range(len(goodputs)), key=goodputs.__getitem__)
+        if best == 0:
+            return 0
+        return max(i for i, g in enumerate(goodputs) if g >= goodputs[best] * (1.0 - self.flat))
 
     def _explore(self, batch: int, best_total: int, totals) -> int:
         """The cost curve filled in: of the proposal totals the round can reach (`totals`), the
