@@ -226,6 +226,24 @@ def test_lengths_the_cost_curve_cannot_tell_apart_propose_the_longest():
     assert lengths == [[1], [3]]
 
 
+def test_a_length_measured_slow_once_is_measured_again():
+    """A verify size whose first rounds ran slow (the machine's hiccup) is not locked out: once
+    stale it is measured again when the allowance pays, and the fresh reading replaces it."""
+    def cost(k):
+        return 0.010 * (1 + 0.02 * k)
+
+    policy = AdaptiveLength(max_k=4)
+    measured(policy, 1, lambda b, k: 3 * cost(k) if k == 4 else cost(k))
+    chosen = []
+    for _ in range(400):
+        policy.observe("a", 4, 4, confidence=3)
+        k, = policy.choose(["a"], guesses(1, length=4))
+        policy.after_round(1, float(k), cost(k))
+        chosen.append(k)
+    assert chosen[0] == 3 and chosen[-100:].count(4) >= 90, chosen  # the others: stale shorter sizes measured again
+    assert policy.cost(1, 4) == pytest.approx(cost(4), rel=0.05)
+
+
 def test_requests_in_one_round_propose_by_their_own_acceptance():
     """Per request: one whose guesses were kept proposes more than one whose guesses were
     rejected, in the same round; a request without a guess proposes nothing."""
@@ -282,8 +300,9 @@ def test_no_guess_is_not_a_rejection_and_nothing_locks_out():
         lengths.after_round(2, 0.0, 0.01)
     assert tried[0] == 1 and sum(tried) == 1, tried  # one probe token, not one every round
     # A probe that turns a plain round into a verify round (30% dearer here) waits until
-    # `explore_share` of the rounds' time has paid for it.
-    lengths.allowance = 0.0
+    # `explore_share` of the rounds' time has paid for it (stale sizes measured again, which
+    # the same allowance pays for, are tested apart).
+    lengths.allowance, lengths.curve.stale_after = 0.0, 10**6
     spec.proposer.source = 3
     tried, wait = [], 0.003 / (lengths.explore_share * 0.01)
     for _ in range(round(wait) + 8):

@@ -80,11 +80,16 @@ class CostCurve:
     `batch + total` tokens are padded to (`buckets`, the engine's), or without buckets (the
     simulator charges the real tokens) the mean proposal length rounded. Key 0 is a plain
     round, -1 one run ahead of the previous one's record. A size's first round (which may have
-    compiled) counts only once a second confirms it; estimates fall fast and rise slowly."""
+    compiled) counts only once a second confirms it; estimates fall fast and rise slowly. A
+    size not measured for `stale_after` rounds is stale: exploring measures it again, and that
+    reading replaces its estimate (a size measured slow once, by a hiccup of the machine, is
+    otherwise never picked, so never measured again: locked out for good)."""
 
-    def __init__(self, buckets: tuple[int, ...] | None = None):
+    def __init__(self, buckets: tuple[int, ...] | None = None, stale_after: int = 64):
         self.buckets = sorted(buckets) if buckets else None
+        self.stale_after = stale_after
         self.seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (batch group, size) -> (seconds, rounds seen)
+        self.last: dict[tuple[int, int], int] = {}  # (batch group, size) -> the round it was last measured
 
     @staticmethod
     def group(batch: int) -> int:
@@ -101,17 +106,27 @@ class CostCurve:
             return self.group(batch) * (1 + (kbar if exact else max(1, round(kbar))))
         return next((b for b in self.buckets if b >= batch + total), self.buckets[-1])
 
-    def record(self, batch: int, total: int, seconds: float, ahead: bool = False) -> None:
+    def record(self, batch: int, total: int, seconds: float, ahead: bool = False, now: int = 0) -> None:
+        """A round of `batch` rows proposing `total` tokens took `seconds`; `now`: the round's index."""
         key = (self.group(batch), -1 if ahead else self.size(batch, total))
         old, count = self.seconds.get(key, (seconds, 0))
-        if count <= 1 or seconds < old:  # the first round of a size may have compiled its program
+        if count >= 2 and self.is_stale(key, now):
+            estimate = seconds
+        elif count <= 1 or seconds < old:  # the first round of a size may have compiled its program
             estimate = min(old, seconds) if count == 1 else 0.5 * old + 0.5 * seconds
         else:
             estimate = 0.9 * old + 0.1 * min(seconds, 2 * old)
         self.seconds[key] = (estimate, count + 1)
+        self.last[key] = now
 
-    def rounds_seen(self, batch: int, size: int) -> int:
-        return self.seconds.get((self.group(batch), size), (0.0, 0))[1]
+    def is_stale(self, key: tuple[int, int], now: int) -> bool:
+        return now - self.last.get(key, now) >= self.stale_after
+
+    def to_measure(self, batch: int, size: int, now: int) -> bool:
+        """Whether exploring should measure this verify size at this batch: not yet confirmed
+        (seen twice), or stale."""
+        key = (self.group(batch), size)
+        return self.seconds.get(key, (0.0, 0))[1] < 2 or self.is_stale(key, now)
 
     def measured(self, batch: int) -> dict[int, float]:
         """The confirmed (seen twice) sizes at this batch's group and their seconds; -1 left out."""

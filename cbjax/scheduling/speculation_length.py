@@ -37,7 +37,9 @@ as its current one (an n-gram's match length; `Guess.confidence`). Where it come
   one token a guess (the cheapest verify round: on a CPU a verify of a few rows still runs
   the decode kernels, and the curve jumps where it stops). A size past the largest measured
   is taken to cost that one's round until the goodput picks it and two rounds measure it;
-  the sizes between measured ones, by the line between them, until exploring tries them.
+  the sizes between measured ones, by the line between them, until exploring tries them. A
+  size not measured for 64 rounds is measured again when exploring next can, and that reading
+  replaces its estimate: one slow round (the machine's hiccup) no longer keeps a length out.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class AdaptiveLength:
         # Decayed: request-rounds looked at and those that proposed; verify rows and their kept tokens.
         self.looks, self.proposing = 1.0, 0.5
         self.rows, self.kept = 1.0, 1.0
-        self.looked_rounds, self.looked_kbar = 1.0, 0.0  # decayed: rounds that looked, their mean lengths
+        self.looking: dict[int, tuple[float, float]] = {}  # batch group -> decayed (rounds that looked, their seconds)
 
     def acceptance(self, request_id: str, guess: Guess) -> float:
         """The request's per-token acceptance for this guess."""
@@ -130,14 +132,15 @@ class AdaptiveLength:
         """A round of `batch` decoding requests proposing `kbar` tokens on average took
         `seconds` (None: not a round to measure, such as one with prompt rows); `ahead`: it ran
         ahead of the previous round's record (its seconds: since that record)."""
-        if self.looked == self.rounds != self.measuring:  # it looked at guesses (`choose`), not to measure
-            self.looked_rounds = self.looked_rounds * 0.9 + 1
-            self.looked_kbar = self.looked_kbar * 0.9 + kbar
+        looked = self.looked == self.rounds != self.measuring  # it looked at guesses (`choose`), not to measure
         self.rounds += 1
         if seconds is None or batch < 1:
             return
+        if looked and not ahead:
+            rounds, total = self.looking.get(self.curve.group(batch), (0.0, 0.0))
+            self.looking[self.curve.group(batch)] = (rounds * 0.9 + 1, total * 0.9 + seconds)
         self.allowance = min(self.allowance + self.explore_share * seconds, 4 * seconds)  # saved: 4 rounds at most
-        self.curve.record(batch, round(kbar * batch), seconds, ahead)
+        self.curve.record(batch, round(kbar * batch), seconds, ahead, self.rounds)
 
     def cost(self, batch: int, total: int) -> float | None:
         """The measured seconds of a round at `batch` proposing `total` tokens (`CostCurve`)."""
@@ -159,13 +162,15 @@ class AdaptiveLength:
         propose, `x`: the tokens a verify row keeps) at the measured cost of the mean length
         such rounds propose; a round run ahead makes 1 at its own measured cost (until that is
         measured, a plain round's). Until those are measured, looking pays if `p x` beats 10%
-        (about what overlap saves)."""
+        (about what overlap saves). A looking round's cost is the decayed mean of such rounds'
+        own seconds at this batch, not the curve's at their mean length: their lengths are
+        mostly 0 (no guess) or long, and the curve's estimate between may be stale."""
         gain = (self.proposing / self.looks) * (self.kept / self.rows)
         plain = self.curve.ahead(batch) or self.curve.measured(batch).get(0)
-        looking = self.cost(batch, round(batch * self.looked_kbar / self.looked_rounds))
-        if looking is None or plain is None:
+        rounds, seconds = self.looking.get(self.curve.group(batch), (0.0, 0.0))
+        if rounds < 2 or plain is None:
             return gain > 0.1
-        return (1.0 + gain) / looking > 1.0 / plain
+        return (1.0 + gain) * rounds / seconds > 1.0 / plain
 
     def choose(self, ids: list[str], guesses: list[Guess]) -> list[int]:
         """Each request's proposal length (at most its guess's), the batch's goodput best."""
@@ -261,7 +266,7 @@ class AdaptiveLength:
     def _explore(self, batch: int, best_total: int, totals) -> int:
         """The cost curve filled in: of the proposal totals the round can reach (`totals`), the
         largest of the verify size not yet measured (twice: its first round may have compiled)
-        at this batch nearest the best total's, instead of the best when the allowance pays
+        or stale (`CostCurve.to_measure`) at this batch nearest the best total's, instead of the best when the allowance pays
         what it adds by the curve; else the best total. A CPU's curve is not convex (a verify
         of few rows runs the decode kernels, of more a blocked GEMM; a token over a bucket pays
         the next one), so every size is tried once the allowance has it, the cheap ones first."""
@@ -269,7 +274,7 @@ class AdaptiveLength:
         for total in totals:
             size = self.curve.size(batch, total)
             by_size[size] = max(by_size.get(size, 0), total)
-        few = [size for size in by_size if self.curve.rounds_seen(batch, size) < 2]
+        few = [size for size in by_size if self.curve.to_measure(batch, size, self.rounds)]
         if not few:
             return best_total
         best = self.curve.size(batch, best_total)

@@ -12,9 +12,10 @@ new tokens each, greedy, EOS ignored) this prints:
 - llama.cpp's `llama-batched-bench` on the same weights (SmolLM2's GGUF requantized
   to F32 by `llama-quantize --allow-requantize`, so both sides hold the same f32
   numbers), when its binaries are found (`--llama_cpp_dir` or PATH);
-- the weight-streaming roofline: weight bytes / the bandwidth of one matvec over a matrix
-  as large as all the weights, measured in this run (the faster of XLA's and the CPU
-  kernel's); the embedding matrix's own matvec bandwidth is printed beside it.
+- the two-sided roofline at every batch size, measured in this run (experiments/lib/cpu_roofline.py):
+  the larger of the step's bytes (weights, and the keys and values of every row's mean
+  context) over the best read bandwidth, and the step's matmuls through the best GEMM at its
+  shapes; its floor in ms, the share of it a step reaches, and which side bounds it (m/c).
 
 llama.cpp is an optional external peer, never installed by the project; how to build
 it is in docs/experiments.md. Without it the script prints cbjax and the roofline.
@@ -36,6 +37,8 @@ import time
 from experiments.lib import common  # also quiets transformers and matplotlib
 
 from absl import app, flags
+
+from experiments.lib.cpu_roofline import CpuRoofline, share_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset or .gguf file (llama.cpp needs a GGUF: the preset's is used).")
@@ -67,26 +70,6 @@ flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to wri
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def matvec_bandwidth(matrix, kernel: bool = False) -> float:
-    """Bytes per second of one matvec over `matrix` `[rows, d]` (the median of 30), by XLA or
-    by the CPU kernel."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from cbjax.experimental import kernels as cpu_kernels
-
-    x = jnp.ones((1, matrix.shape[1]), matrix.dtype)
-    f = jax.jit(cpu_kernels.matmul_nt if kernel else lambda x, m: jnp.einsum("bd,vd->bv", x, m))
-    f(x, matrix).block_until_ready()
-    times = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        f(x, matrix).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return matrix.nbytes / float(np.median(times))
 
 
 class Decoder:
@@ -247,27 +230,16 @@ def main(argv):
     max_seq_len = 1 << (FLAGS.prompt_len + FLAGS.new_tokens - 1).bit_length()
     from cbjax.experimental import kernels as cpu_kernels
 
-    # The roofline's bandwidth: one matvec over a matrix as large as all the weights (a decode
-    # step streams them all), the faster of XLA's and the CPU kernel's. The embedding alone
-    # stays partly in the L3 cache between repeats and reads faster than a decode step can
-    # (docs/code_measurements.md).
-    import jax.numpy as jnp
     import numpy as np
     from tqdm.auto import tqdm
 
-    d = model.params["embed"].shape[1]
-    streamed = jnp.asarray(np.random.default_rng(0).standard_normal((weight_bytes // (4 * d), d), np.float32))
-    bandwidths = {"xla": matvec_bandwidth(streamed)}
-    if not quant.is_quantized(model.params["embed"]):
-        bandwidths["xla_embedding"] = matvec_bandwidth(model.params["embed"])
-    if cpu_kernels.available():
-        bandwidths["cpu_kernel"] = matvec_bandwidth(streamed, kernel=True)
-    del streamed
-    bandwidth = max(v for k, v in bandwidths.items() if k != "xla_embedding")
-    roofline_ms = 1000 * weight_bytes / bandwidth
-    print(f"weights {weight_bytes / 1e6:.0f} MB, matvec bandwidth "
-          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidths.items())
-          + f": roofline {roofline_ms:.1f} ms per decode step at batch 1", flush=True)
+    roofline = CpuRoofline(model.config, weight_bytes, batches, arithmetic={"none": "f32"}.get(
+        FLAGS.quantization, FLAGS.quantization))
+    c = model.config
+    # Each row reads its keys and values at the decode's mean context, in the cache's dtype.
+    kv_bytes_per_row = (2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if FLAGS.kv_cache_dtype == "float16" else 4)
+                        * (FLAGS.prompt_len + FLAGS.new_tokens / 2))
+    print(f"weights {weight_bytes / 1e6:.0f} MB; {roofline.describe()}", flush=True)
     multi_step = min(FLAGS.multi_step, FLAGS.new_tokens - 1)  # at least one whole call
     ours = {}
     decoders = {}
@@ -309,7 +281,7 @@ def main(argv):
     multi_column = all("multi_step_ms_per_step" in ours[b] for b in batches)
     multi_name = f"{multi_step} steps/call"
 
-    header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'roofline':>8}" + (
+    header = f"{'batch':>5} | {'cbjax ms/step':>13} | {'cbjax tok/s':>11} | {'floor ms':>8} | {'of roofline':>14}" + (
         f" | {multi_name + ' ms/step':>22}" if multi_column else "") + (
         f" | {'XLA-only ms/step':>16}" if xla_column else "")
     if peer:
@@ -318,9 +290,10 @@ def main(argv):
     print("\n" + header + "\n" + "-" * len(header))
     for b in batches:
         r = ours[b]
-        r["fraction_of_roofline"] = roofline_ms / r["ms_per_step"] if b == 1 else None
-        line = f"{b:>5} | {r['ms_per_step']:>13.1f} | {r['tg_tokens_per_s']:>11.1f} | " + (
-            f"{100 * r['fraction_of_roofline']:>7.0f}%" if b == 1 else f"{'':>8}") + (
+        r["floor"] = roofline.floor_ms(b, b * kv_bytes_per_row)
+        r["fraction_of_roofline"] = r["floor"]["ms"] / r["ms_per_step"]
+        line = (f"{b:>5} | {r['ms_per_step']:>13.1f} | {r['tg_tokens_per_s']:>11.1f} | {r['floor']['ms']:>8.1f} | "
+                f"{share_text(r['fraction_of_roofline']) + ' ' + r['floor']['bound'][0]:>14}") + (
             f" | {r['multi_step_ms_per_step']:>22.1f}" if multi_column else "") + (
             f" | {r['xla_only_ms_per_step']:>16.1f}" if xla_column else "")
         if peer and b in peer["rows"]:
@@ -337,8 +310,8 @@ def main(argv):
         print(line)
     result = {"model": FLAGS.model, "quantization": FLAGS.quantization, "kv_cache_dtype": FLAGS.kv_cache_dtype,
               "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens, "multi_step": multi_step,
-              "weight_bytes": weight_bytes, "matvec_bytes_per_s": bandwidth, "matvec_bytes_per_s_by": bandwidths,
-              "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(), "roofline_ms_per_step": roofline_ms,
+              "weight_bytes": weight_bytes, "roofline": roofline.to_json(), "kv_bytes_per_row": kv_bytes_per_row,
+              "cpu_kernels": FLAGS.cpu_kernels, "cpu_kernels_built": cpu_kernels.available(),
               "cbjax": ours, "llama_cpp": peer,
               "machine": {"platform": platform.platform(), "cores": _cores(), "jax": jax.__version__,
                           "backend": jax.default_backend()}}

@@ -14,6 +14,7 @@
 // beside it, and here the XLA FFI handlers that bind them, each run with the XLA thread pool the
 // kernels share their chunks out over (`Pooled`, pool.h).
 #include "attention.h"
+#include "bandwidth.h"
 #include "blocks.h"
 #include "experts.h"
 #include "int8.h"

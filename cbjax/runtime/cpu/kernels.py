@@ -36,7 +36,8 @@ from cbjax.models.lora import MODULES
 from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
-from cbjax.runtime.cpu.library import build_error  # noqa: F401 (re-exported: why the kernels are off)
+# Re-exported: why the kernels are off; the CPU roofline's read loop.
+from cbjax.runtime.cpu.library import build_error, read_sum  # noqa: F401
 
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)

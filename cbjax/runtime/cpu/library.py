@@ -74,8 +74,7 @@ def _build(path: Path) -> None:
 
 
 @functools.cache
-def build_error() -> str | None:
-    """None once the kernels are built, loaded and registered; else why they are not."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         path = library_path()
         if not path.exists():
@@ -85,5 +84,23 @@ def build_error() -> str | None:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     except Exception as e:  # a machine without a compiler still runs, through XLA
         log.warning("the CPU kernels are unavailable, XLA runs everything: %s", e)
-        return f"{type(e).__name__}: {e}"
-    return None
+        return None, f"{type(e).__name__}: {e}"
+    library.cbjax_read_sum.restype = ctypes.c_double
+    library.cbjax_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return library, None
+
+
+def build_error() -> str | None:
+    """None once the kernels are built, loaded and registered; else why they are not."""
+    return _load()[1]
+
+
+def read_sum(buffer, threads: int) -> float:
+    """The sum of a C-contiguous float32 numpy array read by `threads` threads, each its own
+    contiguous part (bandwidth.h: the CPU roofline's memory side; the caller times it)."""
+    library, error = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {error}")
+    if buffer.dtype.name != "float32" or not buffer.flags.c_contiguous:
+        raise ValueError("read_sum takes a C-contiguous float32 array")
+    return library.cbjax_read_sum(buffer.ctypes.data, buffer.size, threads)

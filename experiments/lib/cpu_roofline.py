@@ -1,0 +1,162 @@
+"""The CPU's roofline with both sides, measured in the run that reports against it.
+
+A decode step of `rows` sequences cannot be faster than the larger of
+
+- memory: the bytes it must read (the weights as the engine holds them, plus the keys and
+  values of every row's context) over the best read bandwidth measured here. Several read
+  methods each count the bytes they read: the C++ read loop (cbjax/runtime/cpu/bandwidth.h)
+  over a buffer larger than the caches with every thread the engine's kernels use, the
+  same loop on one thread, numpy's sum, and XLA's and the CPU kernel's matvec over a
+  matrix the size of the buffer. The best is the roof (`GBps`), each figure is kept.
+- compute: the step's matmuls at its shapes (`rows` x each weight matrix, the LM head
+  included) timed one by one through the best GEMM the machine offers for them: XLA's and
+  numpy's BLAS (OpenBLAS), in f32. That is the arithmetic the kernels do for every format:
+  int8 and the GGUF blocks are widened to f32 in registers and multiplied in f32
+  (`COMPUTE_ARITHMETIC`); the widening's own work is not in the roof, so a quantized step at
+  large batch sits further below it than an f32 one.
+
+The matvec over a weights-sized matrix alone, the old reference, read 28-34 GB/s from run to
+run on the 2-core VM (an f32 step then printed 114% and 145% of it). A share of this roof
+above 100% means the instrument is wrong, and `share` says so (`device_copy.suspect`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from experiments.lib.device_copy import suspect
+
+READ_BYTES = 1 << 30  # 32x the 2-core VM's L3: no pass is served from the caches
+COMPUTE_ARITHMETIC = {"f32": "f32 FMA", "int8": "int8 widened to f32, f32 FMA",
+                      "gguf": "GGUF blocks widened to f32, f32 FMA"}
+
+
+def kernel_threads() -> int:
+    """The threads the CPU kernels use: `$CBJAX_CPU_KERNEL_THREADS`, else the CPUs this process may run on."""
+    if os.environ.get("CBJAX_CPU_KERNEL_THREADS"):
+        return max(1, int(os.environ["CBJAX_CPU_KERNEL_THREADS"]))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` (after one untimed)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def memory_side(read_bytes: int = READ_BYTES, repeats: int = 8, threads: int | None = None) -> dict:
+    """Every read method's GB/s over `read_bytes` (each the fastest of `repeats` passes), the
+    best (`GBps`) and its method."""
+    import jax
+    import jax.numpy as jnp
+
+    from cbjax.experimental import kernels as cpu_kernels
+
+    threads = threads or kernel_threads()
+    buffer = np.random.default_rng(0).standard_normal(read_bytes // 4, dtype=np.float32)
+    methods = {"numpy_sum": read_bytes / best_seconds(lambda: buffer.sum(), repeats)}
+    if cpu_kernels.available():
+        methods[f"cpp_read_{threads}_threads"] = read_bytes / best_seconds(
+            lambda: cpu_kernels.read_sum(buffer, threads), repeats)
+        if threads > 1:
+            methods["cpp_read_1_thread"] = read_bytes / best_seconds(lambda: cpu_kernels.read_sum(buffer, 1), repeats)
+    matrix = jnp.asarray(buffer.reshape(-1, 512))
+    x = jnp.ones((1, 512), jnp.float32)
+    matvecs = {"xla_matvec": jax.jit(lambda x, m: jnp.einsum("bd,vd->bv", x, m))}
+    if cpu_kernels.available():
+        matvecs["kernel_matvec"] = jax.jit(cpu_kernels.matmul_nt)
+    for name, fn in matvecs.items():
+        methods[name] = read_bytes / best_seconds(lambda: fn(x, matrix).block_until_ready(), repeats)
+    best = max(methods, key=methods.get)
+    return {"GBps": methods[best] / 1e9, "method": best, "threads": threads, "bytes": read_bytes,
+            "methods_GBps": {k: v / 1e9 for k, v in methods.items()}}
+
+
+def matmul_shapes(config) -> dict[tuple[int, int], int]:
+    """A dense decoder step's matmuls, `(out, in)` -> how many a step runs (the LM head's once)."""
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    per_layer = [(config.num_heads * hd, d), (config.num_kv_heads * hd, d), (config.num_kv_heads * hd, d),
+                 (d, config.num_heads * hd), (inter, d), (inter, d), (d, inter)]
+    shapes: dict[tuple[int, int], int] = {}
+    for shape in per_layer:
+        shapes[shape] = shapes.get(shape, 0) + config.num_layers
+    head = (config.vocab_size, d)
+    shapes[head] = shapes.get(head, 0) + 1
+    return shapes
+
+
+def gemm_seconds(rows: int, out: int, inner: int, repeats: int) -> dict[str, float]:
+    """`x [rows, inner] @ w.T` with `w [out, inner]` in f32, the fastest of `repeats`, by XLA and by numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(rows * 7 + out)
+    x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((rows, inner), (out, inner)))
+    wt = np.ascontiguousarray(w.T)
+    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    xla = jax.jit(lambda x, w: jnp.einsum("bd,vd->bv", x, w))
+    return {"xla": best_seconds(lambda: xla(xj, wj).block_until_ready(), repeats),
+            "numpy": best_seconds(lambda: x @ wt, repeats)}
+
+
+def compute_side(config, batches, repeats: int = 10) -> dict:
+    """Per batch: the step's matmuls (`matmul_shapes`) at the best GEMM for each shape, their
+    seconds summed, the GFLOP they do and the rate that makes; each GEMM's figures by method."""
+    shapes = matmul_shapes(config)
+    out = {}
+    for rows in batches:
+        seconds, flops, by_shape = 0.0, 0.0, {}
+        for (n, k), count in shapes.items():
+            timed = gemm_seconds(rows, n, k, repeats)
+            best = min(timed, key=timed.get)
+            seconds += count * timed[best]
+            flops += count * 2.0 * rows * n * k
+            by_shape[f"{n}x{k}"] = {"count": count, "method": best,
+                                    **{f"{m}_GFLOPs": 2.0 * rows * n * k / s / 1e9 for m, s in timed.items()}}
+        out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9, "shapes": by_shape}
+    return out
+
+
+class CpuRoofline:
+    """Both sides for one model at the batches a benchmark reports: `floor_ms(rows, kv_bytes)`
+    is the larger of the memory and the compute time of a step; `share(ms, ...)` what a
+    measured step makes of it."""
+
+    def __init__(self, config, weight_bytes: int, batches, arithmetic: str = "f32", read_bytes: int = READ_BYTES):
+        self.weight_bytes = weight_bytes
+        self.arithmetic = COMPUTE_ARITHMETIC[arithmetic]
+        self.memory = memory_side(read_bytes)
+        self.compute = compute_side(config, sorted(set(batches)))
+
+    def floor_ms(self, rows: int, kv_bytes: float = 0.0) -> dict:
+        memory_ms = 1e3 * (self.weight_bytes + kv_bytes) / (self.memory["GBps"] * 1e9)
+        compute_ms = self.compute[rows]["ms"]
+        return {"ms": max(memory_ms, compute_ms), "memory_ms": memory_ms, "compute_ms": compute_ms,
+                "bound": "memory" if memory_ms >= compute_ms else "compute"}
+
+    def share(self, ms: float, rows: int, kv_bytes: float = 0.0) -> float:
+        return self.floor_ms(rows, kv_bytes)["ms"] / ms
+
+    def describe(self) -> str:
+        m = self.memory
+        rates = ", ".join(f"{rows} rows {c['GFLOPs']:.0f} GFLOP/s ({c['ms']:.1f} ms)" for rows, c in self.compute.items())
+        return (f"roofline: memory {m['GBps']:.1f} GB/s ({m['method']}; "
+                + ", ".join(f"{k} {v:.1f}" for k, v in m["methods_GBps"].items())
+                + f"), compute ({self.arithmetic}, the step's GEMMs) {rates}")
+
+    def to_json(self) -> dict:
+        return {"memory": self.memory, "compute": {str(k): v for k, v in self.compute.items()},
+                "arithmetic": self.arithmetic, "weight_bytes": self.weight_bytes}
+
+
+def share_text(share: float) -> str:
+    """A share of the roofline for a table cell, flagged past 100%."""
+    return suspect(share).replace(" of roofline", "")
