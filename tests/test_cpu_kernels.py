@@ -48,6 +48,17 @@ def test_matmul_equals_einsum(lead, n, k):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.sqrt(k))
 
 
+@needs_kernels
+@pytest.mark.parametrize("n,threads", [(1, 1), (127, 2), (128 * 40 + 3, 3), (1 << 16, 2)])
+def test_the_roofline_read_loop_reads_every_float_once(n, threads):
+    """bandwidth.h's read loop (the CPU roofline's memory side) sums each part of the buffer
+    once, remainders included, whatever the thread count."""
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    assert cpu_kernels.read_sum(x, threads) == pytest.approx(float(x.astype(np.float64).sum()), abs=1e-3 * n ** 0.5)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.read_sum(x.astype(np.float64), threads)
+
+
 def test_matmul_fits_only_decode_sized_f32():
     w = jnp.zeros((8, 16), jnp.float32)
     assert not cpu_kernels.fits(jnp.zeros((cpu_kernels.MAX_ROWS + 1, 16), jnp.float32), w)

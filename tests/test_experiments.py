@@ -31,9 +31,10 @@ def run_script(name: str, *args: str) -> None:
 
 def test_compare_batching_writes_table_json_and_plot(tmp_path):
     run_script("compare_batching.py", "--model=tiny-llama", "--max_gen_lens=32", "--num_requests=4",
-               "--num_slots=2", "--prompt_len=8", "--repeats=2", f"--output_dir={tmp_path}")
+               "--num_slots=2", "--prompt_len=8", "--repeats=2", f"--output_dir={tmp_path}", "--roofline_read_mb=4")
     result = json.loads((tmp_path / "compare_batching.json").read_text())
     assert [c["max_gen_len"] for c in result["columns"]] == [32]
+    assert "against this CPU's roofline" in result["table"]
     for column in result["columns"]:
         assert column["num_requests"] == 6  # three waves of the column's 2 slots
         continuous = column["rows"]["continuous"]
@@ -45,6 +46,9 @@ def test_compare_batching_writes_table_json_and_plot(tmp_path):
         # this machine's bound: the FCFS schedules priced by static's measured steps per batch size
         assert column["machine_bound_continuous_over_static"] > 0 and column["machine_step_seconds"]
         assert set(column["machine_schedule_seconds"]) == {"static", "continuous"}
+        steps = column["machine_step_of_roofline"]
+        assert steps.keys() == column["machine_step_seconds"].keys()
+        assert all(s["share"] == pytest.approx(s["floor"]["ms"] / s["ms"]) for s in steps.values())
     assert (tmp_path / "compare_batching.png").stat().st_size > 0
     assert "machine" in result and result["flags"]["model"] == "tiny-llama"
 
@@ -94,7 +98,7 @@ def test_speculation_study_writes_its_table(tmp_path):
 
 
 def test_fcfs_schedules_count_each_steps_sequences():
-    cb = experiments_module("compare_batching")
+    cb = experiments_module("batching_bounds")
     budgets = [3, 1, 2, 2, 1]
     # static: batches [3, 1] and [2, 2] and [1]; continuous: 2 slots, each request takes the first free one
     assert cb.fcfs_rows(budgets, 2, static=True) == [2, 1, 1, 2, 2, 1]
@@ -102,12 +106,35 @@ def test_fcfs_schedules_count_each_steps_sequences():
     assert sum(cb.fcfs_rows(budgets, 2, True)) == sum(cb.fcfs_rows(budgets, 2, False)) == sum(budgets)
 
 
+def test_the_cpu_roofline_has_both_sides_and_flags_a_share_past_it():
+    """A step's floor is the larger of its bytes over the best read method and its matmuls
+    through the best GEMM; a share of it above 100% reads as a suspect roofline."""
+    from cbjax.experimental import load_model
+
+    roof = experiments_module("cpu_roofline")
+    config = load_model("tiny-llama").config
+    shapes = roof.matmul_shapes(config)
+    assert shapes[(config.vocab_size, config.hidden_size)] == 1 and sum(shapes.values()) == 7 * config.num_layers + 1
+    roofline = roof.CpuRoofline(config, weight_bytes=10**9, batches=[1, 4], read_bytes=4 << 20)
+    memory = roofline.memory
+    assert memory["GBps"] == max(memory["methods_GBps"].values()) > 0
+    for rows in (1, 4):
+        floor = roofline.floor_ms(rows, kv_bytes=1e6)
+        assert floor["ms"] == max(floor["memory_ms"], floor["compute_ms"]) > 0
+        assert floor["memory_ms"] == pytest.approx(1e3 * (10**9 + 1e6) / (memory["GBps"] * 1e9))
+        assert roofline.compute[rows]["GFLOP"] == pytest.approx(
+            2 * rows * sum(n * k * c for (n, k), c in shapes.items()) / 1e9)
+    assert roofline.share(2 * roofline.floor_ms(1)["ms"], 1) == pytest.approx(0.5)
+    assert roof.share_text(0.5) == "50%" and "suspect" in roof.share_text(1.2)
+    assert "GB/s" in roofline.describe() and json.dumps(roofline.to_json())
+
+
 def test_static_bound():
-    static_bound = experiments_module("compare_batching").static_bound
+    static_bound = experiments_module("batching_bounds").static_bound
     assert static_bound([4, 4, 4, 4], 2) == pytest.approx(1.0)
     # batches [1, 3] and [2]: static spends 3*2 + 2*1 = 8 slot-steps for 6 tokens.
     assert static_bound([1, 3, 2], 2) == pytest.approx(8 / 6)
-    fcfs_bound = experiments_module("compare_batching").fcfs_bound
+    fcfs_bound = experiments_module("batching_bounds").fcfs_bound
     # Static: batches [8, 1] and [1, 8] take 16 steps. Continuous: slot 0 runs 8; slot 1 runs
     # 1, 1, then the last 8 from step 2 to 10.
     assert fcfs_bound([8, 1, 1, 8], 2) == pytest.approx(16 / 10)
@@ -271,7 +298,7 @@ def test_help_lists_the_workload_flags(forked, script):
 
 
 def test_compare_batching_table_columns_line_up():
-    cb = experiments_module("compare_batching")
+    cb = experiments_module("batching_bounds")
     rows = {"static": {"tokens_per_s": 12.5, "mean_running": 3.0},
             "continuous-paged": {"tokens_per_s": 1234.5, "mean_running": 12.25},
             "hf_generate_batch": {"tokens_per_s": 7.0}}
@@ -533,9 +560,11 @@ def test_bench_cpu_peers_reports_roofline_and_parses_llama_cpp(tmp_path):
     gguf.write_bytes(b"")
     out = tmp_path / "peers.json"
     run_script("bench_cpu_peers.py", "--model=tiny-llama", "--batch_sizes=1,2", "--prompt_len=4", "--new_tokens=4",
-               "--rounds=2", f"--llama_cpp_dir={tmp_path}", f"--llama_cpp_gguf={gguf}", f"--output_json={out}")
+               "--rounds=2", f"--llama_cpp_dir={tmp_path}", f"--llama_cpp_gguf={gguf}", f"--output_json={out}",
+               "--roofline_read_mb=16")
     result = json.loads(out.read_text())
-    assert result["roofline_ms_per_step"] > 0 and result["matvec_bytes_per_s"] > 0
+    assert result["roofline"]["memory"]["GBps"] > 0 and set(result["roofline"]["compute"]) == {"1", "2"}
+    assert all(r["fraction_of_roofline"] > 0 and r["floor"]["ms"] > 0 for r in result["cbjax"].values())
     assert set(result["cbjax"]) == {"1", "2"}
     # Both sides hold the KV cache in f16 (llama.cpp's default, cbjax's kv_cache_dtype float16).
     assert result["kv_cache_dtype"] == "float16"

@@ -70,6 +70,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def longest_near_best(flat: float, goodputs: list[float]) -> int:
+    """The index (a total, or a length) of the best goodput; when that proposes anything, the
+    largest whose goodput is within `flat` of it. The curve's costs carry a few percent of
+    noise, and where they are flat the longer proposal keeps more tokens for the same time
+    (left alone, the round with the cheapest noise wins and proposals stay short)."""
+    best = max(range(len(goodputs)), key=goodputs.__getitem__)
+    if best == 0:
+        return 0
+    return max(i for i, g in enumerate(goodputs) if g >= goodputs[best] * (1.0 - flat))
+
+
 class FixedLength:
     """Every guess proposed whole, up to `k`."""
 
@@ -200,7 +211,7 @@ class AdaptiveLength:
                 order.append(i)
                 tokens -= gain
                 goodputs.append(tokens / self.cost(batch, len(order)))
-            best_total = self._longest_near_best(goodputs)
+            best_total = longest_near_best(self.flat, goodputs)
             if self.rounds - self.explored >= self.probe_every and order:
                 best_total = self._explore(batch, best_total, range(1, len(order) + 1))
                 self.measuring = self.rounds if self.explored == self.rounds else self.measuring
@@ -242,7 +253,7 @@ class AdaptiveLength:
                 tokens = sum(expected_tokens(a, n) for a, n in zip(rates, lengths))
                 return tokens / self.cost(batch, sum(lengths))
 
-            k = self._longest_near_best([goodput(k) for k in range(self.max_k + 1)])
+            k = longest_near_best(self.flat, [goodput(k) for k in range(self.max_k + 1)])
             if self.rounds - self.explored >= self.probe_every:
                 totals = {sum(min(c, n) for c in caps): n for n in range(self.max_k, 0, -1)}  # a total's shortest k
                 k = totals.get(self._explore(batch, sum(min(c, k) for c in caps), list(totals)), k)
@@ -252,16 +263,6 @@ class AdaptiveLength:
         ks = [min(c, k) for c in caps]
         self.proposing = self.proposing * self.batch_decay + sum(1 for n in ks if n)
         return ks
-
-    def _longest_near_best(self, goodputs: list[float]) -> int:
-        """The index (a total, or a length) of the best goodput; when that proposes anything, the
-        largest whose goodput is within `flat` of it. The curve's costs carry a few percent of
-        noise, and where they are flat the longer proposal keeps more tokens for the same time
-        (left alone, the round with the cheapest noise wins and proposals stay short)."""
-        best = max(range(len(goodputs)), key=goodputs.__getitem__)
-        if best == 0:
-            return 0
-        return max(i for i, g in enumerate(goodputs) if g >= goodputs[best] * (1.0 - self.flat))
 
     def _explore(self, batch: int, best_total: int, totals) -> int:
         """The cost curve filled in: of the proposal totals the round can reach (`totals`), the

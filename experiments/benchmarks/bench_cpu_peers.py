@@ -38,7 +38,7 @@ from experiments.lib import common  # also quiets transformers and matplotlib
 
 from absl import app, flags
 
-from experiments.lib.cpu_roofline import CpuRoofline, share_text
+from experiments.lib.cpu_roofline import CpuRoofline, define_read_flag, share_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset or .gguf file (llama.cpp needs a GGUF: the preset's is used).")
@@ -65,6 +65,7 @@ flags.DEFINE_integer("multi_step", 8, "Also time cbjax's decode at this many ste
                      "(EngineConfig.decode_steps: the host syncs once per call), beside one step a call; "
                      "1 turns the column off.", lower_bound=1)
 flags.DEFINE_bool("compare_xla", True, "Also time cbjax's decode with the CPU kernels off (XLA only), side by side.")
+define_read_flag()
 flags.DEFINE_string("output_json", "results/bench_cpu_peers.json", "Where to write the results.")
 
 
@@ -234,7 +235,7 @@ def main(argv):
     from tqdm.auto import tqdm
 
     roofline = CpuRoofline(model.config, weight_bytes, batches, arithmetic={"none": "f32"}.get(
-        FLAGS.quantization, FLAGS.quantization))
+        FLAGS.quantization, FLAGS.quantization), read_bytes=FLAGS.roofline_read_mb << 20)
     c = model.config
     # Each row reads its keys and values at the decode's mean context, in the cache's dtype.
     kv_bytes_per_row = (2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if FLAGS.kv_cache_dtype == "float16" else 4)

@@ -21,6 +21,7 @@ from experiments.lib import common  # noqa: F401  (quiets transformers and matpl
 
 from absl import app, flags
 
+from experiments.lib.cpu_roofline import CpuRoofline, define_read_flag, kv_bytes_per_token, share_text
 from experiments.lib.hf_peers import configure_torch, continuous_generate_batch
 from cbjax import EngineArgs
 
@@ -38,6 +39,7 @@ flags.DEFINE_integer("scheduler_slots", 64, "Slots for the scheduler host-overhe
 flags.DEFINE_integer("seed", 0, "Workload and init seed.")
 flags.DEFINE_bool("skip_transformers", False, "Only run cbjax.")
 flags.DEFINE_string("output_json", "results/bench_engine.json", "Where to write the results.")
+define_read_flag()
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -107,6 +109,23 @@ def scheduler_overhead(slots: int) -> dict:
             "device_wait_ms_per_round": 1000 * s.device_wait_s / max(s.rounds, 1)}
 
 
+def decode_roofline(model, stats, prompts, outputs, seconds: float) -> dict:
+    """The run's decode steps at the CPU roofline (experiments/lib/cpu_roofline.py): as many steps
+    as it ran, each at the floor of a step of its mean running rows at the mean context; the
+    prompts' prefill is not in the floor, so the share is a lower bound."""
+    from cbjax.experimental import quant
+
+    rows = max(1, round(stats.mean_running))
+    roofline = CpuRoofline(model.config, quant.weight_bytes(model.params), [rows],
+                           read_bytes=FLAGS.roofline_read_mb << 20)
+    context = (sum(map(len, prompts)) + sum(outputs) / 2) / len(prompts)
+    floor = roofline.floor_ms(rows, rows * context * kv_bytes_per_token(model.config, "auto", "float32"))
+    floor_s = stats.decode_steps * floor["ms"] / 1e3
+    print(f"{roofline.describe()}\ncbjax's {stats.decode_steps} decode steps at {rows} rows: floor {floor_s:.2f} s "
+          f"({floor['bound']}-bound), the run {seconds:.2f} s: {share_text(floor_s / seconds)}")
+    return {"rows": rows, "floor_s": floor_s, "share": floor_s / seconds, "floor_step": floor, **roofline.to_json()}
+
+
 def main(argv):
     del argv
     import jax
@@ -133,6 +152,8 @@ def main(argv):
     }
     print(f"\ncbjax continuous: {total} tokens in {ours_s:.2f}s = {total / ours_s:.1f} tok/s "
           f"(compile {compile_s:.1f}s, host {stats.host_ms_per_decode_step():.3f} ms/decode step)")
+    if jax.default_backend() == "cpu":
+        result["cbjax"]["roofline"] = decode_roofline(model, stats, prompts, outputs, ours_s)
     if not FLAGS.skip_transformers:
         theirs, theirs_s = continuous_generate_batch(hf, prompts, outputs, FLAGS.num_slots, return_tokens=True)
         same = sum(a == b for a, b in zip(ours, theirs))

@@ -18,9 +18,10 @@ def quiet_libraries() -> None:
     lines and weight-conversion bars, and matplotlib's font-cache note, are silenced."""
     import logging
 
-    # font cache, "Unable to initialize backend 'tpu'", one INFO line per HTTP request
+    # font cache, "Unable to initialize backend 'tpu'", one INFO line per HTTP request, and
+    # transformers' continuous batching (its own handler: ~66 INFO lines a compare_batching run)
     for name in ("matplotlib", "jax._src.xla_bridge", "jax._src.compilation_cache", "httpx", "httpx2", "httpcore",
-                 "openai"):
+                 "openai", "ContinuousBatchingLogger"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # By the variables transformers reads when it is imported, not by importing it here (a
     # second of every script's start, --help's included).

@@ -34,6 +34,14 @@ COMPUTE_ARITHMETIC = {"f32": "f32 FMA", "int8": "int8 widened to f32, f32 FMA",
                       "gguf": "GGUF blocks widened to f32, f32 FMA"}
 
 
+def define_read_flag() -> None:
+    """`--roofline_read_mb`, for the scripts that report against this roofline."""
+    from absl import flags
+
+    flags.DEFINE_integer("roofline_read_mb", READ_BYTES >> 20, "The CPU roofline's read buffer in MB (larger than "
+                         "the caches; experiments/lib/cpu_roofline.py).", lower_bound=1)
+
+
 def kernel_threads() -> int:
     """The threads the CPU kernels use: `$CBJAX_CPU_KERNEL_THREADS`, else the CPUs this process may run on."""
     if os.environ.get("CBJAX_CPU_KERNEL_THREADS"):
@@ -78,6 +86,14 @@ def memory_side(read_bytes: int = READ_BYTES, repeats: int = 8, threads: int | N
     best = max(methods, key=methods.get)
     return {"GBps": methods[best] / 1e9, "method": best, "threads": threads, "bytes": read_bytes,
             "methods_GBps": {k: v / 1e9 for k, v in methods.items()}}
+
+
+def kv_bytes_per_token(config, kv_cache_dtype: str, model_dtype) -> int:
+    """The bytes of one token's keys and values over all layers, as the cache stores them."""
+    from cbjax.experimental import kv_storage_dtype
+
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_storage_dtype(
+        kv_cache_dtype, model_dtype).itemsize
 
 
 def matmul_shapes(config) -> dict[tuple[int, int], int]:

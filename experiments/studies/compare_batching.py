@@ -30,6 +30,8 @@ import time
 from absl import app, flags
 
 from experiments.lib import common
+from experiments.lib.batching_bounds import engine_roofline, fcfs_bound, machine_bound, roofline_table, static_bound
+from experiments.lib.cpu_roofline import define_read_flag
 from cbjax.experimental import engine_args
 from cbjax import EngineArgs
 from cbjax.experimental import KV_DTYPES
@@ -68,6 +70,7 @@ flags.DEFINE_enum("paged_attention", "auto", ["auto", "reference", "pallas"],
 flags.DEFINE_bool("machine_bound", True, "Also print the continuous/static bound this machine allows: the FCFS "
                   "schedules' decode steps priced at what the static row's steps of as many sequences took here "
                   "(one more untimed run of it; not under --simulate).")
+define_read_flag()
 common.define_simulate_flag()
 common.define_trace_flags(("synthetic",), "'synthetic': --prompt_len prompts of random tokens and capped-"
                           "exponential budgets (--output_mean); ")
@@ -96,39 +99,6 @@ flags.register_validator("paged_policies", lambda v: all(p in ("static", "dynami
                          message="--paged_policies must be policies among static, dynamic, continuous")
 flags.register_validator("kv_cache_bytes", lambda v: v is None or v >= 1, message="--kv_cache_bytes must be >= 1")
 flags.register_validator("paged_max_seqs", lambda v: v is None or v >= 1, message="--paged_max_seqs must be >= 1")
-
-
-def batch_longest(budgets: list[int], batch: int) -> list[int]:
-    """The longest budget of each static batch (FCFS batches of `batch`): its decode steps."""
-    return [max(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
-
-
-def static_bound(budgets: list[int], batch: int) -> float:
-    """Continuous/static throughput bound at equal slots for these budgets if continuous
-    wasted no slot-step at all (FCFS batches for static)."""
-    import numpy as np
-
-    longest = batch_longest(budgets, batch)
-    sizes = [len(budgets[i:i + batch]) for i in range(0, len(budgets), batch)]
-    # Static spends sum(longest * size) slot-steps for sum(budgets) useful tokens.
-    return float(np.dot(longest, sizes) / np.sum(budgets))
-
-
-def fcfs_bound(budgets: list[int], slots: int) -> float:
-    """Static's decode steps over continuous's for these budgets in arrival order: static runs
-    batches of `slots` to their longest member; continuous gives each request, in order, the
-    slot that frees first, and ends when its last slot does. With few waves that tail can cost
-    continuous all it saved (every wave's longest request at the cap): the ratio a run can reach."""
-    import heapq
-
-    static = sum(batch_longest(budgets, slots))
-    free = [0] * slots
-    end = 0
-    for b in budgets:
-        start = heapq.heappop(free)
-        heapq.heappush(free, start + b)
-        end = max(end, start + b)
-    return static / end
 
 
 def run_column(model, max_gen: int, peer) -> dict:
@@ -212,7 +182,7 @@ def run_column(model, max_gen: int, peer) -> dict:
                                                   "max": max(ratios), "runs": ratios}
     if FLAGS.machine_bound and not FLAGS.simulate and {"static", "continuous"} <= set(engines):
         column.update(machine_bound(engines["static"], prompts, [w.sampling for w in work], budgets, int(slots),
-                                    max_gen))
+                                    max_gen, engine_roofline(engines["static"], FLAGS.roofline_read_mb << 20)))
     if peer is not None:
         from experiments.lib.hf_peers import continuous_generate_batch, static_generate
 
@@ -222,79 +192,6 @@ def run_column(model, max_gen: int, peer) -> dict:
                 tokens, elapsed = fn(peer, prompts, budgets, slots, progress=bar.update)
             column["rows"][name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
     return column
-
-
-def fcfs_rows(budgets: list[int], slots: int, static: bool) -> list[int]:
-    """The decode steps of the FCFS schedules of `fcfs_bound`, as the number of sequences each
-    step decodes: static's batches of `slots` run to their longest member (rows leave as they
-    finish); continuous gives each request, in order, the slot that frees first."""
-    import heapq
-
-    steps: list[int] = []
-    if static:
-        for i in range(0, len(budgets), slots):
-            batch = budgets[i:i + slots]
-            steps += [sum(b > t for b in batch) for t in range(max(batch))]
-        return steps
-    free = [0] * slots
-    ends = []
-    for b in budgets:
-        start = heapq.heappop(free)
-        heapq.heappush(free, start + b)
-        ends.append((start, start + b))
-    length = max(e for _, e in ends)
-    busy = [0] * (length + 1)
-    for start, end in ends:
-        busy[start] += 1
-        busy[end] -= 1
-    running = 0
-    for t in range(length):
-        running += busy[t]
-        steps.append(running)
-    return steps
-
-
-def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int, max_gen: int) -> dict:
-    """This machine's continuous/static bound: the FCFS schedules of `fcfs_bound`, each decode
-    step priced at what a decode step of its token bucket took in the static row's rounds
-    (profiled once more, untimed, host/device overlap off: static decodes every batch size
-    from full to one as its batches drain), the prompts' prefill priced alike for both.
-    Continuous may reach it by refilling freed slots at once with the refills merged into the
-    decode steps; it cannot beat it by much."""
-    import numpy as np
-    from tqdm.auto import tqdm
-
-    from cbjax.experimental import profile_rounds
-
-    with tqdm(total=1, desc=f"static gen<={max_gen} profiled") as bar:
-        rounds = profile_rounds(static_llm, list(zip(prompts, samplings)))
-        bar.update()
-    # A decode step costs what its token bucket costs (the rows pad up to it: 17 rows cost
-    # twice 16 on a CPU): the median of static's decode rounds in each bucket, interpolated
-    # between buckets for one static never ran alone.
-    buckets = list(static_llm.engine_info.token_buckets)
-    bucket = lambda rows: next((b for b in buckets if b >= rows), buckets[-1])  # noqa: E731
-    by_bucket: dict[int, list[float]] = {}
-    prefill, prefill_decodes = 0.0, []
-    for calls, seconds in rounds:
-        decoded = max((c.rows for c in calls if c.kind == "decode"), default=0)
-        if all(c.kind == "decode" for c in calls):
-            by_bucket.setdefault(bucket(decoded), []).append(seconds)
-        else:  # prompt calls, and the round's decode (charged back below)
-            prefill += seconds
-            prefill_decodes += [decoded] if decoded else []
-    sizes = sorted(by_bucket)
-    step = [float(np.median(by_bucket[b])) for b in sizes]
-
-    def cost(schedule: list[int]) -> float:
-        return float(np.sum(np.interp([bucket(r) for r in schedule], sizes, step)))
-
-    static_steps, continuous_steps = fcfs_rows(budgets, slots, True), fcfs_rows(budgets, slots, False)
-    prefill = max(prefill - cost(prefill_decodes), 0.0)
-    static_s, continuous_s = prefill + cost(static_steps), prefill + cost(continuous_steps)
-    return {"machine_bound_continuous_over_static": static_s / continuous_s,
-            "machine_step_seconds": dict(zip(sizes, step)), "machine_prefill_seconds": prefill,
-            "machine_schedule_seconds": {"static": static_s, "continuous": continuous_s}}
 
 
 def kv_suffix(row: str) -> str:
@@ -383,7 +280,7 @@ def main(argv):
     for g in FLAGS.max_gen_lens:  # each column's engines have their own shapes
         columns.append(run_column(model, int(g), peer))
         common.release_programs()
-    table = print_table(columns)
+    table = print_table(columns) + roofline_table(columns)
     print("\n" + table)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     write_json(os.path.join(FLAGS.output_dir, "compare_batching.json"),
