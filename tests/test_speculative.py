@@ -212,18 +212,19 @@ def test_a_verify_round_costs_its_token_bucket():
 
 
 def test_lengths_the_cost_curve_cannot_tell_apart_propose_the_longest():
-    """Where the goodput of longer proposals is within `flat` of the best (the curve's noise),
-    the longest of them goes: more tokens kept for the same time; past `flat`, the best."""
-    cost = {0: 1.0, 1: 1.0, 2: 1.17, 3: 1.26, 4: 2.0}  # at acceptance 0.5: k=1 best, 2 and 3 within 1%
-    lengths = []
-    for flat in (0.0, 0.02):
-        policy = AdaptiveLength(max_k=4, flat=flat, prior_acceptance=0.5)
+    """Where longer proposals cost the same as the best one within `flat` (the curve's noise)
+    and make as much within `flat`, the longest of them goes: more tokens kept for the same
+    time. A longer one at a dearer cost does not, even when its goodput is within `flat`."""
+    def lengths(flat, acceptance, cost):
+        policy = AdaptiveLength(max_k=4, flat=flat, prior_acceptance=acceptance)
         measured(policy, 1, lambda b, k: cost[k])
-        for _ in range(20):
-            policy.observe("a", 2, 1, confidence=3)
-        assert policy.acceptance("a", Guess([1], 3, 1)) == pytest.approx(0.5)
-        lengths.append(policy.choose(["a"], guesses(1, length=4)))
-    assert lengths == [[1], [3]]
+        assert policy.acceptance("a", Guess([1], 3, 1)) == pytest.approx(acceptance)  # nothing seen: the prior
+        return policy.choose(["a"], guesses(1, length=4))
+
+    flat_cost = {0: 1.0, 1: 1.0, 2: 1.01, 3: 1.015, 4: 1.5}  # at acceptance 0.05: k=1 best, 2 and 3 within 1.2%
+    assert lengths(0.0, 0.05, flat_cost) == [1] and lengths(0.02, 0.05, flat_cost) == [3]
+    dearer = {0: 1.0, 1: 1.0, 2: 1.04, 3: 1.5, 4: 2.0}  # at 0.19: k=2 makes 3% more for 4% more time
+    assert lengths(0.02, 0.19, dearer) == [1]
 
 
 def test_a_length_measured_slow_once_is_measured_again():
