@@ -129,6 +129,28 @@ def test_the_cpu_roofline_has_both_sides_and_flags_a_share_past_it():
     assert "GB/s" in roofline.describe() and json.dumps(roofline.to_json())
 
 
+def test_bench_cpu_roofline_reports_each_figures_spread(tmp_path):
+    out = tmp_path / "roofline.json"
+    run_script("bench_cpu_roofline.py", "--model=tiny-llama", "--batches=1,2", "--runs=2", "--repeats=2",
+               "--roofline_read_mb=4", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert len(result["runs"]) == 2 and set(result["runs"][0]["compute"]) == {"1", "2"}
+    roof = result["summary"]["memory GB/s (the roof)"]
+    assert roof["spread"] == pytest.approx(max(roof["values"]) / min(roof["values"]) - 1)
+    assert "compute GFLOP/s at 2 rows" in result["summary"]
+
+
+@slow
+def test_bench_engine_reports_its_decode_against_the_roofline(tmp_path):
+    out = tmp_path / "engine.json"
+    run_script("bench_engine.py", "--shape=tiny", "--num_requests=4", "--num_slots=2", "--max_prompt=16",
+               "--max_output=16", "--skip_transformers", "--scheduler_slots=2", "--roofline_read_mb=4",
+               f"--output_json={out}")
+    roofline = json.loads(out.read_text())["cbjax"]["roofline"]
+    assert roofline["floor_s"] > 0 and roofline["share"] == pytest.approx(
+        roofline["floor_s"] / json.loads(out.read_text())["cbjax"]["seconds"])
+
+
 def test_static_bound():
     static_bound = experiments_module("batching_bounds").static_bound
     assert static_bound([4, 4, 4, 4], 2) == pytest.approx(1.0)
@@ -298,7 +320,7 @@ def test_help_lists_the_workload_flags(forked, script):
 
 
 def test_compare_batching_table_columns_line_up():
-    cb = experiments_module("batching_bounds")
+    cb = experiments_module("compare_batching")
     rows = {"static": {"tokens_per_s": 12.5, "mean_running": 3.0},
             "continuous-paged": {"tokens_per_s": 1234.5, "mean_running": 12.25},
             "hf_generate_batch": {"tokens_per_s": 7.0}}

@@ -26,7 +26,8 @@ flags.DEFINE_string("model", "smollm2-135m", "Preset or Hugging Face directory w
 flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Rows of the decode steps whose matmuls are timed.")
 common.validate_list("batches", int, 1, "positive integers")
 flags.DEFINE_integer("runs", 5, "Measurements of both sides, one after another.", lower_bound=1)
-flags.DEFINE_integer("repeats", 8, "Timed passes of each method in a run (the fastest is its figure).", lower_bound=1)
+flags.DEFINE_integer("repeats", 12, "Timed passes of each method in a run, the methods in turn (the fastest is its "
+                     "figure).", lower_bound=1)
 flags.DEFINE_string("output_json", "results/bench_cpu_roofline.json", "Where to write the results.")
 define_read_flag()
 

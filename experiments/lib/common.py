@@ -369,6 +369,11 @@ def write_outputs(output_dir: str, stem: str, text: str, record: dict, plot=None
     write_json({"flags": script_flags(), **record, "table": text}, os.path.join(output_dir, stem + ".json"))
 
 
+def suspect(share: float, of: str = "roofline") -> str:
+    """How a share of the roofline (or of the copy) reads in the table: past 100% the roofline is suspect."""
+    return f"{100 * share:.0f}% of {of}" + (" (roofline suspect: > 100%)" if share > 1.0 else "")
+
+
 def write_json(result: dict, path: str) -> None:
     """Write a result file (making its folder) and say where."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -9,15 +9,16 @@ A decode step of `rows` sequences cannot be faster than the larger of
   same loop on one thread, numpy's sum, and XLA's and the CPU kernel's matvec over a
   matrix the size of the buffer. The best is the roof (`GBps`), each figure is kept.
 - compute: the step's matmuls at its shapes (`rows` x each weight matrix, the LM head
-  included) timed one by one through the best GEMM the machine offers for them: XLA's and
-  numpy's BLAS (OpenBLAS), in f32. That is the arithmetic the kernels do for every format:
+  included) through the best GEMM the machine offers for them, XLA's or numpy's BLAS
+  (OpenBLAS), in f32, each timed on a block of its weight matrix that stays in the caches
+  (`CACHED_BYTES`) and scaled to the whole: the arithmetic alone. That is the arithmetic the kernels do for every format:
   int8 and the GGUF blocks are widened to f32 in registers and multiplied in f32
   (`COMPUTE_ARITHMETIC`); the widening's own work is not in the roof, so a quantized step at
   large batch sits further below it than an f32 one.
 
 The matvec over a weights-sized matrix alone, the old reference, read 28-34 GB/s from run to
 run on the 2-core VM (an f32 step then printed 114% and 145% of it). A share of this roof
-above 100% means the instrument is wrong, and `share` says so (`device_copy.suspect`).
+above 100% means the instrument is wrong, and `share_text` says so (`common.suspect`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-from experiments.lib.device_copy import suspect
+from experiments.lib.common import suspect
 
 READ_BYTES = 1 << 30  # 32x the 2-core VM's L3: no pass is served from the caches
 COMPUTE_ARITHMETIC = {"f32": "f32 FMA", "int8": "int8 widened to f32, f32 FMA",
@@ -49,20 +50,24 @@ def kernel_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of `fn` (after one untimed)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def fastest(calls: dict, repeats: int) -> dict[str, float]:
+    """Each call's fastest of `repeats` timed runs (after one untimed), the runs taken in turn
+    (one of each, `repeats` times): a slow stretch of a shared machine touches every call
+    alike instead of all of one call's runs."""
+    for fn in calls.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
-def memory_side(read_bytes: int = READ_BYTES, repeats: int = 8, threads: int | None = None) -> dict:
-    """Every read method's GB/s over `read_bytes` (each the fastest of `repeats` passes), the
-    best (`GBps`) and its method."""
+def memory_side(read_bytes: int = READ_BYTES, repeats: int = 12, threads: int | None = None) -> dict:
+    """Every read method's GB/s over `read_bytes` (each the fastest of `repeats` passes, the
+    methods in turn), the best (`GBps`) and its method."""
     import jax
     import jax.numpy as jnp
 
@@ -70,19 +75,17 @@ def memory_side(read_bytes: int = READ_BYTES, repeats: int = 8, threads: int | N
 
     threads = threads or kernel_threads()
     buffer = np.random.default_rng(0).standard_normal(read_bytes // 4, dtype=np.float32)
-    methods = {"numpy_sum": read_bytes / best_seconds(lambda: buffer.sum(), repeats)}
-    if cpu_kernels.available():
-        methods[f"cpp_read_{threads}_threads"] = read_bytes / best_seconds(
-            lambda: cpu_kernels.read_sum(buffer, threads), repeats)
-        if threads > 1:
-            methods["cpp_read_1_thread"] = read_bytes / best_seconds(lambda: cpu_kernels.read_sum(buffer, 1), repeats)
     matrix = jnp.asarray(buffer.reshape(-1, 512))
     x = jnp.ones((1, 512), jnp.float32)
-    matvecs = {"xla_matvec": jax.jit(lambda x, m: jnp.einsum("bd,vd->bv", x, m))}
+    xla = jax.jit(lambda x, m: jnp.einsum("bd,vd->bv", x, m))
+    calls = {"numpy_sum": lambda: buffer.sum(), "xla_matvec": lambda: xla(x, matrix).block_until_ready()}
     if cpu_kernels.available():
-        matvecs["kernel_matvec"] = jax.jit(cpu_kernels.matmul_nt)
-    for name, fn in matvecs.items():
-        methods[name] = read_bytes / best_seconds(lambda: fn(x, matrix).block_until_ready(), repeats)
+        kernel = jax.jit(cpu_kernels.matmul_nt)
+        calls[f"cpp_read_{threads}_threads"] = lambda: cpu_kernels.read_sum(buffer, threads)
+        if threads > 1:
+            calls["cpp_read_1_thread"] = lambda: cpu_kernels.read_sum(buffer, 1)
+        calls["kernel_matvec"] = lambda: kernel(x, matrix).block_until_ready()
+    methods = {name: read_bytes / seconds for name, seconds in fastest(calls, repeats).items()}
     best = max(methods, key=methods.get)
     return {"GBps": methods[best] / 1e9, "method": best, "threads": threads, "bytes": read_bytes,
             "methods_GBps": {k: v / 1e9 for k, v in methods.items()}}
@@ -109,34 +112,44 @@ def matmul_shapes(config) -> dict[tuple[int, int], int]:
     return shapes
 
 
-def gemm_seconds(rows: int, out: int, inner: int, repeats: int) -> dict[str, float]:
-    """`x [rows, inner] @ w.T` with `w [out, inner]` in f32, the fastest of `repeats`, by XLA and by numpy."""
+CACHED_BYTES = 8 << 20  # a weight block the compute side times: in this VM's 32 MB L3, so the GEMM is not waiting on memory
+
+
+def gemm_calls(rows: int, out: int, inner: int) -> tuple[dict, float]:
+    """`x [rows, inner] @ w.T` for a block of `w [out, inner]` that stays in the caches (the LM
+    head is 113 MB: timed whole it measures memory, not arithmetic), by XLA and by numpy, in
+    f32; and the factor from the block's time to the whole matrix's."""
     import jax
     import jax.numpy as jnp
 
+    block = max(1, min(out, CACHED_BYTES // (4 * inner)))
     rng = np.random.default_rng(rows * 7 + out)
-    x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((rows, inner), (out, inner)))
+    x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((rows, inner), (block, inner)))
     wt = np.ascontiguousarray(w.T)
     xj, wj = jnp.asarray(x), jnp.asarray(w)
     xla = jax.jit(lambda x, w: jnp.einsum("bd,vd->bv", x, w))
-    return {"xla": best_seconds(lambda: xla(xj, wj).block_until_ready(), repeats),
-            "numpy": best_seconds(lambda: x @ wt, repeats)}
+    return {"xla": lambda: xla(xj, wj).block_until_ready(), "numpy": lambda: x @ wt}, out / block
 
 
-def compute_side(config, batches, repeats: int = 10) -> dict:
+def compute_side(config, batches, repeats: int = 12) -> dict:
     """Per batch: the step's matmuls (`matmul_shapes`) at the best GEMM for each shape, their
     seconds summed, the GFLOP they do and the rate that makes; each GEMM's figures by method."""
     shapes = matmul_shapes(config)
     out = {}
     for rows in batches:
+        calls, scale = {}, {}
+        for (n, k) in shapes:
+            methods, scale[(n, k)] = gemm_calls(rows, n, k)
+            calls.update({(n, k, m): fn for m, fn in methods.items()})
+        timed = fastest(calls, repeats)
         seconds, flops, by_shape = 0.0, 0.0, {}
         for (n, k), count in shapes.items():
-            timed = gemm_seconds(rows, n, k, repeats)
-            best = min(timed, key=timed.get)
-            seconds += count * timed[best]
+            mine = {m: timed[(n, k, m)] * scale[(n, k)] for (n2, k2, m) in timed if (n2, k2) == (n, k)}
+            best = min(mine, key=mine.get)
+            seconds += count * mine[best]
             flops += count * 2.0 * rows * n * k
             by_shape[f"{n}x{k}"] = {"count": count, "method": best,
-                                    **{f"{m}_GFLOPs": 2.0 * rows * n * k / s / 1e9 for m, s in timed.items()}}
+                                    **{f"{m}_GFLOPs": 2.0 * rows * n * k / s / 1e9 for m, s in mine.items()}}
         out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9, "shapes": by_shape}
     return out
 

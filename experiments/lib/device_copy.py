@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 
+from experiments.lib.common import suspect  # noqa: F401  (re-exported for the device sections)
 from experiments.lib.device_common import timed_ms
 
 # Nominal HBM bandwidth by device kind (vendors' data sheets), bytes/s: matched by substring.
@@ -148,8 +149,3 @@ def copy_bandwidth(tiny: bool) -> dict:
     best = max(timed, key=lambda name: timed[name]["GBps"])
     return {"GBps": timed[best]["GBps"], "method": best, "methods": methods, "device_kind": kind,
             "nominal_GBps": nominal_GBps(kind), "bytes": num_bytes}
-
-
-def suspect(share: float, of: str = "roofline") -> str:
-    """How a share of the roofline (or of the copy) reads in the table: past 100% the roofline is suspect."""
-    return f"{100 * share:.0f}% of {of}" + (" (roofline suspect: > 100%)" if share > 1.0 else "")
