@@ -271,8 +271,8 @@ class AdaptiveLength:
     def _explore(self, batch: int, best_total: int, totals) -> int:
         """The cost curve filled in: of the proposal totals the round can reach (`totals`), the
         largest of the verify size not yet measured (twice: its first round may have compiled)
-        or stale (`CostCurve.to_measure`) at this batch nearest the best total's, instead of the best when the allowance pays
-        what it adds by the curve; else the best total. A CPU's curve is not convex (a verify
+        or stale (`CostCurve.to_measure`) at this batch nearest the best total's, instead of the
+        best when the allowance pays what it adds by the curve; else the best total. A CPU's curve is not convex (a verify
         of few rows runs the decode kernels, of more a blocked GEMM; a token over a bucket pays
         the next one), so every size is tried once the allowance has it, the cheap ones first."""
         by_size: dict[int, int] = {}

@@ -38,7 +38,7 @@ from experiments.lib import common  # also quiets transformers and matplotlib
 
 from absl import app, flags
 
-from experiments.lib.cpu_roofline import CpuRoofline, define_read_flag, share_text
+from experiments.lib.cpu_roofline import CpuRoofline, define_read_flag, kv_bytes_per_token, share_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset or .gguf file (llama.cpp needs a GGUF: the preset's is used).")
@@ -236,9 +236,8 @@ def main(argv):
 
     roofline = CpuRoofline(model.config, weight_bytes, batches, arithmetic={"none": "f32"}.get(
         FLAGS.quantization, FLAGS.quantization), read_bytes=FLAGS.roofline_read_mb << 20)
-    c = model.config
     # Each row reads its keys and values at the decode's mean context, in the cache's dtype.
-    kv_bytes_per_row = (2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if FLAGS.kv_cache_dtype == "float16" else 4)
+    kv_bytes_per_row = (kv_bytes_per_token(model.config, FLAGS.kv_cache_dtype, "float32")
                         * (FLAGS.prompt_len + FLAGS.new_tokens / 2))
     print(f"weights {weight_bytes / 1e6:.0f} MB; {roofline.describe()}", flush=True)
     multi_step = min(FLAGS.multi_step, FLAGS.new_tokens - 1)  # at least one whole call

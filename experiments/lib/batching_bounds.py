@@ -137,9 +137,9 @@ def machine_bound(static_llm, prompts, samplings, budgets: list[int], slots: int
     if roofline is not None:
         context = float(np.mean([len(p) for p in prompts])) + float(np.mean(budgets)) / 2
         per_token = kv_bytes_per_token(static_llm.model.config, static_llm.args.kv_cache_dtype, static_llm.args.dtype)
+        floors = {rows: roofline.floor_ms(rows, rows * context * per_token) for rows in sizes}
         out["machine_step_of_roofline"] = {
-            rows: {"ms": 1e3 * seconds, "floor": roofline.floor_ms(rows, rows * context * per_token),
-                   "share": roofline.share(1e3 * seconds, rows, rows * context * per_token)}
+            rows: {"ms": 1e3 * seconds, "floor": floors[rows], "share": floors[rows]["ms"] / (1e3 * seconds)}
             for rows, seconds in zip(sizes, step)}
     return out
 

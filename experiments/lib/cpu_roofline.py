@@ -93,10 +93,9 @@ def memory_side(read_bytes: int = READ_BYTES, repeats: int = 12, threads: int | 
 
 def kv_bytes_per_token(config, kv_cache_dtype: str, model_dtype) -> int:
     """The bytes of one token's keys and values over all layers, as the cache stores them."""
-    from cbjax.experimental import kv_storage_dtype
+    from cbjax.experimental import kv_bytes_per_token as per_token, kv_storage_dtype
 
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_storage_dtype(
-        kv_cache_dtype, model_dtype).itemsize
+    return per_token(config, kv_storage_dtype(kv_cache_dtype, model_dtype).itemsize)
 
 
 def matmul_shapes(config) -> dict[tuple[int, int], int]:
@@ -144,7 +143,7 @@ def compute_side(config, batches, repeats: int = 12) -> dict:
         timed = fastest(calls, repeats)
         seconds, flops, by_shape = 0.0, 0.0, {}
         for (n, k), count in shapes.items():
-            mine = {m: timed[(n, k, m)] * scale[(n, k)] for (n2, k2, m) in timed if (n2, k2) == (n, k)}
+            mine = {m: timed[(n, k, m)] * scale[(n, k)] for m in ("xla", "numpy")}
             best = min(mine, key=mine.get)
             seconds += count * mine[best]
             flops += count * 2.0 * rows * n * k
