@@ -84,8 +84,6 @@ def test_smollm2_runs_from_its_own_blocks():
     assert (engine_of(llm).ops is cpu_kernels.CPU_KERNELS) == cpu_kernels.available()  # its block kernel decodes
     # and one layer-kernel call a layer decodes, the weights named by address
     assert (engine_of(llm)._params_by_address is not None) == cpu_kernels.available()
-    if cpu_kernels.available():  # up to the block kernel's rows: its matmuls take them either way
-        assert engine_of(llm)._params_by_address["layers"].max_rows == cpu_kernels.BLOCK_MAX_ROWS
     assert quant.weight_bytes(params) == file_bytes  # norms in f32 as the file holds them, blocks as they are
     prompt = llm.model.tokenizer("The Eiffel Tower is in the city of")["input_ids"]
     sampling = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -118,12 +116,12 @@ def test_cpu_block_kernel_matches_the_dequantized_product(kind):
         blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
         weight = GGUFWeight(jnp.asarray(blocks), kind)
         dense = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
-        for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
+        for rows in (1, 3, cpu_kernels.MAX_ROWS):
             x = rng.normal(size=(rows, width)).astype(np.float32)
             assert cpu_kernels.blocks_fit(jnp.asarray(x), weight)
             got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
             np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
-        assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, width)), weight)
+        assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.MAX_ROWS + 1, width)), weight)
 
 
 @slow

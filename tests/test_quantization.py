@@ -71,11 +71,11 @@ def test_cpu_int8_kernel_matches_the_dequantized_product():
         w = quant.quantize(jnp.asarray(rng.normal(size=(37, width)), jnp.float32), "int8")
         assert w.values.shape[1] // w.scale.shape[1] == group
         dense = np.asarray(w.dequantize())
-        for rows in (1, 3, cpu_kernels.BLOCK_MAX_ROWS):
+        for rows in (1, 3, cpu_kernels.MAX_ROWS):
             x = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
             assert cpu_kernels.int8_fits(x, w)
             np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x) @ dense.T, rtol=1e-5, atol=1e-4)
-        assert not cpu_kernels.int8_fits(jnp.zeros((cpu_kernels.BLOCK_MAX_ROWS + 1, width)), w)
+        assert not cpu_kernels.int8_fits(jnp.zeros((cpu_kernels.MAX_ROWS + 1, width)), w)
     one_group = quant.quantize(jnp.ones((4, 48)), "int8")  # 48 inputs: one group of 48, not whole blocks
     assert not cpu_kernels.int8_fits(jnp.ones((1, 48)), one_group)
 

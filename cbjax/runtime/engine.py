@@ -267,7 +267,7 @@ class Engine(EngineBase):
     def _step_arguments(self, packed: tuple[np.ndarray, ...], steps: int,
                         sampler: Sampler = ALL, verify: int = 0, prompt_k: int = 0) -> tuple[tuple, dict]:
         by_address = (self._params_by_address is not None
-                      and packed[0].shape[1] <= self._params_by_address["layers"].max_rows)
+                      and packed[0].shape[1] <= cpu_kernels.MAX_ROWS)
         params = self._params_by_address if by_address else self.params
         if self.lora is not None:  # the adapter pool rides in the params (cbjax/models/lora.py)
             params = {**params, "lora": self.lora.pool}

@@ -305,6 +305,7 @@ struct BlockInput {
   const float* x;  // [M, K]
   const float* eighth_sums;  // M == 1: each 32-block's sum(x) / 8 (block_sums)
   int64_t M, K;
+  const float* xt = nullptr;  // x transposed (transposed_input) where f32 weights read it
 };
 
 // Weight rows [n0, n1) of blocks `w` of `kind` against the input: y [M, N].

@@ -25,7 +25,7 @@ void expert_matmul_chunk(const void* context, int64_t c) {
   const ExpertMatmul& m = *static_cast<const ExpertMatmul*>(context);
   const int64_t g = c / m.chunks_per_group, part = c % m.chunks_per_group;
   const int64_t start = m.group_start[g], rows = m.group_start[g + 1] - start;
-  weight_rows(m.xs + start * m.K, m.w + static_cast<int64_t>(m.group_expert[g]) * m.N * m.K, m.ys + start * m.N,
+  weight_rows(m.xs + start * m.K, nullptr, m.w + static_cast<int64_t>(m.group_expert[g]) * m.N * m.K, m.ys + start * m.N,
               rows, m.N, m.K, part * m.rows_per_chunk, chunk_end(part, m.rows_per_chunk, m.N));
 }
 
@@ -59,7 +59,7 @@ ffi::Error ExpertMatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   std::vector<float> xs(P * K), ys(P * N);
   const float* xp = x.typed_data();
   for (int64_t i = 0; i < P; ++i) std::memcpy(&xs[i * K], xp + order[i] * K, K * sizeof(float));
-  const int64_t rows = rows_per_chunk_for(K), per_group = chunk_count(N, rows);
+  const int64_t rows = rows_per_chunk_for(K, 1), per_group = chunk_count(N, rows);
   const ExpertMatmul m{xs.data(), w.typed_data(), ys.data(), group_start.data(), group_expert.data(),
                        N, K, rows, per_group};
   pool().run(expert_matmul_chunk, &m, per_group * static_cast<int64_t>(group_expert.size()));

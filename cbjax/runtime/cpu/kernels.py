@@ -4,13 +4,13 @@
 (`EngineConfig.cpu_kernels`), takes two things from XLA:
 
 - `decoder_layer`: a whole RMSNorm / RoPE / gated-SiLU layer without biases (Llama,
-  Mistral, Qwen3) over at most `MAX_ROWS` rows of one token each (`BLOCK_MAX_ROWS` where every
-  matrix is GGUF Q8_0/Q4_0/Q4_1 blocks or int8; decode and the mixed step's flat rows), its keys and
+  Mistral, Qwen3) over at most `MAX_ROWS` rows of one token each (f32 matrices, GGUF
+  Q8_0/Q4_0/Q4_1 blocks or int8; decode and the mixed step's flat rows), its keys and
   values written into the slot or paged cache in place, in one call: the layer's seven
   matmuls, attention and ~26 small XLA fusions were separate thunks of XLA's executor
   (docs/code_measurements.md);
-- `dense`: the other matmuls of at most `MAX_ROWS` rows (`BLOCK_MAX_ROWS` for GGUF blocks and
-  int8 weights, read as they are stored: the LM head; the layers of families the layer kernel
+- `dense`: the other matmuls of at most `MAX_ROWS` rows (GGUF blocks and int8 weights read
+  as they are stored): the LM head; the layers of families the layer kernel
   does not take); prefill's larger ones stay with XLA's GEMM, which is as fast there;
 - the history attention of one query token per row (the step's flat rows), on the slot
   and the paged cache alike, each row read only up to its own length, where the layer
@@ -36,18 +36,17 @@ from cbjax.models.lora import MODULES
 from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
-# Re-exported: why the kernels are off; the CPU roofline's read loop.
-from cbjax.runtime.cpu.library import build_error, read_sum  # noqa: F401
+# Re-exported: why the kernels are off; the CPU roofline's read loop; the f32 matmuls' two forms.
+from cbjax.runtime.cpu.library import (build_error, measure_crossover, read_sum, set_transposed,  # noqa: F401
+                                       transposed_rows)
 
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)
 INT8_KIND = 4  # an int8 matrix (quantization='int8') there (kI8)
-# Rows up to which the block kernel takes a GGUF (or int8) matmul; above, XLA dequantizes the
-# weight once per call (a prefill's GEMM amortizes that; a decode step's would not).
-BLOCK_MAX_ROWS = 64
-# Rows (batch x tokens) up to which the kernel beats XLA:CPU's YNNPACK matmul (docs/cpu_kernels.md:
-# where XLA takes over).
-MAX_ROWS = 16
+# Rows (batch x tokens) up to which the kernels take a matmul (matmul.h's kMaxTransposedRows,
+# blocks.h's kMaxBlockRows): decode and the mixed step. Past them (prefill) XLA's GEMM, which
+# there amortizes its packing (and for GGUF or int8 weights, dequantizing once a call).
+MAX_ROWS = 64
 
 def available() -> bool:
     return build_error() is None
@@ -99,8 +98,8 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def blocks_fit(x: jax.Array, w) -> bool:
-    """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most BLOCK_MAX_ROWS rows."""
-    return isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and _takes_rows(x, BLOCK_MAX_ROWS)
+    """Whether `x @ w.T` for a GGUF-block weight is the block kernel's: f32, at most MAX_ROWS rows."""
+    return isinstance(w, GGUFWeight) and w.kind in BLOCK_KINDS and _takes_rows(x, MAX_ROWS)
 
 
 def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
@@ -113,9 +112,9 @@ def matmul_blocks(x: jax.Array, w: GGUFWeight) -> jax.Array:
 
 def int8_fits(x: jax.Array, w) -> bool:
     """Whether `x @ w.T` for a quantization='int8' weight is the int8 kernel's: f32, at most
-    BLOCK_MAX_ROWS rows, groups of 32 inputs times a power of two, on the CPU."""
+    MAX_ROWS rows, groups of 32 inputs times a power of two, on the CPU."""
     return (isinstance(w, QuantizedWeight) and w.values.dtype == jnp.int8 and _int8_groups_fit(w)
-            and _takes_rows(x, BLOCK_MAX_ROWS))
+            and _takes_rows(x, MAX_ROWS))
 
 
 def _int8_groups_fit(w: QuantizedWeight) -> bool:
@@ -176,8 +175,7 @@ def layer_fits(x: jax.Array, p, config, layer_k: jax.Array) -> bool:
     weights, an f32 or f16 cache, and the RMSNorm / RoPE / gated-SiLU layer without biases (a
     `LayerAt` layer is one by construction)."""
     b, t = x.shape[:2]
-    limit = p.max_rows if isinstance(p, LayerAt) else MAX_ROWS
-    rows = (t == 1 and 0 < b <= limit and x.dtype == jnp.float32 and reads_cache(layer_k.dtype) and available())
+    rows = (t == 1 and 0 < b <= MAX_ROWS and x.dtype == jnp.float32 and reads_cache(layer_k.dtype) and available())
     if isinstance(p, LayerAt):
         return rows
     return (rows and config.position_embedding == "rope" and not config.is_gpt2 and "w_gate" in p
@@ -252,7 +250,6 @@ class LayerAt:
 
     table: jax.Array
     index: int
-    max_rows: int = MAX_ROWS
 
 
 @jax.tree_util.register_dataclass
@@ -270,16 +267,12 @@ class LayerAddresses:
     engine keeps its params), and weights are never donated or written."""
 
     table: jax.Array
-    # Static: rows up to which the programs take the table (the layer kernel runs them):
-    # BLOCK_MAX_ROWS where every matrix is GGUF blocks or int8 (the block kernel takes those rows
-    # either way; the layer call drops XLA's ops between them), MAX_ROWS where f32 ones are.
-    max_rows: int = dataclasses.field(default=MAX_ROWS, metadata=dict(static=True))
 
     def __len__(self) -> int:
         return self.table.shape[0]
 
     def __iter__(self):
-        return (LayerAt(self.table, i, self.max_rows) for i in range(len(self)))
+        return (LayerAt(self.table, i) for i in range(len(self)))
 
 
 def _kind(a, shape: tuple) -> int | None:
@@ -312,7 +305,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
             or config.qk_norm_whole or config.clip_qkv is not None
             or not set(expected) <= set(LAYER_WEIGHTS)):
         return None  # biases, ungated MLP or learned positions: a layer the kernel does not run
-    rows, all_blocks = [], True
+    rows = []
     for p in layers:
         if set(p) != set(expected) or len(jax.tree.leaves(p, is_leaf=is_quantized)) != len(expected):
             return None  # a layer of another shape than the config's
@@ -320,7 +313,6 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
         kinds = {n: _kind(a, expected[n]) for n, a in arrays.items()}
         if None in kinds.values() or any(kinds[n] != F32_KIND for n in arrays if "norm" in n):
             return None
-        all_blocks = all_blocks and all(k != F32_KIND for n, k in kinds.items() if "norm" not in n)
         row = []
         for n in LAYER_WEIGHTS:
             a = arrays.get(n)
@@ -331,7 +323,7 @@ def layer_addresses(params: dict, config) -> LayerAddresses | None:
             row += [address & 0xFFFFFFFF, address >> 32, kinds.get(n, F32_KIND), scales & 0xFFFFFFFF, scales >> 32,
                     group]
         rows.append(row)
-    return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)), BLOCK_MAX_ROWS if all_blocks else MAX_ROWS)
+    return LayerAddresses(jnp.asarray(np.array(rows, np.uint32)))
 
 
 class CpuKernelOps(Ops):

@@ -30,8 +30,14 @@ struct Weight {
 // when a Q4 weight reads it.
 BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
   bool q4 = false;
-  for (int64_t i = 0; i < count; ++i) q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
-  return block_input(x, M, K, q4);
+  bool f32 = false;
+  for (int64_t i = 0; i < count; ++i) {
+    q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
+    f32 |= readers[i].kind == kF32;
+  }
+  BlockInput in = block_input(x, M, K, q4);
+  if (f32) in.xt = transposed_input(x, M, K);
+  return in;
 }
 
 BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
@@ -39,13 +45,13 @@ BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_li
 }
 
 void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if (w.kind == kF32) return weight_rows(in.x, static_cast<const float*>(w.data), y, in.M, N, in.K, n0, n1);
+  if (w.kind == kF32) return weight_rows(in.x, in.xt, static_cast<const float*>(w.data), y, in.M, N, in.K, n0, n1);
   if (w.kind == kI8) return int8_rows(in, {static_cast<const int8_t*>(w.data), w.scale, w.group}, y, N, n0, n1);
   block_rows(in, static_cast<const uint8_t*>(w.data), w.kind, y, N, n0, n1);
 }
 
-int64_t rows_per_chunk_for(Weight w, int64_t K) {
-  if (w.kind == kF32) return rows_per_chunk_for(K);
+int64_t rows_per_chunk_for(Weight w, int64_t K, int64_t M) {
+  if (w.kind == kF32) return rows_per_chunk_for(K, M);
   return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind]);
 }
 
@@ -62,7 +68,7 @@ struct Segments {
 
 Segments segments(const float* x, int64_t M, int64_t K, std::initializer_list<std::tuple<Weight, float*, int64_t>> parts) {
   Segments s{};
-  s.rows_per_chunk = rows_per_chunk_for(std::get<0>(*parts.begin()), K);
+  s.rows_per_chunk = rows_per_chunk_for(std::get<0>(*parts.begin()), K, M);
   for (const auto& [w, y, n] : parts) {
     s.w[s.count] = w, s.y[s.count] = y, s.N[s.count] = n;
     s.first_chunk[s.count + 1] = s.first_chunk[s.count] + chunk_count(n, s.rows_per_chunk);
@@ -92,7 +98,7 @@ struct ResidualMatmul {
 
 ResidualMatmul residual_matmul(const float* x, int64_t M, int64_t K, Weight w, float* y, int64_t N,
                                const float* residual, float* out) {
-  return {layer_input(x, M, K, {w}), w, y, N, rows_per_chunk_for(w, K), residual, out};
+  return {layer_input(x, M, K, {w}), w, y, N, rows_per_chunk_for(w, K, M), residual, out};
 }
 
 void residual_chunk(const void* context, int64_t c) {
@@ -291,7 +297,7 @@ ffi::Error decoder_layer(const LayerWeights& w, int64_t F, int64_t D, ffi::Buffe
   if (lora != nullptr) add_lora(lora, lora->o, attn, QD, out, H, M);  // out = x + o(attn): its delta adds there
 
   rms_norm_rows(out, w.mlp_norm, h, M, H, eps);
-  const int64_t rows_f = rows_per_chunk_for(w.w_gate, H);
+  const int64_t rows_f = rows_per_chunk_for(w.w_gate, H, M);
   const GatedMatmul mlp{layer_input(h, M, H, {w.w_gate, w.w_up}), w.w_gate, w.w_up, gate, up, F, rows_f, act};
   pool().run(gated_chunk, &mlp, chunk_count(F, rows_f));
   if (lora != nullptr && (lora->gate.a || lora->up.a)) {  // gate and up changed: their product again

@@ -26,6 +26,10 @@ TARGETS = ("cbjax_matmul_nt", "cbjax_expert_matmul_nt", "cbjax_matmul_blocks", "
            "cbjax_argmax")
 SOURCES = Path(__file__).parent
 MAIN = SOURCES / "ffi.cc"
+# The input width at which the kernels time their two f32 matmul forms when they load
+# (matmul.h: the crossover, measured).
+CROSSOVER_INPUTS = 768
+MAX_TRANSPOSED_ROWS = 64  # matmul.h's kMaxTransposedRows
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
 log = logging.getLogger(__name__)
@@ -87,6 +91,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"{type(e).__name__}: {e}"
     library.cbjax_read_sum.restype = ctypes.c_double
     library.cbjax_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    library.cbjax_measure_crossover.restype = library.cbjax_takes_transposed.restype = ctypes.c_int64
+    library.cbjax_measure_crossover.argtypes = library.cbjax_takes_transposed.argtypes = [ctypes.c_int64]
+    library.cbjax_set_transposed.argtypes = [ctypes.c_int64] * 3
+    library.cbjax_measure_crossover(CROSSOVER_INPUTS)
     return library, None
 
 
@@ -98,9 +106,32 @@ def build_error() -> str | None:
 def read_sum(buffer, threads: int) -> float:
     """The sum of a C-contiguous float32 numpy array read by `threads` threads, each its own
     contiguous part (bandwidth.h: the CPU roofline's memory side; the caller times it)."""
-    library, error = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {error}")
+    library = _library()
     if buffer.dtype.name != "float32" or not buffer.flags.c_contiguous:
         raise ValueError("read_sum takes a C-contiguous float32 array")
     return library.cbjax_read_sum(buffer.ctypes.data, buffer.size, threads)
+
+
+def transposed_rows() -> list[int]:
+    """The input-row counts at which f32 matmuls take the transposed-input form (matmul.h), as
+    measured when the kernels loaded (or as last set)."""
+    library = _library()
+    return [m for m in range(2, MAX_TRANSPOSED_ROWS + 1) if library.cbjax_takes_transposed(m)]
+
+
+def set_transposed(first: int, last: int, on: bool) -> None:
+    """Pins the form for input-row counts [first, last] (tests run both forms)."""
+    _library().cbjax_set_transposed(int(first), int(last), int(on))
+
+
+def measure_crossover(inputs: int = CROSSOVER_INPUTS) -> list[int]:
+    """Times the two forms again at `inputs`-wide rows, sets each count's; returns transposed_rows()."""
+    _library().cbjax_measure_crossover(int(inputs))
+    return transposed_rows()
+
+
+def _library() -> ctypes.CDLL:
+    library, error = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {error}")
+    return library

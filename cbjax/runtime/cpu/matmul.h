@@ -69,7 +69,107 @@ void single_input_rows(const float* x, const float* w, float* y, int64_t K, int6
   }
 }
 
-void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+// ---------------------------------------------------------------- many input rows
+
+// From `transposed_from` input rows up, the input is transposed once a call (xt [K, Mp]: Mp is M
+// rounded up to 8, zero padded) and each weight is broadcast against 8 input rows at a time. The
+// dot-product tile above ends every output in a horizontal sum (at K = 576, ~8 shuffles and adds
+// against its 36 FMAs), and past 4 input rows reads its weight block again from L2 for every 4;
+// here an output is its lanes as they stand and every weight is read once for all the rows
+// (docs/cpu_kernels.md: many rows).
+template <int L>
+struct Lanes {
+  typedef float type __attribute__((vector_size(4 * L)));
+};
+#ifdef __AVX512F__
+constexpr int kBroadcastAccumulators = 24;  // of 32 vector registers
+constexpr int64_t kWideFrom = 33;  // 16 lanes from here: 8-lane tiles' loads (MV x per k) outgrew the FMAs
+#else
+constexpr int kBroadcastAccumulators = 12;  // of AVX2's 16
+constexpr int64_t kWideFrom = 1 << 30;
+#endif
+constexpr int64_t kMaxTransposedRows = 64;
+// Per input-row count, whether f32 matmuls take this form: cbjax_measure_crossover sets it when the
+// kernels load (below). Not a threshold: the form pads M to whole vectors, so 10 rows (16
+// lanes, 6 idle) lost to the dot tiles where 8 and 16 won.
+bool transposed_at[kMaxTransposedRows + 1] = {};
+
+inline int64_t lanes_for(int64_t M) { return M >= kWideFrom ? 16 : 8; }
+inline int64_t padded_rows(int64_t M) { return (M + lanes_for(M) - 1) / lanes_for(M) * lanes_for(M); }
+
+bool takes_transposed(int64_t M) { return M > 1 && M <= kMaxTransposedRows && transposed_at[M]; }
+
+void transpose_input(const float* x, int64_t M, int64_t K, float* xt) {
+  const int64_t Mp = padded_rows(M);
+  for (int64_t m = 0; m < Mp; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * Mp + m] = m < M ? x[m * K + k] : 0.f;
+}
+
+// The caller's input transposed into a buffer of its thread (nullptr where the dot tiles take M):
+// the pool's threads read it while the call runs.
+const float* transposed_input(const float* x, int64_t M, int64_t K) {
+  if (!takes_transposed(M)) return nullptr;
+  thread_local std::vector<float> buffer;
+  buffer.resize(K * padded_rows(M));
+  transpose_input(x, M, K, buffer.data());
+  return buffer.data();
+}
+
+// Weight rows [n0, n1) in tiles of NR against MV vectors of L input rows: NR * MV accumulators.
+template <int L, int NR, int MV>
+void broadcast_tile(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                    int64_t n1) {
+  using vl = typename Lanes<L>::type;
+  constexpr int64_t Mp = L * MV;
+  for (int64_t n = n0; n + NR <= n1; n += NR) {
+    vl acc[NR][MV] = {};
+    const float* wn = w + n * K;
+    for (int64_t k = 0; k < K; ++k) {
+      vl xv[MV];
+      for (int v = 0; v < MV; ++v) std::memcpy(&xv[v], xt + k * Mp + L * v, sizeof(vl));
+      for (int j = 0; j < NR; ++j) {
+        const float b = wn[j * K + k];
+        for (int v = 0; v < MV; ++v) acc[j][v] += b * xv[v];
+      }
+    }
+    // (One memcpy of all of xv above, or reading acc's lanes in place here, and GCC kept the
+    // accumulators on the stack: a third of the speed.)
+    for (int j = 0; j < NR; ++j)
+      for (int v = 0; v < MV; ++v) {
+        float lanes[L];
+        std::memcpy(lanes, &acc[j][v], sizeof(lanes));
+        for (int l = 0; l < L && L * v + l < M; ++l) y[(L * v + l) * N + n + j] = lanes[l];
+      }
+  }
+}
+
+template <int L, int MV>
+void broadcast_rows(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                    int64_t n1) {
+  constexpr int NR = std::max(1, std::min(12, kBroadcastAccumulators / MV));
+  const int64_t tiled = n0 + (n1 - n0) / NR * NR;
+  broadcast_tile<L, NR, MV>(xt, w, y, M, N, K, n0, tiled);
+  broadcast_tile<L, 1, MV>(xt, w, y, M, N, K, tiled, n1);
+}
+
+void transposed_rows(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                     int64_t n1) {
+  if (lanes_for(M) == 16) {
+    if (padded_rows(M) == 48) return broadcast_rows<16, 3>(xt, w, y, M, N, K, n0, n1);
+    return broadcast_rows<16, 4>(xt, w, y, M, N, K, n0, n1);
+  }
+  switch (padded_rows(M) / 8) {
+    case 1: return broadcast_rows<8, 1>(xt, w, y, M, N, K, n0, n1);
+    case 2: return broadcast_rows<8, 2>(xt, w, y, M, N, K, n0, n1);
+    case 3: return broadcast_rows<8, 3>(xt, w, y, M, N, K, n0, n1);
+    default: return broadcast_rows<8, 4>(xt, w, y, M, N, K, n0, n1);
+  }
+}
+
+// y [M, N] rows [n0, n1) of x @ w.T; xt: x transposed (transposed_input) or nullptr.
+void weight_rows(const float* x, const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t n0, int64_t n1) {
+  if (xt) return transposed_rows(xt, w, y, M, N, K, n0, n1);
   if (M == 1) return single_input_rows(x, w, y, K, n0, n1);
   // 64 weight rows at a time (at most 64 x K floats) stay in L2 while every input row passes.
   const int64_t block = 64;
@@ -84,8 +184,10 @@ void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t N,
 
 // ---------------------------------------------------------------- matmul
 
-// About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly.
-int64_t rows_per_chunk_for(int64_t K) {
+// About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly. With the
+// input transposed, 24 rows: whole tiles of every broadcast_rows shape (12, 8 or 6 rows).
+int64_t rows_per_chunk_for(int64_t K, int64_t M) {
+  if (takes_transposed(M)) return 24;
   const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
   return rows < 4 ? 4 : rows;
 }
@@ -99,6 +201,7 @@ int64_t chunk_end(int64_t c, int64_t rows_per_chunk, int64_t N) {
 
 struct Matmul {
   const float* x;
+  const float* xt;  // transposed_input's, or nullptr
   const float* w;
   float* y;
   int64_t M, N, K, rows_per_chunk;
@@ -106,7 +209,7 @@ struct Matmul {
 
 void matmul_chunk(const void* context, int64_t c) {
   const Matmul& m = *static_cast<const Matmul*>(context);
-  weight_rows(m.x, m.w, m.y, m.M, m.N, m.K, c * m.rows_per_chunk, chunk_end(c, m.rows_per_chunk, m.N));
+  weight_rows(m.x, m.xt, m.w, m.y, m.M, m.N, m.K, c * m.rows_per_chunk, chunk_end(c, m.rows_per_chunk, m.N));
 }
 
 ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -118,10 +221,57 @@ ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resul
   const int64_t N = wd[0], K = wd[1];
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows = rows_per_chunk_for(K);
-  const Matmul m{x.typed_data(), w.typed_data(), y->typed_data(), M, N, K, rows};
+  const int64_t rows = rows_per_chunk_for(K, M);
+  const Matmul m{x.typed_data(), transposed_input(x.typed_data(), M, K), w.typed_data(), y->typed_data(), M, N, K, rows};
   pool().run(matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- the crossover, measured
+
+namespace {
+
+// Seconds for the better of `repeats` calls of one form (xt: the transposed form's input, or
+// nullptr for the dot-product tiles), one thread, weights in the caches.
+double time_form(const float* x, const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                 int repeats) {
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    weight_rows(x, xt, w, y, M, N, K, 0, N);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+}  // namespace
+
+// For every input-row count from 2 to kMaxTransposedRows, the faster of the two forms, timed in
+// turn on one thread over a 48 x K block held in L2 (the arithmetic, as the step's
+// compute-bound rows see it); it sets transposed_at. library.py calls it once when the kernels
+// load (~0.1 s). Returns how many counts took the transposed form.
+extern "C" int64_t cbjax_measure_crossover(int64_t K) {
+  const int64_t N = 48, top = kMaxTransposedRows;
+  std::vector<float> x(top * K), xt(K * padded_rows(top)), w(N * K), y(top * N);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
+  time_form(x.data(), nullptr, w.data(), y.data(), top, N, K, 2);  // warm
+  int64_t taken = 0;
+  for (int64_t M = 2; M <= top; ++M) {
+    transpose_input(x.data(), M, K, xt.data());
+    const double dot = time_form(x.data(), nullptr, w.data(), y.data(), M, N, K, 5);
+    const double transposed = time_form(x.data(), xt.data(), w.data(), y.data(), M, N, K, 5);
+    transposed_at[M] = transposed < dot;
+    taken += transposed_at[M];
+  }
+  return taken;
+}
+
+// Sets the form for input-row counts [first, last] (tests run both; a benchmark may pin one).
+extern "C" void cbjax_set_transposed(int64_t first, int64_t last, int64_t on) {
+  for (int64_t M = std::max<int64_t>(first, 2); M <= std::min(last, kMaxTransposedRows); ++M) transposed_at[M] = on;
+}
+
+extern "C" int64_t cbjax_takes_transposed(int64_t M) { return takes_transposed(M); }
