@@ -61,16 +61,11 @@ def test_matmul_forms_agree(rows, n, k):
     want = np.asarray(jnp.einsum("md,od->mo", x, w, precision="highest"))
     measured = cpu_kernels.transposed_rows()
     assert set(measured) <= set(range(2, cpu_kernels.MAX_ROWS + 1))
-    try:
-        for transposed in (False, True):
-            cpu_kernels.set_transposed(2, cpu_kernels.MAX_ROWS, transposed)
+    for transposed in (False, True):
+        with cpu_kernels.pinned_form(transposed):
             assert cpu_kernels.transposed_rows() == (list(range(2, cpu_kernels.MAX_ROWS + 1)) if transposed else [])
             got = jax.jit(cpu_kernels.matmul_nt)(x, w)
-            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.sqrt(k), err_msg=str(transposed))
-    finally:
-        cpu_kernels.set_transposed(2, cpu_kernels.MAX_ROWS, False)
-        for m in measured:
-            cpu_kernels.set_transposed(m, m, True)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.sqrt(k), err_msg=str(transposed))
     assert cpu_kernels.transposed_rows() == measured
 
 

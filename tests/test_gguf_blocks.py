@@ -6,6 +6,7 @@ resident weight bytes those of the file's tensors), and the errors."""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 
 import gguf
@@ -116,10 +117,11 @@ def test_cpu_block_kernel_matches_the_dequantized_product(kind):
         blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
         weight = GGUFWeight(jnp.asarray(blocks), kind)
         dense = np.asarray(dequantize_rows(jnp.asarray(blocks), kind))
-        for rows in (1, 3, cpu_kernels.MAX_ROWS):
+        for rows, transposed in itertools.product((1, 3, 30, cpu_kernels.MAX_ROWS), (False, True)):
             x = rng.normal(size=(rows, width)).astype(np.float32)
             assert cpu_kernels.blocks_fit(jnp.asarray(x), weight)
-            got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
+            with cpu_kernels.pinned_form(transposed):  # widened rows against x or against its transpose
+                got = np.asarray(jax.jit(cpu_kernels.matmul_blocks)(jnp.asarray(x), weight))
             np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
         assert not cpu_kernels.blocks_fit(jnp.zeros((cpu_kernels.MAX_ROWS + 1, width)), weight)
 

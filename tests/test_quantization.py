@@ -6,6 +6,7 @@ round trips, and the knobs' errors."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +72,12 @@ def test_cpu_int8_kernel_matches_the_dequantized_product():
         w = quant.quantize(jnp.asarray(rng.normal(size=(37, width)), jnp.float32), "int8")
         assert w.values.shape[1] // w.scale.shape[1] == group
         dense = np.asarray(w.dequantize())
-        for rows in (1, 3, cpu_kernels.MAX_ROWS):
+        for rows, transposed in itertools.product((1, 3, 30, cpu_kernels.MAX_ROWS), (False, True)):
             x = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
             assert cpu_kernels.int8_fits(x, w)
-            np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x) @ dense.T, rtol=1e-5, atol=1e-4)
+            with cpu_kernels.pinned_form(transposed):  # widened rows against x or against its transpose
+                got = np.asarray(product(x, w))
+            np.testing.assert_allclose(got, np.asarray(x) @ dense.T, rtol=1e-5, atol=1e-4)
         assert not cpu_kernels.int8_fits(jnp.zeros((cpu_kernels.MAX_ROWS + 1, width)), w)
     one_group = quant.quantize(jnp.ones((4, 48)), "int8")  # 48 inputs: one group of 48, not whole blocks
     assert not cpu_kernels.int8_fits(jnp.ones((1, 48)), one_group)

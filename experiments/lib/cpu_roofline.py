@@ -9,8 +9,8 @@ A decode step of `rows` sequences cannot be faster than the larger of
   same loop on one thread, numpy's sum, and XLA's and the CPU kernel's matvec over a
   matrix the size of the buffer. The best is the roof (`GBps`), each figure is kept.
 - compute: the step's matmuls at its shapes (`rows` x each weight matrix, the LM head
-  included) through the best GEMM the machine offers for them, XLA's or numpy's BLAS
-  (OpenBLAS), in f32, each timed on a block of its weight matrix that stays in the caches
+  included) through the best GEMM the machine offers for them, XLA's or the CPU kernels'
+  own (at up to their 64 rows), in f32, each timed on a block of its weight matrix that stays in the caches
   (`CACHED_BYTES`) and scaled to the whole: the arithmetic alone. That is the arithmetic the kernels do for every format:
   int8 and the GGUF blocks are widened to f32 in registers and multiplied in f32
   (`COMPUTE_ARITHMETIC`); the widening's own work is not in the roof, so a quantized step at
@@ -116,18 +116,28 @@ CACHED_BYTES = 8 << 20  # a weight block the compute side times: in this VM's 32
 
 def gemm_calls(rows: int, out: int, inner: int) -> tuple[dict, float]:
     """`x [rows, inner] @ w.T` for a block of `w [out, inner]` that stays in the caches (the LM
-    head is 113 MB: timed whole it measures memory, not arithmetic), by XLA and by numpy, in
-    f32; and the factor from the block's time to the whole matrix's."""
+    head is 113 MB: timed whole it measures memory, not arithmetic), by XLA in f32, and by the
+    CPU kernels' own f32 matmul (its rows' faster form) where it takes the rows; and the factor
+    from the block's time to the whole matrix's. Not numpy's: OpenBLAS's threads spin for a
+    while after each call, and timed in turn with the others they took the cores from them
+    (the kernel's 8-row GEMM measured 41 GFLOP/s there against 148 alone)."""
     import jax
     import jax.numpy as jnp
 
-    block = max(1, min(out, CACHED_BYTES // (4 * inner)))
+    from cbjax.experimental import kernels as cpu_kernels
+
+    # A block of CACHED_BYTES whatever the matrix's size: a small one (192 x 576) timed alone is
+    # mostly the call's dispatch, not arithmetic (92 GFLOP/s against 152 for its 576-row sibling).
+    block = max(1, CACHED_BYTES // (4 * inner))
     rng = np.random.default_rng(rows * 7 + out)
     x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((rows, inner), (block, inner)))
-    wt = np.ascontiguousarray(w.T)
     xj, wj = jnp.asarray(x), jnp.asarray(w)
     xla = jax.jit(lambda x, w: jnp.einsum("bd,vd->bv", x, w))
-    return {"xla": lambda: xla(xj, wj).block_until_ready(), "numpy": lambda: x @ wt}, out / block
+    calls = {"xla": lambda: xla(xj, wj).block_until_ready()}
+    if cpu_kernels.available() and cpu_kernels.fits(xj, wj):
+        kernel = jax.jit(cpu_kernels.matmul_nt)
+        calls["kernel"] = lambda: kernel(xj, wj).block_until_ready()
+    return calls, out / block
 
 
 def compute_side(config, batches, repeats: int = 12) -> dict:
@@ -143,7 +153,7 @@ def compute_side(config, batches, repeats: int = 12) -> dict:
         timed = fastest(calls, repeats)
         seconds, flops, by_shape = 0.0, 0.0, {}
         for (n, k), count in shapes.items():
-            mine = {m: timed[(n, k, m)] * scale[(n, k)] for m in ("xla", "numpy")}
+            mine = {m: timed[(n, k, m)] * scale[(n, k)] for m in ("xla", "kernel") if (n, k, m) in timed}
             best = min(mine, key=mine.get)
             seconds += count * mine[best]
             flops += count * 2.0 * rows * n * k

@@ -156,6 +156,30 @@ void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t ti
   }
 }
 
+// Many input rows, their transpose at hand (matmul.h: takes_transposed): kWidenRows weight rows
+// at a time widened to f32 into a thread-local buffer, then matmul.h's broadcast tiles over all
+// the input rows at once (every weight a broadcast, no horizontal sums; the 6 x 2 dot tiles
+// above passed over the widened rows M / 2 times). 24: whole tiles of every broadcast shape.
+constexpr int64_t kWidenRows = 24;
+
+template <typename Widen>
+void widened_rows(const float* xt, Widen widen, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32;
+  thread_local std::vector<float> widened;
+  widened.resize(kWidenRows * K);
+  float* const buffer = widened.data();  // read once (tile_rows: the __tls_get_addr calls)
+  for (int64_t n = n0; n < n1; n += kWidenRows) {
+    const int64_t rows = std::min(kWidenRows, n1 - n);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256 v[4];
+        widen(n + r, b, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(buffer + r * K + b * 32 + 8 * i, v[i]);
+      }
+    transposed_rows(xt, buffer, y + n, M, N, K, 0, rows);
+  }
+}
+
 // kTileRows rows of blocks of `Kind` from row n (tile_rows).
 template <int64_t Kind>
 void block_tile_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
@@ -268,12 +292,18 @@ void block_rows_one_input(const float* x, const float* eighth_sums, const uint8_
   }
 }
 
-// Weight rows [n0, n1) against M input rows: one (block_rows_one_input), or tiles of kTileRows
-// weight rows (block_tile_rows).
+// Weight rows [n0, n1) against M input rows: one (block_rows_one_input), many with their transpose
+// (widened_rows), or tiles of kTileRows weight rows (block_tile_rows).
 template <int64_t Kind>
-void block_rows_avx2(const float* x, const float* eighth_sums, const uint8_t* w, float* y, int64_t M, int64_t N,
-                     int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+void block_rows_avx2(const float* x, const float* xt, const float* eighth_sums, const uint8_t* w, float* y, int64_t M,
+                     int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
   if (M == 1) return block_rows_one_input<Kind>(x, eighth_sums, w, y, K, row_bytes, n0, n1);
+  if (xt) {
+    const auto widen = [&](int64_t row, int64_t b, __m256 v[4]) {
+      widen_registers<Kind>(w + row * row_bytes + b * kBlockBytes[Kind], v);
+    };
+    return widened_rows(xt, widen, y, M, N, K, n0, n1);
+  }
   for (int64_t n = n0; n < n1; n += kTileRows)
     block_tile_rows<Kind>(x, w, y, M, N, K, row_bytes, n, static_cast<int>(std::min<int64_t>(kTileRows, n1 - n)));
 }
@@ -305,7 +335,7 @@ struct BlockInput {
   const float* x;  // [M, K]
   const float* eighth_sums;  // M == 1: each 32-block's sum(x) / 8 (block_sums)
   int64_t M, K;
-  const float* xt = nullptr;  // x transposed (transposed_input) where f32 weights read it
+  const float* xt;  // x transposed (matmul.h: transposed_input) where M takes that form, else nullptr
 };
 
 // Weight rows [n0, n1) of blocks `w` of `kind` against the input: y [M, N].
@@ -313,9 +343,9 @@ void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, 
   const int64_t row_bytes = in.K / 32 * kBlockBytes[kind];
 #if defined(__AVX2__) && defined(__F16C__)
   const float *x = in.x, *sums = in.eighth_sums;
-  if (kind == kQ8_0) return block_rows_avx2<kQ8_0>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
-  if (kind == kQ4_0) return block_rows_avx2<kQ4_0>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
-  return block_rows_avx2<kQ4_1>(x, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  if (kind == kQ8_0) return block_rows_avx2<kQ8_0>(x, in.xt, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  if (kind == kQ4_0) return block_rows_avx2<kQ4_0>(x, in.xt, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
+  return block_rows_avx2<kQ4_1>(x, in.xt, sums, w, y, in.M, N, in.K, row_bytes, n0, n1);
 #endif
   const int64_t blocks = in.K / 32, size = kBlockBytes[kind];
   constexpr int kVectors = 32 / kLanes;
@@ -351,10 +381,10 @@ BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4) {
     thread_local std::vector<float> eighth_sums;
     eighth_sums.resize(K / 32);
     block_sums(x, K, eighth_sums.data());
-    return {x, eighth_sums.data(), M, K};
+    return {x, eighth_sums.data(), M, K, nullptr};
   }
 #endif
-  return {x, nullptr, M, K};
+  return {x, nullptr, M, K, transposed_input(x, M, K)};
 }
 
 }  // namespace

@@ -54,6 +54,7 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
   const auto widen = [=](int64_t row, int64_t b, __m256 v[4]) {
     widen_int8(q + row * K + b * 32, _mm256_broadcast_ss(scale + row * groups + (b >> shift)), v);
   };
+  if (in.xt) return widened_rows(in.xt, widen, y, in.M, N, K, n0, n1);
   for (int64_t n = n0; n < n1; n += kTileRows)
     tile_rows(in.x, widen, q + (n + kTileRows) * K, kTileRows * K, y, in.M, N, K, n,
               static_cast<int>(std::min<int64_t>(kTileRows, n1 - n)));
@@ -75,8 +76,10 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
 }
 #endif
 
-// About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows.
-int64_t block_rows_per_chunk(int64_t row_bytes) {
+// About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows; kWidenRows where the
+// input is transposed.
+int64_t block_rows_per_chunk(int64_t row_bytes, int64_t M) {
+  if (takes_transposed(M)) return kWidenRows;
   return std::max<int64_t>(16384 / row_bytes / kTileRows * kTileRows, kTileRows);
 }
 
@@ -106,7 +109,7 @@ ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Re
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: too many rows");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows = block_rows_per_chunk(wd[1]);
+  const int64_t rows = block_rows_per_chunk(wd[1], M);
   const BlockMatmul m{block_input(x.typed_data(), M, K, kind != kQ8_0), w.typed_data(), y->typed_data(), N, kind, rows};
   pool().run(block_matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
@@ -136,7 +139,7 @@ ffi::Error MatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buff
   const int64_t M = static_cast<int64_t>(x.element_count()) / K;
   if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_int8: too many rows");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows = block_rows_per_chunk(K);
+  const int64_t rows = block_rows_per_chunk(K, M);
   const Int8Matmul m{block_input(x.typed_data(), M, K, false), {q.typed_data(), scale.typed_data(), K / sd[1]},
                      y->typed_data(), N, rows};
   pool().run(int8_matmul_chunk, &m, chunk_count(N, rows));

@@ -30,14 +30,8 @@ struct Weight {
 // when a Q4 weight reads it.
 BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
   bool q4 = false;
-  bool f32 = false;
-  for (int64_t i = 0; i < count; ++i) {
-    q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
-    f32 |= readers[i].kind == kF32;
-  }
-  BlockInput in = block_input(x, M, K, q4);
-  if (f32) in.xt = transposed_input(x, M, K);
-  return in;
+  for (int64_t i = 0; i < count; ++i) q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
+  return block_input(x, M, K, q4);
 }
 
 BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
@@ -52,7 +46,7 @@ void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, i
 
 int64_t rows_per_chunk_for(Weight w, int64_t K, int64_t M) {
   if (w.kind == kF32) return rows_per_chunk_for(K, M);
-  return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind]);
+  return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind], M);
 }
 
 // Several matmuls sharing one input, chunked over all their weight rows as one job.

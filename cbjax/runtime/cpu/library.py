@@ -5,6 +5,7 @@ loaded and registered as XLA FFI targets."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -122,6 +123,20 @@ def transposed_rows() -> list[int]:
 def set_transposed(first: int, last: int, on: bool) -> None:
     """Pins the form for input-row counts [first, last] (tests run both forms)."""
     _library().cbjax_set_transposed(int(first), int(last), int(on))
+
+
+@contextlib.contextmanager
+def pinned_form(transposed: bool):
+    """Every row count from 2 to MAX_TRANSPOSED_ROWS in one form while the block runs (tests run
+    both; a benchmark may compare them), the measured choice restored after."""
+    measured = transposed_rows()
+    set_transposed(2, MAX_TRANSPOSED_ROWS, transposed)
+    try:
+        yield
+    finally:
+        set_transposed(2, MAX_TRANSPOSED_ROWS, False)
+        for rows in measured:
+            set_transposed(rows, rows, True)
 
 
 def measure_crossover(inputs: int = CROSSOVER_INPUTS) -> list[int]:

@@ -124,7 +124,10 @@ void broadcast_tile(const float* xt, const float* w, float* y, int64_t M, int64_
   for (int64_t n = n0; n + NR <= n1; n += NR) {
     vl acc[NR][MV] = {};
     const float* wn = w + n * K;
+    const float* ahead = wn + NR * K;  // the next tile's rows, asked for a line at a time meanwhile
     for (int64_t k = 0; k < K; ++k) {
+      if (k % 16 == 0)
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(ahead + j * K + k, 0, 2);
       vl xv[MV];
       for (int v = 0; v < MV; ++v) std::memcpy(&xv[v], xt + k * Mp + L * v, sizeof(vl));
       for (int j = 0; j < NR; ++j) {
@@ -248,24 +251,36 @@ double time_form(const float* x, const float* xt, const float* w, float* y, int6
 
 }  // namespace
 
-// For every input-row count from 2 to kMaxTransposedRows, the faster of the two forms, timed in
-// turn on one thread over a 48 x K block held in L2 (the arithmetic, as the step's
-// compute-bound rows see it); it sets transposed_at. library.py calls it once when the kernels
-// load (~0.1 s). Returns how many counts took the transposed form.
+// Which form each input-row count takes, timed in turn on one thread over 16 MB of weights (more
+// than the L2s: streamed, as a decode step's are; timed in L2 instead, the dot tiles won at 2-4
+// rows where the transposed form was 25-35% faster in the step). Every count from 2 to 16;
+// above, the lowest count of each padding class (17, 25, 33, 49): the transposed form costs the
+// same across a class and the dot tiles least at its lowest count, so the class takes that
+// count's winner. library.py calls it once when the kernels load. Returns how many counts took
+// the transposed form.
 extern "C" int64_t cbjax_measure_crossover(int64_t K) {
-  const int64_t N = 48, top = kMaxTransposedRows;
+  const int64_t N = std::max<int64_t>(24, (4 << 20) / K / 24 * 24), top = kMaxTransposedRows;
   std::vector<float> x(top * K), xt(K * padded_rows(top)), w(N * K), y(top * N);
   for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
-  time_form(x.data(), nullptr, w.data(), y.data(), top, N, K, 2);  // warm
-  int64_t taken = 0;
-  for (int64_t M = 2; M <= top; ++M) {
+  const auto transposed_wins = [&](int64_t M) {
     transpose_input(x.data(), M, K, xt.data());
-    const double dot = time_form(x.data(), nullptr, w.data(), y.data(), M, N, K, 5);
-    const double transposed = time_form(x.data(), xt.data(), w.data(), y.data(), M, N, K, 5);
-    transposed_at[M] = transposed < dot;
-    taken += transposed_at[M];
+    double dot = 1e30, transposed = 1e30;
+    for (int r = 0; r < 3; ++r) {
+      dot = std::min(dot, time_form(x.data(), nullptr, w.data(), y.data(), M, N, K, 1));
+      transposed = std::min(transposed, time_form(x.data(), xt.data(), w.data(), y.data(), M, N, K, 1));
+    }
+    return transposed < dot;
+  };
+  time_form(x.data(), nullptr, w.data(), y.data(), 8, N, K, 1);  // warm
+  for (int64_t M = 2; M <= 16; ++M) transposed_at[M] = transposed_wins(M);
+  const int64_t class_low[] = {17, 25, 33, 49, top + 1};
+  for (int c = 0; c + 1 < 5; ++c) {
+    const bool wins = transposed_wins(class_low[c]);
+    for (int64_t M = class_low[c]; M < class_low[c + 1]; ++M) transposed_at[M] = wins;
   }
+  int64_t taken = 0;
+  for (int64_t M = 2; M <= top; ++M) taken += transposed_at[M];
   return taken;
 }
 
