@@ -53,20 +53,32 @@ def test_matmul_equals_einsum(lead, n, k):
 @pytest.mark.parametrize("n,k", [(130, 40), (72, 576), (5, 7)])
 def test_matmul_forms_agree(rows, n, k):
     """Both f32 forms (matmul.h: the dot-product tiles and the transposed input) equal einsum at
-    every row count, whole tiles and tails, whichever the load-time measurement picked; the
-    crossover it measured covers only counts from 2 to MAX_ROWS."""
+    every row count, whole tiles and tails, whichever the timing (crossover.h) picked; the
+    choices it made, over counts 2 to MAX_ROWS only, come back after a pinned block."""
     rng = np.random.default_rng(rows * 100 + n)
     x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32))
     want = np.asarray(jnp.einsum("md,od->mo", x, w, precision="highest"))
-    measured = cpu_kernels.transposed_rows()
-    assert set(measured) <= set(range(2, cpu_kernels.MAX_ROWS + 1))
+    measured = {kind: cpu_kernels.transposed_rows(kind) for kind in cpu_kernels.MATMUL_KINDS}
+    assert all(set(m) <= set(range(2, cpu_kernels.MAX_ROWS + 1)) for m in measured.values())
     for transposed in (False, True):
         with cpu_kernels.pinned_form(transposed):
-            assert cpu_kernels.transposed_rows() == (list(range(2, cpu_kernels.MAX_ROWS + 1)) if transposed else [])
+            assert cpu_kernels.transposed_rows("int8") == (list(range(2, cpu_kernels.MAX_ROWS + 1)) if transposed else [])
             got = jax.jit(cpu_kernels.matmul_nt)(x, w)
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.sqrt(k), err_msg=str(transposed))
-    assert cpu_kernels.transposed_rows() == measured
+    assert {kind: cpu_kernels.transposed_rows(kind) for kind in cpu_kernels.MATMUL_KINDS} == measured
+
+
+@needs_kernels
+def test_the_crossover_is_measured_per_kind():
+    """measure_crossover times a kind's two forms again (a width that is not whole 32-blocks is
+    refused) and the matmuls of that kind follow what it set."""
+    with cpu_kernels.pinned_form(False):
+        for kind in cpu_kernels.MATMUL_KINDS:
+            rows = cpu_kernels.measure_crossover(kind, 64)
+            assert rows == cpu_kernels.transposed_rows(kind) and set(rows) <= set(range(2, cpu_kernels.MAX_ROWS + 1))
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cpu_kernels.measure_crossover("Q4_1", 40)
 
 
 @needs_kernels

@@ -38,6 +38,7 @@ from experiments.lib import common  # also quiets transformers and matplotlib
 
 from absl import app, flags
 
+from experiments.lib.cpu_decode import DecodeTimer, median_row
 from experiments.lib.cpu_roofline import CpuRoofline, define_read_flag, kv_bytes_per_token, share_text
 
 FLAGS = flags.FLAGS
@@ -73,57 +74,8 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-class Decoder:
-    """An engine of `batch` slots whose decode the script times: `batch` prompts prefilled, then
-    `new_tokens - 1` decode steps (the first token comes from the prefill), `decode_steps` a
-    call (whole calls: the steps are rounded down to a multiple of it). Built once and timed
-    in every round."""
-
-    def __init__(self, model, batch: int, max_seq_len: int, cpu_kernels: str, decode_steps: int = 1):
-        import numpy as np
-
-        from cbjax.experimental import Engine, EngineConfig
-
-        self.model, self.batch, self.decode_steps = model, batch, decode_steps
-        self.engine = Engine(model, EngineConfig(num_slots=batch, max_seq_len=max_seq_len, cpu_kernels=cpu_kernels,
-                                                 decode_steps=decode_steps, kv_cache_dtype=FLAGS.kv_cache_dtype))
-        self.steps = (FLAGS.new_tokens - 1) // decode_steps * decode_steps  # main caps decode_steps
-        self.rng = np.random.default_rng(batch)
-        # One untimed pass first: it compiles (and runs once) the two programs the timed passes
-        # use, where `warmup()` would compile every token bucket of the engine.
-        self.seconds()
-
-    def seconds(self) -> float:
-        """One pass: the decode's seconds."""
-        import jax
-        import numpy as np
-
-        from cbjax import SamplingParams
-        from cbjax.experimental import Row, split_logprobs
-
-        engine, batch = self.engine, self.batch
-        sampling = SamplingParams(max_tokens=FLAGS.new_tokens, ignore_eos=True)
-        engine.reset()
-        rows = [Row(s, self.rng.integers(3, self.model.config.vocab_size, FLAGS.prompt_len).tolist(), 0, True,
-                    sampling) for s in range(batch)]
-        for out, _ in engine.run(rows):
-            jax.block_until_ready(out)
-        decodes = [Row(s, [], 0) for s in range(batch)]  # a decode row reads its slot's token on the device
-        t0 = time.perf_counter()
-        for _ in range(self.steps // self.decode_steps):
-            (out, _), = engine.run(decodes, self.decode_steps)
-        tokens = np.asarray(split_logprobs(out)[0])[..., 0]
-        seconds = time.perf_counter() - t0
-        assert (tokens >= 0).all(), "a sequence stopped early"
-        return seconds
-
-    def timed(self) -> dict:
-        """The median of `--repeats` passes."""
-        import numpy as np
-
-        seconds = float(np.median([self.seconds() for _ in range(FLAGS.repeats)]))
-        return {"decode_s": seconds, "ms_per_step": 1000 * seconds / self.steps,
-                "tg_tokens_per_s": self.batch * self.steps / seconds}
+def decoder(model, batch: int, cpu_kernels: str, decode_steps: int = 1) -> DecodeTimer:
+    return DecodeTimer(model, batch, FLAGS.prompt_len, FLAGS.new_tokens, cpu_kernels, FLAGS.kv_cache_dtype, decode_steps)
 
 
 def cbjax_generate(model, batch: int, max_seq_len: int) -> dict:
@@ -197,13 +149,6 @@ def llama_cpp(path: str, batches: list[int]) -> dict:
     return {"threads": threads, "gguf": path, "rows": rows}
 
 
-def _median_row(runs: list[dict]) -> dict:
-    """Per key, the median of the rounds' values."""
-    import numpy as np
-
-    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-
-
 def _ratio(ratios: list[float], width: int) -> str:
     """The median of the rounds' ratios, with their range when there are several."""
     import numpy as np
@@ -246,10 +191,10 @@ def main(argv):
     for b in batches:
         ours[b] = cbjax_generate(model, b, max_seq_len)
         if FLAGS.compare_xla and FLAGS.cpu_kernels != "off":
-            ours[b]["xla_only_ms_per_step"] = Decoder(model, b, max_seq_len, "off").timed()["ms_per_step"]
+            ours[b]["xla_only_ms_per_step"] = decoder(model, b, "off").timed()["ms_per_step"]
         common.release_programs()
-        decoders[b] = [Decoder(model, b, max_seq_len, FLAGS.cpu_kernels)] + (
-            [Decoder(model, b, max_seq_len, FLAGS.cpu_kernels, multi_step)] if multi_step > 1 else [])
+        decoders[b] = [decoder(model, b, FLAGS.cpu_kernels)] + (
+            [decoder(model, b, FLAGS.cpu_kernels, multi_step)] if multi_step > 1 else [])
     # Rounds in turn, cbjax then llama.cpp: each ratio is the median of the rounds' own ratios,
     # so a drift in the machine's speed (30% within an hour on the 2-core VM) falls on both
     # sides of each ratio rather than on one side of it.
@@ -261,19 +206,19 @@ def main(argv):
         peer_file = llama_cpp_file(gguf, tmp) if gguf.endswith(".gguf") or FLAGS.llama_cpp_gguf else None
         for _ in tqdm(range(FLAGS.rounds), desc="rounds"):
             for b in batches:
-                one = decoders[b][0].timed()
-                rounds[b].append({**one, **({f"multi_step_{k}": v for k, v in decoders[b][1].timed().items()}
+                one = decoders[b][0].timed(FLAGS.repeats)
+                rounds[b].append({**one, **({f"multi_step_{k}": v for k, v in decoders[b][1].timed(FLAGS.repeats).items()}
                                             if len(decoders[b]) > 1 else {})})
             if peer_file is not None:
                 peer_rounds.append(llama_cpp(peer_file, batches))
     peer = None
     if peer_rounds:
         peer = {"threads": peer_rounds[0]["threads"], "gguf": peer_rounds[0]["gguf"],
-                "rows": {b: {**_median_row([p["rows"][b] for p in peer_rounds]),
+                "rows": {b: {**median_row([p["rows"][b] for p in peer_rounds]),
                              "rounds": [p["rows"][b] for p in peer_rounds]}
                          for b in batches if all(b in p["rows"] for p in peer_rounds)}}
     for b in batches:
-        ours[b].update(_median_row(rounds[b]))
+        ours[b].update(median_row(rounds[b]))
         ours[b]["rounds"] = rounds[b]
         print(f"cbjax batch {b}: {ours[b]['ms_per_step']:.1f} ms/step, {ours[b]['tg_tokens_per_s']:.1f} tok/s "
               f"decode; generate {ours[b]['tokens_per_s']:.1f} tok/s", flush=True)

@@ -140,15 +140,24 @@ def gemm_calls(rows: int, out: int, inner: int) -> tuple[dict, float]:
     return calls, out / block
 
 
+ARITHMETIC_ROWS = 8
+
+
 def compute_side(config, batches, repeats: int = 12) -> dict:
     """Per batch: the step's matmuls (`matmul_shapes`) at the best GEMM for each shape, their
-    seconds summed, the GFLOP they do and the rate that makes; each GEMM's figures by method."""
+    seconds summed, the GFLOP they do and the rate that makes; each GEMM's figures by method.
+    Below ARITHMETIC_ROWS rows the GEMMs are timed at ARITHMETIC_ROWS and their time scaled down:
+    a cached block at one row streams from the caches faster than it multiplies (the L3's
+    bandwidth, not arithmetic: 24 GFLOP/s, a "compute" floor above the memory one and a Q4_1
+    step at 178% of it), and a GEMM's rate does not rise as its rows fall."""
     shapes = matmul_shapes(config)
     out = {}
     for rows in batches:
         calls, scale = {}, {}
+        timed_rows = max(rows, ARITHMETIC_ROWS)
         for (n, k) in shapes:
-            methods, scale[(n, k)] = gemm_calls(rows, n, k)
+            methods, scale[(n, k)] = gemm_calls(timed_rows, n, k)
+            scale[(n, k)] *= rows / timed_rows
             calls.update({(n, k, m): fn for m, fn in methods.items()})
         timed = fastest(calls, repeats)
         seconds, flops, by_shape = 0.0, 0.0, {}
@@ -159,7 +168,8 @@ def compute_side(config, batches, repeats: int = 12) -> dict:
             flops += count * 2.0 * rows * n * k
             by_shape[f"{n}x{k}"] = {"count": count, "method": best,
                                     **{f"{m}_GFLOPs": 2.0 * rows * n * k / s / 1e9 for m, s in mine.items()}}
-        out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9, "shapes": by_shape}
+        out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9, "timed_at_rows": timed_rows,
+                     "shapes": by_shape}
     return out
 
 
@@ -168,11 +178,14 @@ class CpuRoofline:
     is the larger of the memory and the compute time of a step; `share(ms, ...)` what a
     measured step makes of it."""
 
-    def __init__(self, config, weight_bytes: int, batches, arithmetic: str = "f32", read_bytes: int = READ_BYTES):
+    def __init__(self, config, weight_bytes: int, batches, arithmetic: str = "f32", read_bytes: int = READ_BYTES,
+                 memory: dict | None = None, compute: dict | None = None):
+        """Measures both sides, or takes `memory_side`'s and `compute_side`'s figures measured
+        already (one run's weight formats share them)."""
         self.weight_bytes = weight_bytes
         self.arithmetic = COMPUTE_ARITHMETIC[arithmetic]
-        self.memory = memory_side(read_bytes)
-        self.compute = compute_side(config, sorted(set(batches)))
+        self.memory = memory or memory_side(read_bytes)
+        self.compute = compute or compute_side(config, sorted(set(batches)))
 
     def floor_ms(self, rows: int, kv_bytes: float = 0.0) -> dict:
         memory_ms = 1e3 * (self.weight_bytes + kv_bytes) / (self.memory["GBps"] * 1e9)

@@ -156,20 +156,21 @@ void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t ti
   }
 }
 
-// Many input rows, their transpose at hand (matmul.h: takes_transposed): kWidenRows weight rows
-// at a time widened to f32 into a thread-local buffer, then matmul.h's broadcast tiles over all
-// the input rows at once (every weight a broadcast, no horizontal sums; the 6 x 2 dot tiles
-// above passed over the widened rows M / 2 times). 24: whole tiles of every broadcast shape.
+// Many input rows, their transpose at hand (matmul.h: takes_transposed): one broadcast tile's
+// weight rows at a time widened to f32 into a thread-local buffer (in L1), then matmul.h's
+// broadcast tiles over all the input rows at once (every weight a broadcast, no horizontal
+// sums; the 6 x 2 dot tiles above pass over the widened rows M / 2 times). Chunks of kWidenRows:
+// whole tiles of every broadcast shape.
 constexpr int64_t kWidenRows = 24;
 
 template <typename Widen>
 void widened_rows(const float* xt, Widen widen, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 32;
+  const int64_t blocks = K / 32, tile = broadcast_tile_rows_for(M);
   thread_local std::vector<float> widened;
-  widened.resize(kWidenRows * K);
+  widened.resize(tile * K);
   float* const buffer = widened.data();  // read once (tile_rows: the __tls_get_addr calls)
-  for (int64_t n = n0; n < n1; n += kWidenRows) {
-    const int64_t rows = std::min(kWidenRows, n1 - n);
+  for (int64_t n = n0; n < n1; n += tile) {
+    const int64_t rows = std::min(tile, n1 - n);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
         __m256 v[4];
@@ -375,7 +376,14 @@ void block_rows(const BlockInput& in, const uint8_t* w, int64_t kind, float* y, 
 // The input as block_rows reads it: for one row read by Q4 blocks (`q4`), its block sums in a
 // buffer of this thread's that stays valid until its next call (a layer prepares each matmul's
 // input before its job runs); else none.
-BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4) {
+// The input as a matmul of `kind` reads it: without the transpose where that kind's rows take the dot tiles.
+BlockInput input_for(BlockInput in, int64_t kind) {
+  if (!takes_transposed(kind, in.M)) in.xt = nullptr;
+  return in;
+}
+
+// `transposed`: whether any matmul reading the input takes the transposed form.
+BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4, bool transposed) {
 #if defined(__AVX2__) && defined(__F16C__)
   if (M == 1 && q4) {
     thread_local std::vector<float> eighth_sums;
@@ -384,7 +392,7 @@ BlockInput block_input(const float* x, int64_t M, int64_t K, bool q4) {
     return {x, eighth_sums.data(), M, K, nullptr};
   }
 #endif
-  return {x, nullptr, M, K, transposed_input(x, M, K)};
+  return {x, nullptr, M, K, transposed_input(x, M, K, transposed)};
 }
 
 }  // namespace

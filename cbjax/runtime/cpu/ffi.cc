@@ -16,6 +16,7 @@
 #include "attention.h"
 #include "bandwidth.h"
 #include "blocks.h"
+#include "crossover.h"
 #include "experts.h"
 #include "int8.h"
 #include "layer.h"

@@ -78,8 +78,8 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
 
 // About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows; kWidenRows where the
 // input is transposed.
-int64_t block_rows_per_chunk(int64_t row_bytes, int64_t M) {
-  if (takes_transposed(M)) return kWidenRows;
+int64_t block_rows_per_chunk(int64_t row_bytes, int64_t kind, int64_t M) {
+  if (takes_transposed(kind, M)) return kWidenRows;
   return std::max<int64_t>(16384 / row_bytes / kTileRows * kTileRows, kTileRows);
 }
 
@@ -109,8 +109,8 @@ ffi::Error MatmulBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Re
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_blocks: too many rows");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows = block_rows_per_chunk(wd[1], M);
-  const BlockMatmul m{block_input(x.typed_data(), M, K, kind != kQ8_0), w.typed_data(), y->typed_data(), N, kind, rows};
+  const int64_t rows = block_rows_per_chunk(wd[1], kind, M);
+  const BlockMatmul m{block_input(x.typed_data(), M, K, kind != kQ8_0, takes_transposed(kind, M)), w.typed_data(), y->typed_data(), N, kind, rows};
   pool().run(block_matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
@@ -139,8 +139,8 @@ ffi::Error MatmulInt8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buff
   const int64_t M = static_cast<int64_t>(x.element_count()) / K;
   if (M > kMaxBlockRows) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cbjax_matmul_int8: too many rows");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows = block_rows_per_chunk(K, M);
-  const Int8Matmul m{block_input(x.typed_data(), M, K, false), {q.typed_data(), scale.typed_data(), K / sd[1]},
+  const int64_t rows = block_rows_per_chunk(K, kI8, M);
+  const Int8Matmul m{block_input(x.typed_data(), M, K, false, takes_transposed(kI8, M)), {q.typed_data(), scale.typed_data(), K / sd[1]},
                      y->typed_data(), N, rows};
   pool().run(int8_matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "attention.h"
-#include "int8.h"
+#include "crossover.h"
 #include "lora.h"
 
 namespace {
@@ -15,10 +15,8 @@ namespace {
 // own threads beside ours; here the layer is five jobs of this file's pool and a few loops on
 // the caller.
 
-// A layer's matrix: f32 rows, rows of GGUF blocks of a kind (a file's layer may mix kinds), or
-// int8 rows with their groups' scales.
-constexpr int64_t kF32 = 3;  // after the block kinds
-constexpr int64_t kI8 = 4;
+// A layer's matrix: f32 rows (kF32), rows of GGUF blocks of a kind (a file's layer may mix
+// kinds), or int8 rows with their groups' scales (kI8).
 struct Weight {
   const void* data;
   int64_t kind;
@@ -30,15 +28,20 @@ struct Weight {
 // when a Q4 weight reads it.
 BlockInput layer_input(const float* x, int64_t M, int64_t K, const Weight* readers, int64_t count) {
   bool q4 = false;
-  for (int64_t i = 0; i < count; ++i) q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
-  return block_input(x, M, K, q4);
+  bool transposed = false;
+  for (int64_t i = 0; i < count; ++i) {
+    q4 |= readers[i].kind == kQ4_0 || readers[i].kind == kQ4_1;
+    transposed |= takes_transposed(readers[i].kind, M);
+  }
+  return block_input(x, M, K, q4, transposed);
 }
 
 BlockInput layer_input(const float* x, int64_t M, int64_t K, std::initializer_list<Weight> readers) {
   return layer_input(x, M, K, readers.begin(), static_cast<int64_t>(readers.size()));
 }
 
-void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
+void any_rows(const BlockInput& shared, Weight w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const BlockInput in = input_for(shared, w.kind);
   if (w.kind == kF32) return weight_rows(in.x, in.xt, static_cast<const float*>(w.data), y, in.M, N, in.K, n0, n1);
   if (w.kind == kI8) return int8_rows(in, {static_cast<const int8_t*>(w.data), w.scale, w.group}, y, N, n0, n1);
   block_rows(in, static_cast<const uint8_t*>(w.data), w.kind, y, N, n0, n1);
@@ -46,7 +49,7 @@ void any_rows(const BlockInput& in, Weight w, float* y, int64_t N, int64_t n0, i
 
 int64_t rows_per_chunk_for(Weight w, int64_t K, int64_t M) {
   if (w.kind == kF32) return rows_per_chunk_for(K, M);
-  return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind], M);
+  return block_rows_per_chunk(w.kind == kI8 ? K : K / 32 * kBlockBytes[w.kind], w.kind, M);
 }
 
 // Several matmuls sharing one input, chunked over all their weight rows as one job.

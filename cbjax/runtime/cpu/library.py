@@ -27,10 +27,10 @@ TARGETS = ("cbjax_matmul_nt", "cbjax_expert_matmul_nt", "cbjax_matmul_blocks", "
            "cbjax_argmax")
 SOURCES = Path(__file__).parent
 MAIN = SOURCES / "ffi.cc"
-# The input width at which the kernels time their two f32 matmul forms when they load
-# (matmul.h: the crossover, measured).
-CROSSOVER_INPUTS = 768
-MAX_TRANSPOSED_ROWS = 64  # matmul.h's kMaxTransposedRows
+# The matmul kinds of crossover.h (the GGUF block kinds, f32 rows, int8 rows) and the most input
+# rows the transposed form takes (matmul.h's kMaxTransposedRows).
+MATMUL_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "f32": 3, "int8": 4}
+MAX_TRANSPOSED_ROWS = 64
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.cbjax_read_sum.restype = ctypes.c_double
     library.cbjax_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.cbjax_measure_crossover.restype = library.cbjax_takes_transposed.restype = ctypes.c_int64
-    library.cbjax_measure_crossover.argtypes = library.cbjax_takes_transposed.argtypes = [ctypes.c_int64]
-    library.cbjax_set_transposed.argtypes = [ctypes.c_int64] * 3
-    library.cbjax_measure_crossover(CROSSOVER_INPUTS)
+    library.cbjax_measure_crossover.argtypes = library.cbjax_takes_transposed.argtypes = [ctypes.c_int64] * 2
+    library.cbjax_set_transposed.argtypes = [ctypes.c_int64] * 4
     return library, None
 
 
@@ -113,36 +112,41 @@ def read_sum(buffer, threads: int) -> float:
     return library.cbjax_read_sum(buffer.ctypes.data, buffer.size, threads)
 
 
-def transposed_rows() -> list[int]:
-    """The input-row counts at which f32 matmuls take the transposed-input form (matmul.h), as
-    measured when the kernels loaded (or as last set)."""
-    library = _library()
-    return [m for m in range(2, MAX_TRANSPOSED_ROWS + 1) if library.cbjax_takes_transposed(m)]
+def transposed_rows(kind: str = "f32") -> list[int]:
+    """The input-row counts at which matmuls of `kind` (MATMUL_KINDS) take the transposed-input
+    form (matmul.h): as timed when the kind first met more than one row (crossover.h), or as
+    last set. Asking times the kind now if it has not been."""
+    library, k = _library(), MATMUL_KINDS[kind]
+    return [m for m in range(2, MAX_TRANSPOSED_ROWS + 1) if library.cbjax_takes_transposed(k, m)]
 
 
-def set_transposed(first: int, last: int, on: bool) -> None:
-    """Pins the form for input-row counts [first, last] (tests run both forms)."""
-    _library().cbjax_set_transposed(int(first), int(last), int(on))
+def set_transposed(first: int, last: int, on: bool, kind: str = "f32") -> None:
+    """Pins `kind`'s form for input-row counts [first, last]."""
+    _library().cbjax_set_transposed(MATMUL_KINDS[kind], int(first), int(last), int(on))
 
 
 @contextlib.contextmanager
 def pinned_form(transposed: bool):
-    """Every row count from 2 to MAX_TRANSPOSED_ROWS in one form while the block runs (tests run
-    both; a benchmark may compare them), the measured choice restored after."""
-    measured = transposed_rows()
-    set_transposed(2, MAX_TRANSPOSED_ROWS, transposed)
+    """Every kind at every row count from 2 to MAX_TRANSPOSED_ROWS in one form while the block
+    runs (tests run both; a benchmark may compare them), the measured choices restored after."""
+    measured = {kind: transposed_rows(kind) for kind in MATMUL_KINDS}
+    for kind in MATMUL_KINDS:
+        set_transposed(2, MAX_TRANSPOSED_ROWS, transposed, kind)
     try:
         yield
     finally:
-        set_transposed(2, MAX_TRANSPOSED_ROWS, False)
-        for rows in measured:
-            set_transposed(rows, rows, True)
+        for kind, rows in measured.items():
+            set_transposed(2, MAX_TRANSPOSED_ROWS, False, kind)
+            for m in rows:
+                set_transposed(m, m, True, kind)
 
 
-def measure_crossover(inputs: int = CROSSOVER_INPUTS) -> list[int]:
-    """Times the two forms again at `inputs`-wide rows, sets each count's; returns transposed_rows()."""
-    _library().cbjax_measure_crossover(int(inputs))
-    return transposed_rows()
+def measure_crossover(kind: str = "f32", inputs: int = 768) -> list[int]:
+    """Times `kind`'s two forms again at `inputs`-wide rows (a multiple of 32) and sets them;
+    returns transposed_rows(kind)."""
+    if _library().cbjax_measure_crossover(MATMUL_KINDS[kind], int(inputs)) < 0:
+        raise ValueError(f"inputs must be a positive multiple of 32, not {inputs}")
+    return transposed_rows(kind)
 
 
 def _library() -> ctypes.CDLL:

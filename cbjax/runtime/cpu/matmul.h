@@ -89,15 +89,16 @@ constexpr int kBroadcastAccumulators = 12;  // of AVX2's 16
 constexpr int64_t kWideFrom = 1 << 30;
 #endif
 constexpr int64_t kMaxTransposedRows = 64;
-// Per input-row count, whether f32 matmuls take this form: cbjax_measure_crossover sets it when the
-// kernels load (below). Not a threshold: the form pads M to whole vectors, so 10 rows (16
-// lanes, 6 idle) lost to the dot tiles where 8 and 16 won.
-bool transposed_at[kMaxTransposedRows + 1] = {};
+// The matmul kinds: GGUF blocks (blocks.h's BlockKind 0-2), f32 rows, int8 rows (int8.h).
+constexpr int64_t kF32 = 3;
+constexpr int64_t kI8 = 4;
+constexpr int64_t kKinds = 5;
+// Whether a matmul of `kind` at M input rows takes the transposed form: timed for each kind
+// when it first meets more than one row (crossover.h).
+bool takes_transposed(int64_t kind, int64_t M);
 
 inline int64_t lanes_for(int64_t M) { return M >= kWideFrom ? 16 : 8; }
 inline int64_t padded_rows(int64_t M) { return (M + lanes_for(M) - 1) / lanes_for(M) * lanes_for(M); }
-
-bool takes_transposed(int64_t M) { return M > 1 && M <= kMaxTransposedRows && transposed_at[M]; }
 
 void transpose_input(const float* x, int64_t M, int64_t K, float* xt) {
   const int64_t Mp = padded_rows(M);
@@ -105,10 +106,10 @@ void transpose_input(const float* x, int64_t M, int64_t K, float* xt) {
     for (int64_t k = 0; k < K; ++k) xt[k * Mp + m] = m < M ? x[m * K + k] : 0.f;
 }
 
-// The caller's input transposed into a buffer of its thread (nullptr where the dot tiles take M):
-// the pool's threads read it while the call runs.
-const float* transposed_input(const float* x, int64_t M, int64_t K) {
-  if (!takes_transposed(M)) return nullptr;
+// The caller's input transposed into a buffer of its thread where `wanted` (else nullptr): the
+// pool's threads read it while the call runs.
+const float* transposed_input(const float* x, int64_t M, int64_t K, bool wanted) {
+  if (!wanted) return nullptr;
   thread_local std::vector<float> buffer;
   buffer.resize(K * padded_rows(M));
   transpose_input(x, M, K, buffer.data());
@@ -146,10 +147,15 @@ void broadcast_tile(const float* xt, const float* w, float* y, int64_t M, int64_
   }
 }
 
+// The weight rows of one broadcast tile at M input rows (broadcast_rows' NR).
+constexpr int broadcast_tile_rows(int MV) { return std::max(1, std::min(12, kBroadcastAccumulators / MV)); }
+
+inline int64_t broadcast_tile_rows_for(int64_t M) { return broadcast_tile_rows(padded_rows(M) / lanes_for(M)); }
+
 template <int L, int MV>
 void broadcast_rows(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                     int64_t n1) {
-  constexpr int NR = std::max(1, std::min(12, kBroadcastAccumulators / MV));
+  constexpr int NR = broadcast_tile_rows(MV);
   const int64_t tiled = n0 + (n1 - n0) / NR * NR;
   broadcast_tile<L, NR, MV>(xt, w, y, M, N, K, n0, tiled);
   broadcast_tile<L, 1, MV>(xt, w, y, M, N, K, tiled, n1);
@@ -190,7 +196,7 @@ void weight_rows(const float* x, const float* xt, const float* w, float* y, int6
 // About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly. With the
 // input transposed, 24 rows: whole tiles of every broadcast_rows shape (12, 8 or 6 rows).
 int64_t rows_per_chunk_for(int64_t K, int64_t M) {
-  if (takes_transposed(M)) return 24;
+  if (takes_transposed(kF32, M)) return 24;
   const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
   return rows < 4 ? 4 : rows;
 }
@@ -225,68 +231,9 @@ ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resul
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (M == 0 || N == 0) return ffi::Error::Success();
   const int64_t rows = rows_per_chunk_for(K, M);
-  const Matmul m{x.typed_data(), transposed_input(x.typed_data(), M, K), w.typed_data(), y->typed_data(), M, N, K, rows};
+  const Matmul m{x.typed_data(), transposed_input(x.typed_data(), M, K, takes_transposed(kF32, M)), w.typed_data(), y->typed_data(), M, N, K, rows};
   pool().run(matmul_chunk, &m, chunk_count(N, rows));
   return ffi::Error::Success();
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------- the crossover, measured
-
-namespace {
-
-// Seconds for the better of `repeats` calls of one form (xt: the transposed form's input, or
-// nullptr for the dot-product tiles), one thread, weights in the caches.
-double time_form(const float* x, const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                 int repeats) {
-  double best = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    weight_rows(x, xt, w, y, M, N, K, 0, N);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return best;
-}
-
-}  // namespace
-
-// Which form each input-row count takes, timed in turn on one thread over 16 MB of weights (more
-// than the L2s: streamed, as a decode step's are; timed in L2 instead, the dot tiles won at 2-4
-// rows where the transposed form was 25-35% faster in the step). Every count from 2 to 16;
-// above, the lowest count of each padding class (17, 25, 33, 49): the transposed form costs the
-// same across a class and the dot tiles least at its lowest count, so the class takes that
-// count's winner. library.py calls it once when the kernels load. Returns how many counts took
-// the transposed form.
-extern "C" int64_t cbjax_measure_crossover(int64_t K) {
-  const int64_t N = std::max<int64_t>(24, (4 << 20) / K / 24 * 24), top = kMaxTransposedRows;
-  std::vector<float> x(top * K), xt(K * padded_rows(top)), w(N * K), y(top * N);
-  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
-  const auto transposed_wins = [&](int64_t M) {
-    transpose_input(x.data(), M, K, xt.data());
-    double dot = 1e30, transposed = 1e30;
-    for (int r = 0; r < 3; ++r) {
-      dot = std::min(dot, time_form(x.data(), nullptr, w.data(), y.data(), M, N, K, 1));
-      transposed = std::min(transposed, time_form(x.data(), xt.data(), w.data(), y.data(), M, N, K, 1));
-    }
-    return transposed < dot;
-  };
-  time_form(x.data(), nullptr, w.data(), y.data(), 8, N, K, 1);  // warm
-  for (int64_t M = 2; M <= 16; ++M) transposed_at[M] = transposed_wins(M);
-  const int64_t class_low[] = {17, 25, 33, 49, top + 1};
-  for (int c = 0; c + 1 < 5; ++c) {
-    const bool wins = transposed_wins(class_low[c]);
-    for (int64_t M = class_low[c]; M < class_low[c + 1]; ++M) transposed_at[M] = wins;
-  }
-  int64_t taken = 0;
-  for (int64_t M = 2; M <= top; ++M) taken += transposed_at[M];
-  return taken;
-}
-
-// Sets the form for input-row counts [first, last] (tests run both; a benchmark may pin one).
-extern "C" void cbjax_set_transposed(int64_t first, int64_t last, int64_t on) {
-  for (int64_t M = std::max<int64_t>(first, 2); M <= std::min(last, kMaxTransposedRows); ++M) transposed_at[M] = on;
-}
-
-extern "C" int64_t cbjax_takes_transposed(int64_t M) { return takes_transposed(M); }
