@@ -92,6 +92,15 @@ def test_the_roofline_read_loop_reads_every_float_once(n, threads):
         cpu_kernels.read_sum(x.astype(np.float64), threads)
 
 
+@needs_kernels
+def test_the_roofline_gemm_rate_is_a_rate():
+    """bandwidth.h's compute side: a positive GFLOP/s for each form's row counts; nonsense refused."""
+    for rows in (1, 8, 33):
+        assert cpu_kernels.matmul_gflops(rows, 64, 2, seconds=0.002) > 0
+    with pytest.raises(ValueError, match="positive"):
+        cpu_kernels.matmul_gflops(0, 64, 1)
+
+
 def test_matmul_fits_only_decode_sized_f32():
     w = jnp.zeros((8, 16), jnp.float32)
     assert not cpu_kernels.fits(jnp.zeros((cpu_kernels.MAX_ROWS + 1, 16), jnp.float32), w)

@@ -129,6 +129,18 @@ def test_the_cpu_roofline_has_both_sides_and_flags_a_share_past_it():
     assert "GB/s" in roofline.describe() and json.dumps(roofline.to_json())
 
 
+def test_bench_cpu_step_tables_every_format_and_batch_against_the_roofline(tmp_path):
+    out = tmp_path / "step.json"
+    run_script("bench_cpu_step.py", "--model=tiny-llama", "--formats=f32,int8", "--batches=1,2", "--rounds=1",
+               "--prompt_len=4", "--new_tokens=4", "--roofline_read_mb=4", f"--output_json={out}")
+    result = json.loads(out.read_text())
+    assert set(result["table"]) == {"f32/1", "f32/2", "int8/1", "int8/2"} and len(result["rounds"]) == 1
+    for row in result["table"].values():
+        assert row["ms_per_step"] > 0 and row["floor_ms"] > 0 and row["bound"] in ("memory", "compute")
+        assert row["share"] == pytest.approx(row["floor_ms"] / row["ms_per_step"], rel=1e-6)
+    assert result["table"]["int8/1"]["weight_bytes"] < result["table"]["f32/1"]["weight_bytes"]
+
+
 def test_bench_cpu_roofline_reports_each_figures_spread(tmp_path):
     out = tmp_path / "roofline.json"
     run_script("bench_cpu_roofline.py", "--model=tiny-llama", "--batches=1,2", "--runs=2", "--repeats=2",

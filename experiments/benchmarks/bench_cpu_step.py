@@ -29,6 +29,8 @@ from experiments.lib.cpu_roofline import (CpuRoofline, compute_side, define_read
 FORMATS = {"f32": "f32", "int8": "int8", "q4_1": "gguf"}  # -> the roofline's arithmetic
 
 FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset, Hugging Face directory or .gguf file (q4_1 needs a GGUF: "
+                    "the smollm2-135m preset's file or a .gguf of Q4_1 blocks).")
 flags.DEFINE_list("formats", list(FORMATS), f"Weight formats, of {', '.join(FORMATS)} (q4_1: the preset's GGUF "
                   "file's own blocks).")
 flags.register_validator("formats", lambda v: bool(v) and set(v) <= set(FORMATS), f"formats of {', '.join(FORMATS)}")
@@ -43,13 +45,15 @@ flags.DEFINE_string("output_json", "results/bench_cpu_step.json", "Where to writ
 define_read_flag()
 
 
-def load_format(name: str):
-    """SmolLM2-135M's weights in one format: f32, int8 groups, or the GGUF file's Q4_1 blocks."""
+def load_format(model_name: str, name: str):
+    """A model's weights in one format: f32, int8 groups, or its GGUF file's own blocks (q4_1)."""
     import jax
 
-    from cbjax.experimental import load_model, quantized
+    from cbjax.experimental import load_model, quant, quantized
 
-    model = load_model("smollm2-135m", dtype="float32", keep_gguf_blocks=name == "q4_1")
+    model = load_model(model_name, dtype="float32", keep_gguf_blocks=name == "q4_1")
+    if name == "q4_1" and quant.quantization_of(model.params) != "gguf":
+        raise app.UsageError(f"q4_1 takes a GGUF file's blocks; {model_name} has none")
     return quantized(model, "int8", jax.devices()[0]) if name == "int8" else model
 
 
@@ -61,7 +65,7 @@ def main(argv):
     from cbjax.experimental import quant
 
     batches = sorted({int(b) for b in FLAGS.batches})
-    models = {f: load_format(f) for f in FLAGS.formats}
+    models = {f: load_format(FLAGS.model, f) for f in FLAGS.formats}
     config = next(iter(models.values())).config
     kv_per_row = kv_bytes_per_token(config, FLAGS.kv_cache_dtype, "float32") * (FLAGS.prompt_len + FLAGS.new_tokens / 2)
     timers = {}
@@ -103,7 +107,7 @@ def main(argv):
             table[f"{f}/{b}"] = {**row, "bound": bound, "weight_bytes": weight_bytes}
             last = row["tg_tokens_per_s"]
     common.write_json({
-        "formats": FLAGS.formats, "batches": batches, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+        "model": FLAGS.model, "formats": FLAGS.formats, "batches": batches, "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
         "kv_cache_dtype": FLAGS.kv_cache_dtype, "kv_bytes_per_row": kv_per_row, "table": table,
         "rounds": [{"memory": r["memory"], "compute": {str(b): c for b, c in r["compute"].items()},
                     "steps": {f"{f}/{b}": s for (f, b), s in r["steps"].items()}} for r in rounds],

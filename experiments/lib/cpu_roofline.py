@@ -9,12 +9,14 @@ A decode step of `rows` sequences cannot be faster than the larger of
   same loop on one thread, numpy's sum, and XLA's and the CPU kernel's matvec over a
   matrix the size of the buffer. The best is the roof (`GBps`), each figure is kept.
 - compute: the step's matmuls at its shapes (`rows` x each weight matrix, the LM head
-  included) through the best GEMM the machine offers for them, XLA's or the CPU kernels'
-  own (at up to their 64 rows), in f32, each timed on a block of its weight matrix that stays in the caches
-  (`CACHED_BYTES`) and scaled to the whole: the arithmetic alone. That is the arithmetic the kernels do for every format:
-  int8 and the GGUF blocks are widened to f32 in registers and multiplied in f32
-  (`COMPUTE_ARITHMETIC`); the widening's own work is not in the roof, so a quantized step at
-  large batch sits further below it than an f32 one.
+  included) through the best GEMM the machine offers for them, in f32: XLA's, timed on a
+  block of the matrix's shape that stays in the caches (`CACHED_BYTES`) and scaled to the
+  whole, or the CPU kernels' own (up to their 64 rows), every kernel thread multiplying its
+  own block in its L2 over and over in C++ (cbjax/runtime/cpu/bandwidth.h): the arithmetic
+  alone. That is the arithmetic the kernels do for every format: int8 and the GGUF blocks
+  are widened to f32 in registers and multiplied in f32 (`COMPUTE_ARITHMETIC`); the
+  widening's own work is not in the roof, so a quantized step at large batch sits further
+  below it than an f32 one.
 
 The matvec over a weights-sized matrix alone, the old reference, read 28-34 GB/s from run to
 run on the 2-core VM (an f32 step then printed 114% and 145% of it). A share of this roof
@@ -114,62 +116,67 @@ def matmul_shapes(config) -> dict[tuple[int, int], int]:
 CACHED_BYTES = 8 << 20  # a weight block the compute side times: in this VM's 32 MB L3, so the GEMM is not waiting on memory
 
 
-def gemm_calls(rows: int, out: int, inner: int) -> tuple[dict, float]:
-    """`x [rows, inner] @ w.T` for a block of `w [out, inner]` that stays in the caches (the LM
-    head is 113 MB: timed whole it measures memory, not arithmetic), by XLA in f32, and by the
-    CPU kernels' own f32 matmul (its rows' faster form) where it takes the rows; and the factor
-    from the block's time to the whole matrix's. Not numpy's: OpenBLAS's threads spin for a
-    while after each call, and timed in turn with the others they took the cores from them
-    (the kernel's 8-row GEMM measured 41 GFLOP/s there against 148 alone)."""
+def xla_gemm(rows: int, out: int, inner: int) -> tuple:
+    """XLA's `x [rows, inner] @ w.T` for a block of CACHED_BYTES of `w [out, inner]`'s shape
+    that stays in the caches (the LM head is 113 MB: timed whole it measures memory, not
+    arithmetic; a small matrix timed whole is mostly the call's dispatch), in f32; and the
+    factor from the block's time to the whole matrix's."""
     import jax
     import jax.numpy as jnp
 
-    from cbjax.experimental import kernels as cpu_kernels
-
-    # A block of CACHED_BYTES whatever the matrix's size: a small one (192 x 576) timed alone is
-    # mostly the call's dispatch, not arithmetic (92 GFLOP/s against 152 for its 576-row sibling).
     block = max(1, CACHED_BYTES // (4 * inner))
     rng = np.random.default_rng(rows * 7 + out)
-    x, w = (rng.standard_normal(s, dtype=np.float32) for s in ((rows, inner), (block, inner)))
-    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    x, w = (jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in ((rows, inner), (block, inner)))
     xla = jax.jit(lambda x, w: jnp.einsum("bd,vd->bv", x, w))
-    calls = {"xla": lambda: xla(xj, wj).block_until_ready()}
-    if cpu_kernels.available() and cpu_kernels.fits(xj, wj):
-        kernel = jax.jit(cpu_kernels.matmul_nt)
-        calls["kernel"] = lambda: kernel(xj, wj).block_until_ready()
-    return calls, out / block
+    return (lambda: xla(x, w).block_until_ready()), out / block
+
+
+def kernel_gflops(rows: int, inner: int, trials: int = 3) -> float | None:
+    """The CPU kernels' f32 matmul at `rows` x `inner` on every kernel thread, each over its own
+    block held in its L2 (bandwidth.h), the best of `trials`; None without the kernels or past
+    their rows."""
+    from cbjax.experimental import kernels as cpu_kernels
+
+    if not cpu_kernels.available() or rows > cpu_kernels.MAX_ROWS:
+        return None
+    return max(cpu_kernels.matmul_gflops(rows, inner, kernel_threads()) for _ in range(trials))
 
 
 ARITHMETIC_ROWS = 8
 
 
 def compute_side(config, batches, repeats: int = 12) -> dict:
-    """Per batch: the step's matmuls (`matmul_shapes`) at the best GEMM for each shape, their
-    seconds summed, the GFLOP they do and the rate that makes; each GEMM's figures by method.
-    Below ARITHMETIC_ROWS rows the GEMMs are timed at ARITHMETIC_ROWS and their time scaled down:
-    a cached block at one row streams from the caches faster than it multiplies (the L3's
-    bandwidth, not arithmetic: 24 GFLOP/s, a "compute" floor above the memory one and a Q4_1
-    step at 178% of it), and a GEMM's rate does not rise as its rows fall."""
+    """Per batch: the step's matmuls (`matmul_shapes`) at the best GEMM for each shape, XLA's
+    (cached blocks, one call each) or the CPU kernels' (each thread its block in its L2, many
+    calls in C++: no dispatch), their seconds summed, the GFLOP they do and the rate that makes;
+    each GEMM's figures by method. Not numpy's: OpenBLAS's threads spin for a while after each
+    call, and timed in turn with the others they took the cores from them (the kernel's 8-row
+    GEMM measured 41 GFLOP/s there against 148 alone). Below ARITHMETIC_ROWS rows the GEMMs
+    are timed at ARITHMETIC_ROWS and their time scaled down: a block at one row streams from
+    the caches faster than it multiplies (the L3's bandwidth, not arithmetic: 24 GFLOP/s, a
+    "compute" floor above the memory one), and a GEMM's rate does not rise as its rows fall."""
     shapes = matmul_shapes(config)
     out = {}
     for rows in batches:
-        calls, scale = {}, {}
         timed_rows = max(rows, ARITHMETIC_ROWS)
+        calls, scale = {}, {}
         for (n, k) in shapes:
-            methods, scale[(n, k)] = gemm_calls(timed_rows, n, k)
-            scale[(n, k)] *= rows / timed_rows
-            calls.update({(n, k, m): fn for m, fn in methods.items()})
+            calls[(n, k)], scale[(n, k)] = xla_gemm(timed_rows, n, k)
         timed = fastest(calls, repeats)
+        kernel = {k: kernel_gflops(timed_rows, k) for k in {k for _, k in shapes}}
         seconds, flops, by_shape = 0.0, 0.0, {}
         for (n, k), count in shapes.items():
-            mine = {m: timed[(n, k, m)] * scale[(n, k)] for m in ("xla", "kernel") if (n, k, m) in timed}
+            shape_flops = 2.0 * rows * n * k
+            mine = {"xla": timed[(n, k)] * scale[(n, k)] * rows / timed_rows}
+            if kernel[k]:
+                mine["kernel"] = shape_flops / (kernel[k] * 1e9)
             best = min(mine, key=mine.get)
             seconds += count * mine[best]
-            flops += count * 2.0 * rows * n * k
+            flops += count * shape_flops
             by_shape[f"{n}x{k}"] = {"count": count, "method": best,
-                                    **{f"{m}_GFLOPs": 2.0 * rows * n * k / s / 1e9 for m, s in mine.items()}}
-        out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9, "timed_at_rows": timed_rows,
-                     "shapes": by_shape}
+                                    **{f"{m}_GFLOPs": shape_flops / s / 1e9 for m, s in mine.items()}}
+        out[rows] = {"ms": 1e3 * seconds, "GFLOP": flops / 1e9, "GFLOPs": flops / seconds / 1e9,
+                     "timed_at_rows": timed_rows, "shapes": by_shape}
     return out
 
 

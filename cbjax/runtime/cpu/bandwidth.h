@@ -1,11 +1,12 @@
-// The memory side of the CPU roofline (experiments/lib/cpu_roofline.py): how fast `threads`
-// threads read a buffer larger than the caches, the way a decode step streams its weights.
-// Plain C (ctypes calls it), not an XLA target: it measures the machine, not a step.
+// The CPU roofline's two sides (experiments/lib/cpu_roofline.py): how fast `threads` threads
+// read a buffer larger than the caches, the way a decode step streams its weights; and how
+// fast they multiply, each its own block in its L2. Plain C (ctypes calls them), not XLA
+// targets: they measure the machine, not a step.
 #pragma once
 
 #include <thread>
 
-#include "simd.h"
+#include "crossover.h"
 
 namespace {
 
@@ -45,4 +46,41 @@ extern "C" double cbjax_read_sum(const float* x, int64_t n, int64_t threads) {
   double total = 0.0;
   for (double s : sums) total += s;
   return total;
+}
+
+// The compute side: GFLOP/s of the f32 matmul (the faster form at M, crossover.h) at M input rows
+// of K, `threads` threads each multiplying its own 384 KB weight block, held in its L2, over and
+// over for `seconds`: the arithmetic alone, with no stream and no call's dispatch (timed
+// through XLA, one call a block, a 192 x 576 matmul read 92 GFLOP/s where its 576-row
+// sibling read 152).
+extern "C" double cbjax_matmul_gflops(int64_t M, int64_t K, int64_t threads, double seconds) {
+  threads = std::max<int64_t>(1, threads);
+  const int64_t N = std::max<int64_t>(24, (384 << 10) / (4 * K) / 24 * 24);
+  const bool transposed = takes_transposed(kF32, M);
+  std::vector<double> flops(threads, 0.0), elapsed(threads, 0.0);
+  auto run = [&](int64_t t) {
+    std::vector<float> x(M * K), xt(K * padded_rows(M)), w(N * K), y(M * N);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919 + t) % 1000) * 1e-3f - 0.5f;
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
+    transpose_input(x.data(), M, K, xt.data());
+    const float* xt_or_null = transposed ? xt.data() : nullptr;
+    weight_rows(x.data(), xt_or_null, w.data(), y.data(), M, N, K, 0, N);  // warm: the block into L2
+    const auto start = std::chrono::steady_clock::now();
+    int64_t calls = 0;
+    double spent = 0.0;
+    while (spent < seconds) {
+      weight_rows(x.data(), xt_or_null, w.data(), y.data(), M, N, K, 0, N);
+      ++calls;
+      spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    flops[t] = 2.0 * M * N * K * calls;
+    elapsed[t] = spent;
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < threads; ++t) helpers.emplace_back(run, t);
+  run(0);
+  for (auto& h : helpers) h.join();
+  double total = 0.0, longest = 0.0;
+  for (int64_t t = 0; t < threads; ++t) total += flops[t], longest = std::max(longest, elapsed[t]);
+  return total / longest / 1e9;
 }

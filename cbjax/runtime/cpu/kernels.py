@@ -36,9 +36,9 @@ from cbjax.models.lora import MODULES
 from cbjax.models.quant import QuantizedWeight, is_quantized
 from cbjax.models.ops import Ops
 from cbjax.models.params import flatten_shapes, param_shapes
-# Re-exported: why the kernels are off; the CPU roofline's read loop; the f32 matmuls' two forms.
-from cbjax.runtime.cpu.library import (MATMUL_KINDS, build_error, measure_crossover, pinned_form,  # noqa: F401
-                                       read_sum, set_transposed, transposed_rows)
+# Re-exported: why the kernels are off; the CPU roofline's read loop and GEMM rate; the matmuls' two forms.
+from cbjax.runtime.cpu.library import (MATMUL_KINDS, build_error, matmul_gflops, measure_crossover,  # noqa: F401
+                                       pinned_form, read_sum, set_transposed, transposed_rows)
 
 BLOCK_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # cbjax_matmul_blocks' kind attribute
 F32_KIND = 3  # an f32 matrix or norm in the layer kernel's address table (kF32)

@@ -95,6 +95,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.cbjax_measure_crossover.restype = library.cbjax_takes_transposed.restype = ctypes.c_int64
     library.cbjax_measure_crossover.argtypes = library.cbjax_takes_transposed.argtypes = [ctypes.c_int64] * 2
     library.cbjax_set_transposed.argtypes = [ctypes.c_int64] * 4
+    library.cbjax_matmul_gflops.restype = ctypes.c_double
+    library.cbjax_matmul_gflops.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double]
     return library, None
 
 
@@ -110,6 +112,14 @@ def read_sum(buffer, threads: int) -> float:
     if buffer.dtype.name != "float32" or not buffer.flags.c_contiguous:
         raise ValueError("read_sum takes a C-contiguous float32 array")
     return library.cbjax_read_sum(buffer.ctypes.data, buffer.size, threads)
+
+
+def matmul_gflops(rows: int, inputs: int, threads: int, seconds: float = 0.05) -> float:
+    """GFLOP/s of the f32 matmul at `rows` x `inputs`, `threads` threads each over its own weight
+    block held in its L2 for `seconds` (bandwidth.h: the CPU roofline's compute side)."""
+    if rows < 1 or inputs < 1 or threads < 1 or seconds <= 0:
+        raise ValueError("matmul_gflops takes positive rows, inputs, threads and seconds")
+    return _library().cbjax_matmul_gflops(int(rows), int(inputs), int(threads), float(seconds))
 
 
 def transposed_rows(kind: str = "f32") -> list[int]:
