@@ -60,8 +60,8 @@ extern "C" double cbjax_matmul_gflops(int64_t M, int64_t K, int64_t threads, dou
   std::vector<double> flops(threads, 0.0), elapsed(threads, 0.0);
   auto run = [&](int64_t t) {
     std::vector<float> x(M * K), xt(K * padded_rows(M)), w(N * K), y(M * N);
-    for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919 + t) % 1000) * 1e-3f - 0.5f;
-    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
+    fill_pattern(w, 7919, t);
+    fill_pattern(x, 104729);
     transpose_input(x.data(), M, K, xt.data());
     const float* xt_or_null = transposed ? xt.data() : nullptr;
     weight_rows(x.data(), xt_or_null, w.data(), y.data(), M, N, K, 0, N);  // warm: the block into L2

@@ -102,23 +102,26 @@ inline void widen_block(const uint8_t* b, int64_t kind, float* out) {
 // register tile (12 accumulators): each x vector loaded serves kTileRows weight rows and each
 // widened vector two inputs, so x streams from L2 once per kTileRows weight rows (docs/cpu_kernels.md:
 // the tile's shape). `next_tile`: the next tile's `tile_bytes`, asked for while this one computes.
+// Weight row `row`'s K weights widened (`widen(row, b, v)`: its b-th 32-weight block) into `out`.
+template <typename Widen>
+inline void widen_row(Widen widen, int64_t row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    widen(row, b, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * 32 + 8 * i, v[i]);
+  }
+}
+
 template <typename Widen>
 void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t tile_bytes, float* y, int64_t M,
                int64_t N, int64_t K, int64_t n, int rows_here) {
-  const int64_t blocks = K / 32;
   thread_local std::vector<float> widened;
   widened.resize(kTileRows * K);
   // Read once: GCC otherwise fetched the thread-local's address (a __tls_get_addr call) at
   // every block of the int8 widening.
   float* const buffer = widened.data();
-  for (int r = 0; r < kTileRows; ++r) {
-    const int64_t row = n + std::min(r, rows_here - 1);  // a short tile repeats its last row
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 v[4];
-      widen(row, b, v);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(buffer + r * K + b * 32 + 8 * i, v[i]);
-    }
-  }
+  for (int r = 0; r < kTileRows; ++r)
+    widen_row(widen, n + std::min(r, rows_here - 1), K, buffer + r * K);  // a short tile repeats its last row
   const float* wr[kTileRows];
   for (int r = 0; r < kTileRows; ++r) wr[r] = buffer + r * K;
   for (int64_t m = 0; m < M; m += 2) {
@@ -159,24 +162,18 @@ void tile_rows(const float* x, Widen widen, const uint8_t* next_tile, int64_t ti
 // Many input rows, their transpose at hand (matmul.h: takes_transposed): one broadcast tile's
 // weight rows at a time widened to f32 into a thread-local buffer (in L1), then matmul.h's
 // broadcast tiles over all the input rows at once (every weight a broadcast, no horizontal
-// sums; the 6 x 2 dot tiles above pass over the widened rows M / 2 times). Chunks of kWidenRows:
-// whole tiles of every broadcast shape.
-constexpr int64_t kWidenRows = 24;
+// sums; the 6 x 2 dot tiles above pass over the widened rows M / 2 times). Chunks of
+// kTransposedChunkRows.
 
 template <typename Widen>
 void widened_rows(const float* xt, Widen widen, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 32, tile = broadcast_tile_rows_for(M);
+  const int64_t tile = broadcast_tile_rows_for(M);
   thread_local std::vector<float> widened;
   widened.resize(tile * K);
   float* const buffer = widened.data();  // read once (tile_rows: the __tls_get_addr calls)
   for (int64_t n = n0; n < n1; n += tile) {
     const int64_t rows = std::min(tile, n1 - n);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m256 v[4];
-        widen(n + r, b, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(buffer + r * K + b * 32 + 8 * i, v[i]);
-      }
+    for (int64_t r = 0; r < rows; ++r) widen_row(widen, n + r, K, buffer + r * K);
     transposed_rows(xt, buffer, y + n, M, N, K, 0, rows);
   }
 }

@@ -38,10 +38,10 @@ struct TimedMatmul {
     // 4M weights, streamed past the L2s as a step's are (f32 timed in the L2s, the dot tiles won
     // at 2-4 rows where in the step the transposed form was 25-35% faster).
     const int64_t weights = 4 << 20;
-    N = std::max<int64_t>(kWidenRows, weights / K / kWidenRows * kWidenRows);
+    N = std::max<int64_t>(kTransposedChunkRows, weights / K / kTransposedChunkRows * kTransposedChunkRows);
     if (kind == kF32) {
       f32.resize(N * K);
-      for (size_t i = 0; i < f32.size(); ++i) f32[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+      fill_pattern(f32, 7919);
       return;
     }
     const int64_t row_bytes = kind == kI8 ? K : K / 32 * kBlockBytes[kind];
@@ -74,7 +74,7 @@ void measure_kind(int64_t kind, int64_t K) {
   const TimedMatmul w(kind, K);
   const int64_t top = kMaxTransposedRows;
   std::vector<float> x(top * K), xt(K * padded_rows(top)), y(top * w.N);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
+  fill_pattern(x, 104729);
   const auto seconds = [&](const BlockInput& in) {
     const auto start = std::chrono::steady_clock::now();
     w.run(in, y.data());

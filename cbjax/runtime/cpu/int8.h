@@ -76,10 +76,10 @@ void int8_rows(const BlockInput& in, const Int8Weight& w, float* y, int64_t N, i
 }
 #endif
 
-// About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows; kWidenRows where the
-// input is transposed.
+// About 16 KB of blocks a chunk, in whole tiles of kTileRows weight rows; kTransposedChunkRows
+// where the input is transposed.
 int64_t block_rows_per_chunk(int64_t row_bytes, int64_t kind, int64_t M) {
-  if (takes_transposed(kind, M)) return kWidenRows;
+  if (takes_transposed(kind, M)) return kTransposedChunkRows;
   return std::max<int64_t>(16384 / row_bytes / kTileRows * kTileRows, kTileRows);
 }
 

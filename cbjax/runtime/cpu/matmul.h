@@ -71,8 +71,8 @@ void single_input_rows(const float* x, const float* w, float* y, int64_t K, int6
 
 // ---------------------------------------------------------------- many input rows
 
-// From `transposed_from` input rows up, the input is transposed once a call (xt [K, Mp]: Mp is M
-// rounded up to 8, zero padded) and each weight is broadcast against 8 input rows at a time. The
+// Where crossover.h picked it, the input is transposed once a call (xt [K, Mp]: Mp is M rounded
+// up to 8 lanes, 16 from kWideFrom rows, zero padded) and each weight is broadcast against them. The
 // dot-product tile above ends every output in a horizontal sum (at K = 576, ~8 shuffles and adds
 // against its 36 FMAs), and past 4 input rows reads its weight block again from L2 for every 4;
 // here an output is its lanes as they stand and every weight is read once for all the rows
@@ -89,6 +89,9 @@ constexpr int kBroadcastAccumulators = 12;  // of AVX2's 16
 constexpr int64_t kWideFrom = 1 << 30;
 #endif
 constexpr int64_t kMaxTransposedRows = 64;
+// Weight rows a chunk with the input transposed: whole tiles of every broadcast_rows shape
+// (12, 8 or 6 rows; 6, 4 or 3 on AVX2).
+constexpr int64_t kTransposedChunkRows = 24;
 // The matmul kinds: GGUF blocks (blocks.h's BlockKind 0-2), f32 rows, int8 rows (int8.h).
 constexpr int64_t kF32 = 3;
 constexpr int64_t kI8 = 4;
@@ -99,6 +102,12 @@ bool takes_transposed(int64_t kind, int64_t M);
 
 inline int64_t lanes_for(int64_t M) { return M >= kWideFrom ? 16 : 8; }
 inline int64_t padded_rows(int64_t M) { return (M + lanes_for(M) - 1) / lanes_for(M) * lanes_for(M); }
+
+// A deterministic pattern in [-0.5, 0.5) for the measuring code's weights and inputs (crossover.h,
+// bandwidth.h): no subnormals to slow either form.
+void fill_pattern(std::vector<float>& v, size_t step, size_t offset = 0) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * step + offset) % 1000) * 1e-3f - 0.5f;
+}
 
 void transpose_input(const float* x, int64_t M, int64_t K, float* xt) {
   const int64_t Mp = padded_rows(M);
@@ -193,10 +202,10 @@ void weight_rows(const float* x, const float* xt, const float* w, float* y, int6
 
 // ---------------------------------------------------------------- matmul
 
-// About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly. With the
-// input transposed, 24 rows: whole tiles of every broadcast_rows shape (12, 8 or 6 rows).
+// About 64 KB of weights a chunk, whole 4-row tiles: small enough to share out evenly
+// (kTransposedChunkRows with the input transposed).
 int64_t rows_per_chunk_for(int64_t K, int64_t M) {
-  if (takes_transposed(kF32, M)) return 24;
+  if (takes_transposed(kF32, M)) return kTransposedChunkRows;
   const int64_t rows = (16384 / (K > 0 ? K : 1)) / 4 * 4;
   return rows < 4 ? 4 : rows;
 }
